@@ -1,0 +1,208 @@
+"""The GRPO loop: one ``grpo_step`` that reads top to bottom, validation, and the outer loop.
+
+Engine-free: it talks to a ``GenerationBackend`` and a ``PolicyBackend`` (local objects or Ray
+handles, it cannot tell) and imports no vLLM / Megatron / TransformerEngine. Each phase is
+timed by name: ``generation``, ``reward``, ``advantages``, ``logprobs``, ``training``,
+``refit``, ``validation``, ``checkpoint``.
+
+GRPO: Shao et al. 2024 (DeepSeekMath); DAPO options: Yu et al. 2025; importance-sampling
+correction of the rollout/trainer mismatch: Yao et al. 2025, NeMo-RL's FP8 recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from nemo_fp8.algorithms.advantages import dynamic_sampling_keep_mask, grpo_advantages, overlong_penalty
+from nemo_fp8.algorithms.loss import ClippedPGLossFn
+from nemo_fp8.algorithms.metrics import mismatch_metrics
+from nemo_fp8.batch import GenerationOutput, TrainBatch
+from nemo_fp8.config import MasterConfig
+from nemo_fp8.data import PromptSample
+from nemo_fp8.distributed.workers import refit
+from nemo_fp8.generation.interfaces import SamplingParams
+from nemo_fp8.utils.timer import Timer
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+
+@dataclass
+class Rollout:
+    """One generation round: the engine output, decoded responses and rewards ([B] float32)."""
+
+    output: GenerationOutput
+    responses: list[str]
+    rewards: torch.Tensor
+
+
+def decode_responses(output: GenerationOutput, tokenizer) -> list[str]:
+    """Response text of each row (special tokens dropped)."""
+    texts = []
+    for ids, p, r in zip(output.token_ids, output.prompt_lengths.tolist(), output.response_lengths.tolist()):
+        texts.append(tokenizer.decode(ids[p:p + r].tolist(), skip_special_tokens=True))
+    return texts
+
+
+def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn, tokenizer,
+            sampling: SamplingParams, timer: Timer) -> Rollout:
+    """Generate ``n`` responses per prompt (grouped consecutively) and score them."""
+    with timer("generation"):
+        out = generation.generate([s.prompt_token_ids for s in prompts for _ in range(n)], sampling)
+    with timer("reward"):
+        responses = decode_responses(out, tokenizer)
+        rewards = reward_fn(responses, [s.example.answer for s in prompts for _ in range(n)])
+    return Rollout(out, responses, torch.tensor(rewards, dtype=torch.float32))
+
+
+def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [B], keep [B] bool): shaped rewards -> group baseline -> optional std scaling."""
+    g = cfg.grpo
+    shaped = r.rewards
+    if g.reward_shaping.enabled:
+        max_len = g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens
+        shaped = shaped + overlong_penalty(r.output.response_lengths, max_len,
+                                           g.reward_shaping.overlong_buffer_length,
+                                           g.reward_shaping.overlong_buffer_penalty)
+    n = g.num_generations_per_prompt
+    adv = grpo_advantages(shaped, n, "leave_one_out" if g.use_leave_one_out_baseline else "mean",
+                          normalize_std=g.normalize_rewards)
+    keep = dynamic_sampling_keep_mask(shaped, n) if g.use_dynamic_sampling else torch.ones_like(adv, dtype=torch.bool)
+    return adv, keep
+
+
+def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, generation, reward_fn: RewardFn,
+              tokenizer, cfg: MasterConfig, timer: Timer) -> dict[str, float]:
+    """One GRPO step; returns flat ``group/name`` metrics.
+
+    With ``grpo.use_dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no
+    signal and are dropped; more prompt batches are drawn (at most
+    ``grpo.dynamic_sampling_max_gen_batches``) until ``num_prompts_per_step`` groups remain.
+    If they never do, the step trains on the largest multiple of
+    ``policy.train_global_batch_size`` rows it has (possibly none).
+    """
+    g, gen_cfg = cfg.grpo, cfg.policy.generation
+    n, want = g.num_generations_per_prompt, g.num_prompts_per_step * g.num_generations_per_prompt
+    parts, rollouts = [], []
+    for round_idx in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+        sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
+                                  seed=g.seed * 1_000_003 + step * 101 + round_idx,
+                                  stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
+        r = rollout(next(prompt_batches), n, generation, reward_fn, tokenizer, sampling, timer)
+        with timer("advantages"):
+            adv, keep = compute_advantages(r, cfg)
+        o = r.output
+        rollouts.append(r)
+        parts.append(TrainBatch(o.token_ids, o.prompt_lengths, o.response_lengths, adv,
+                                o.generation_logprobs).select(keep))
+        if sum(p.size for p in parts) >= want:
+            break
+    batch = _concat_batches(parts, tokenizer.pad_token_id)
+    usable = min(batch.size, want) // cfg.policy.train_global_batch_size * cfg.policy.train_global_batch_size
+    batch = batch.select(slice(0, usable))
+
+    rewards = torch.cat([r.rewards for r in rollouts])
+    resp_len = torch.cat([r.output.response_lengths for r in rollouts]).float()
+    metrics = {
+        "train/reward_mean": float(rewards.mean()),
+        "train/response_length_mean": float(resp_len.mean()),
+        "train/truncated_frac": float(torch.cat([r.output.truncated for r in rollouts]).float().mean()),
+        "train/num_sequences_trained": float(usable),
+        "train/num_generation_rounds": float(len(rollouts)),
+    }
+    if usable == 0:
+        logger.warning("step %d: no informative groups after %d generation rounds; skipping the update", step,
+                       len(rollouts))
+        return metrics
+
+    with timer("logprobs"):
+        batch.prev_logprobs = policy.get_logprobs(batch)
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            batch.reference_logprobs = policy.get_logprobs(batch, reference=True)
+    metrics.update({f"mismatch/{k}": v for k, v in
+                    mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
+    with timer("training"):
+        train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn.to_loss_config()))
+    metrics.update({f"loss/{k}": v for k, v in train_metrics.items()})
+    with timer("refit"):
+        refit(policy, generation)
+    return metrics
+
+
+def _concat_batches(parts: list[TrainBatch], pad_token_id: int) -> TrainBatch:
+    width = max(p.token_ids.shape[1] for p in parts)
+
+    def cat(name: str, value):
+        return torch.cat([torch.nn.functional.pad(getattr(p, name), (0, width - p.token_ids.shape[1]), value=value)
+                          for p in parts])
+
+    return TrainBatch(cat("token_ids", pad_token_id), torch.cat([p.prompt_lengths for p in parts]),
+                      torch.cat([p.response_lengths for p in parts]), torch.cat([p.advantages for p in parts]),
+                      cat("generation_logprobs", 0.0))
+
+
+def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSample], cfg: MasterConfig,
+             step: int) -> dict[str, float]:
+    """Accuracy (mean reward) on ``samples``: greedy when ``grpo.val_greedy``, one response each."""
+    g, gen_cfg = cfg.grpo, cfg.policy.generation
+    sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
+                              greedy=g.val_greedy, seed=g.seed + 7 * step,
+                              stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
+    rewards, shown = [], 0
+    for i in tqdm(range(0, len(samples), g.val_batch_size), desc=f"validation @ step {step}", leave=False,
+                  unit="batch"):
+        chunk = samples[i:i + g.val_batch_size]
+        r = rollout(chunk, 1, generation, reward_fn, tokenizer, sampling, Timer())
+        rewards.append(r.rewards)
+        for s, text, rew in zip(chunk, r.responses, r.rewards.tolist()):
+            if shown < cfg.logger.num_val_samples_to_print:
+                tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
+                shown += 1
+    return {"val/accuracy": float(torch.cat(rewards).mean()), "val/num_samples": float(len(samples))}
+
+
+def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, tokenizer, dataloader,
+               val_samples: list[PromptSample], metrics_logger, checkpointer, start_step: int,
+               config_yaml: str) -> dict[str, float]:
+    """Run steps ``start_step + 1 .. grpo.max_num_steps``; returns the last step's metrics.
+
+    ``dataloader`` is an endless iterator of prompt batches with ``state_dict()``; its state is
+    saved with each checkpoint so ``--resume`` continues with the same data order.
+    """
+    g = cfg.grpo
+    timer = Timer()
+    last: dict[str, float] = {}
+    if start_step == 0 and g.val_at_start and g.val_period > 0:
+        with timer("validation"):
+            last = validate(generation, reward_fn, tokenizer, val_samples, cfg, 0)
+        metrics_logger.log(0, {**last, "timing/validation": timer.pop()["validation"]})
+    bar = tqdm(range(start_step + 1, g.max_num_steps + 1), initial=start_step, total=g.max_num_steps,
+               desc="grpo", unit="step", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        metrics = grpo_step(step, dataloader, policy, generation, reward_fn, tokenizer, cfg, timer)
+        is_last = step == g.max_num_steps
+        if (g.val_period > 0 and step % g.val_period == 0) or (is_last and g.val_at_end):
+            with timer("validation"):
+                metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step))
+        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or is_last):
+            with timer("checkpoint"):
+                checkpointer.save(step, policy, {"dataloader": dataloader.state_dict()}, config_yaml)
+        phases = timer.pop()
+        metrics.update({f"timing/{k}": v for k, v in phases.items()})
+        metrics["timing/step"] = time.perf_counter() - t0
+        resp_tokens = metrics.get("train/response_length_mean", 0.0) * g.num_prompts_per_step \
+            * g.num_generations_per_prompt * metrics.get("train/num_generation_rounds", 1.0)
+        if phases.get("generation"):
+            metrics["perf/rollout_tokens_per_s"] = resp_tokens / phases["generation"]
+        metrics_logger.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}")
+        last = metrics
+    return last

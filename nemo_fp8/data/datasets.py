@@ -1,0 +1,247 @@
+"""Loading math datasets (DAPO-Math-17k / AIME-2024, GSM8K, plain problem/answer) from disk.
+
+Supported files: JSON Lines (``.jsonl``, or ``.json`` holding one object per line or a single
+JSON array of objects) and Parquet (``.parquet``, read with pyarrow). Nothing is downloaded.
+
+Schemas (required keys; dotted keys are nested):
+
+* ``dapo``: ``prompt`` (list of chat messages ``{"role", "content"}``) and
+  ``reward_model.ground_truth``; optional ``data_source`` and ``extra_info.index``.
+  This is the layout of DAPO-Math-17k and AIME-2024 as used by verl / NeMo-RL.
+* ``gsm8k``: ``question`` and ``answer`` (worked solution whose last line is ``#### <final>``;
+  Cobbe et al., 2021, github.com/openai/grade-school-math).
+* ``problem_answer``: ``problem`` and ``answer``; optional ``data_source`` and ``index``.
+
+``auto`` picks the schema from the keys of the first record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from nemo_fp8.data.schema import MathExample
+
+SchemaName = Literal["auto", "dapo", "gsm8k", "problem_answer"]
+
+VALID_SCHEMAS: tuple[str, ...] = ("auto", "dapo", "gsm8k", "problem_answer")
+VALID_EXTENSIONS: tuple[str, ...] = (".jsonl", ".json", ".parquet")
+
+REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "dapo": ("prompt", "reward_model.ground_truth"),
+    "gsm8k": ("question", "answer"),
+    "problem_answer": ("problem", "answer"),
+}
+
+
+class DatasetFormatError(ValueError):
+    """A record does not follow the requested schema (names file, record and key)."""
+
+
+def _iter_json_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield ``(location, record)`` from a JSON Lines file or a JSON array file.
+
+    Args:
+        path (Path): File to read.
+
+    Yields:
+        tuple[str, dict]: ``"line N"`` (1-based) or ``"item N"`` (0-based) and the record.
+
+    Raises:
+        DatasetFormatError: On invalid JSON or a record that is not an object.
+    """
+    with path.open("r", encoding="utf-8") as f:
+        text_start = f.read(4096).lstrip()
+    if path.suffix == ".json" and text_start.startswith("["):
+        try:
+            items = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DatasetFormatError(f"{path}: invalid JSON: {e}") from e
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise DatasetFormatError(f"{path}, item {i}: expected a JSON object, got {type(item).__name__}")
+            yield f"item {i}", item
+        return
+    with path.open("r", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetFormatError(f"{path}, line {line_no}: invalid JSON: {e}") from e
+            if not isinstance(record, dict):
+                raise DatasetFormatError(
+                    f"{path}, line {line_no}: expected a JSON object, got {type(record).__name__}"
+                )
+            yield f"line {line_no}", record
+
+
+def _iter_parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield ``("row N", record)`` (0-based rows) from a Parquet file, batch by batch."""
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            yield f"row {row}", record
+            row += 1
+
+
+def _get(record: dict, dotted_key: str) -> Any:
+    """Return ``record[a][b]`` for ``"a.b"``; raise ``KeyError(dotted_key)`` when absent or None."""
+    value: Any = record
+    for part in dotted_key.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            raise KeyError(dotted_key)
+        value = value[part]
+    return value
+
+
+def detect_schema(record: dict) -> str:
+    """Guess the schema name of a record from its keys.
+
+    Args:
+        record (dict): The first record of a file.
+
+    Returns:
+        str: ``"dapo"``, ``"gsm8k"`` or ``"problem_answer"``.
+
+    Raises:
+        DatasetFormatError: When no schema matches; lists the record keys and the schemas.
+    """
+    keys = set(record)
+    if {"prompt", "reward_model"} <= keys:
+        return "dapo"
+    if {"question", "answer"} <= keys:
+        return "gsm8k"
+    if {"problem", "answer"} <= keys:
+        return "problem_answer"
+    expected = "; ".join(f"{name}: {list(req)}" for name, req in REQUIRED_KEYS.items())
+    raise DatasetFormatError(
+        f"cannot detect the dataset schema from record keys {sorted(keys)}; expected one of {expected}"
+    )
+
+
+def parse_gsm8k_answer(solution: str) -> str:
+    """Return the final answer of a GSM8K worked solution (text after the last ``####``).
+
+    Thousands separators are removed ("1,000" -> "1000").
+
+    Args:
+        solution (str): The GSM8K ``answer`` field.
+
+    Returns:
+        str: The final answer.
+
+    Raises:
+        ValueError: When the solution has no ``####`` line.
+    """
+    if "####" not in solution:
+        raise ValueError(f"GSM8K solution has no '#### <answer>' line: {solution[-200:]!r}")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _to_example(schema: str, record: dict, position: int, where: str) -> MathExample:
+    """Convert one record to a :class:`MathExample` (``where`` is used in error messages)."""
+    missing = []
+    for key in REQUIRED_KEYS[schema]:
+        try:
+            _get(record, key)
+        except KeyError:
+            missing.append(key)
+    if missing:
+        raise DatasetFormatError(
+            f"{where}: record is missing required key {missing[0]!r} for schema {schema!r} "
+            f"(required keys: {list(REQUIRED_KEYS[schema])}; record keys: {sorted(record)})"
+        )
+
+    if schema == "gsm8k":
+        try:
+            answer = parse_gsm8k_answer(str(record["answer"]))
+        except ValueError as e:
+            raise DatasetFormatError(f"{where}: {e}") from e
+        return MathExample(
+            problem=str(record["question"]), answer=answer, data_source="gsm8k", index=position
+        )
+
+    if schema == "problem_answer":
+        index = record.get("index")
+        return MathExample(
+            problem=str(record["problem"]),
+            answer=str(record["answer"]),
+            data_source=str(record.get("data_source") or "problem_answer"),
+            index=int(index) if isinstance(index, int) else position,
+        )
+
+    # dapo
+    prompt = record["prompt"]
+    if not isinstance(prompt, (list, tuple)) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
+        raise DatasetFormatError(
+            f"{where}: 'prompt' must be a list of chat messages with 'role' and 'content', got {prompt!r:.200}"
+        )
+    user_messages = [m for m in prompt if m["role"] == "user"]
+    if not user_messages:
+        raise DatasetFormatError(f"{where}: 'prompt' has no message with role 'user'")
+    messages = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in prompt)
+    extra_info = record.get("extra_info")
+    index = extra_info.get("index") if isinstance(extra_info, dict) else None
+    return MathExample(
+        problem=str(user_messages[-1]["content"]),
+        answer=str(_get(record, "reward_model.ground_truth")),
+        data_source=str(record.get("data_source") or "dapo"),
+        index=int(index) if index is not None else position,
+        messages=messages,
+    )
+
+
+def load_math_dataset(
+    path: str | Path,
+    schema: SchemaName = "auto",
+    limit: int | None = None,
+) -> list[MathExample]:
+    """Read a local math dataset file into :class:`MathExample` records.
+
+    Args:
+        path (str | Path): A ``.jsonl``, ``.json`` or ``.parquet`` file.
+        schema (str): ``"auto"``, ``"dapo"``, ``"gsm8k"`` or ``"problem_answer"`` (see module
+            docstring for the keys each needs).
+        limit (int | None): Read at most this many records (``None``: all).
+
+    Returns:
+        list[MathExample]: The examples in file order.
+
+    Raises:
+        FileNotFoundError: The file does not exist (the message names it).
+        ValueError: Unknown schema name or file extension (lists the valid ones), negative limit.
+        DatasetFormatError: A record lacks a required key (names file, line/row, key and the
+            schema's required keys), or the schema cannot be detected.
+    """
+    if schema not in VALID_SCHEMAS:
+        raise ValueError(f"unknown dataset schema {schema!r}; valid schemas: {list(VALID_SCHEMAS)}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in VALID_EXTENSIONS:
+        raise ValueError(f"unsupported dataset file extension {suffix!r} for {path}; valid: {list(VALID_EXTENSIONS)}")
+
+    records = _iter_parquet_records(path) if suffix == ".parquet" else _iter_json_records(path)
+    examples: list[MathExample] = []
+    resolved = None if schema == "auto" else schema
+    for position, (location, record) in enumerate(records):
+        if limit is not None and position >= limit:
+            break
+        if resolved is None:
+            try:
+                resolved = detect_schema(record)
+            except DatasetFormatError as e:
+                raise DatasetFormatError(f"{path}, {location}: {e}") from e
+        examples.append(_to_example(resolved, record, position, f"{path}, {location}"))
+    return examples

@@ -1,0 +1,163 @@
+"""Turning :class:`MathExample` records into prompt strings and prompt token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_fp8.data.schema import MathExample
+
+PROBLEM_PLACEHOLDER = "{problem}"
+
+
+class PromptFormatter:
+    """Format a math problem as a prompt string, either plain or through a chat template.
+
+    Plain mode (``use_chat_template=False``) replaces ``{problem}`` in ``template`` with the
+    problem text. The replacement is a literal substitution, not ``str.format``, so templates may
+    contain other braces (e.g. ``"\\boxed{}"``) without escaping.
+
+    Chat mode renders ``tokenizer.apply_chat_template(messages, tokenize=False,
+    add_generation_prompt=True)``, where ``messages`` is:
+
+    * ``example.messages`` when present (DAPO records, used verbatim; if ``system_prompt`` is
+      set and those messages have no system message, it is prepended), else
+    * ``[{"role": "system", ...}]`` (only if ``system_prompt``) + ``[{"role": "user",
+      "content": template with the problem filled in}]``.
+
+    Args:
+        template (str): Prompt template; must contain ``{problem}``.
+        use_chat_template (bool): Render with the tokenizer's chat template.
+        system_prompt (str | None): Optional system message for chat mode (ignored in plain mode).
+
+    Raises:
+        ValueError: ``template`` lacks ``{problem}``.
+    """
+
+    def __init__(self, template: str = PROBLEM_PLACEHOLDER, use_chat_template: bool = False,
+                 system_prompt: str | None = None) -> None:
+        if PROBLEM_PLACEHOLDER not in template:
+            raise ValueError(f"prompt template must contain {PROBLEM_PLACEHOLDER!r}, got {template!r}")
+        self.template = template
+        self.use_chat_template = use_chat_template
+        self.system_prompt = system_prompt
+
+    def fill_template(self, problem: str) -> str:
+        """Return ``template`` with ``{problem}`` replaced by ``problem``.
+
+        Args:
+            problem (str): The problem text.
+
+        Returns:
+            str: The filled template.
+        """
+        return self.template.replace(PROBLEM_PLACEHOLDER, problem)
+
+    def messages(self, example: MathExample) -> list[dict[str, str]]:
+        """Return the chat messages used in chat mode for ``example`` (see class docstring).
+
+        Args:
+            example (MathExample): The problem.
+
+        Returns:
+            list[dict[str, str]]: Messages with ``role`` and ``content``.
+        """
+        if example.messages:
+            msgs = [dict(m) for m in example.messages]
+            if self.system_prompt is not None and msgs[0].get("role") != "system":
+                msgs.insert(0, {"role": "system", "content": self.system_prompt})
+            return msgs
+        msgs = []
+        if self.system_prompt is not None:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": self.fill_template(example.problem)})
+        return msgs
+
+    def format(self, example: MathExample, tokenizer: Any = None) -> str:
+        """Format ``example`` as a prompt string.
+
+        Args:
+            example (MathExample): The problem.
+            tokenizer (PreTrainedTokenizerBase | None): Needed in chat mode only.
+
+        Returns:
+            str: The prompt text (in chat mode it ends with the assistant generation prompt).
+
+        Raises:
+            ValueError: Chat mode with no tokenizer, or a tokenizer without a chat template.
+        """
+        if not self.use_chat_template:
+            return self.fill_template(example.problem)
+        if tokenizer is None:
+            raise ValueError("PromptFormatter(use_chat_template=True) needs a tokenizer")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has no chat_template; "
+                "set one or use use_chat_template=False"
+            )
+        prompt = tokenizer.apply_chat_template(
+            self.messages(example), tokenize=False, add_generation_prompt=True
+        )
+        if not isinstance(prompt, str):
+            raise ValueError(f"apply_chat_template(tokenize=False) returned {type(prompt).__name__}, expected str")
+        return prompt
+
+
+@dataclass
+class PromptSample:
+    """A formatted, tokenized prompt with its source example.
+
+    Attributes:
+        example (MathExample): The problem (its ``answer`` is the reward's ground truth).
+        prompt (str): The prompt text given to the policy.
+        prompt_token_ids (list[int]): Token ids of ``prompt``.
+    """
+
+    example: MathExample
+    prompt: str
+    prompt_token_ids: list[int]
+
+
+def tokenize_prompts(
+    examples: Sequence[MathExample],
+    tokenizer: Any,
+    formatter: PromptFormatter,
+    max_prompt_tokens: int,
+    *,
+    add_special_tokens: bool = False,
+) -> tuple[list[PromptSample], int]:
+    """Format and tokenize examples, dropping prompts longer than ``max_prompt_tokens``.
+
+    The prompt text is tokenized with ``add_special_tokens=False`` by default: a chat template
+    already writes the BOS / special tokens into the text, and adding them again would double
+    them. In plain mode, put any BOS the model needs into the template, or pass
+    ``add_special_tokens=True``.
+
+    Args:
+        examples (Sequence[MathExample]): Problems to format.
+        tokenizer (PreTrainedTokenizerBase): Any Hugging Face tokenizer.
+        formatter (PromptFormatter): Formats each example.
+        max_prompt_tokens (int): Keep prompts with at most this many tokens (> 0).
+        add_special_tokens (bool): Passed to the tokenizer.
+
+    Returns:
+        tuple[list[PromptSample], int]: Kept samples (input order) and the number dropped.
+
+    Raises:
+        ValueError: ``max_prompt_tokens`` <= 0, or errors from :meth:`PromptFormatter.format`.
+    """
+    if max_prompt_tokens <= 0:
+        raise ValueError(f"max_prompt_tokens must be > 0, got {max_prompt_tokens}")
+    if not examples:
+        return [], 0
+    prompts = [formatter.format(ex, tokenizer) for ex in examples]
+    all_ids = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
+    kept: list[PromptSample] = []
+    dropped = 0
+    for example, prompt, ids in zip(examples, prompts, all_ids):
+        if len(ids) > max_prompt_tokens:
+            dropped += 1
+            continue
+        kept.append(PromptSample(example=example, prompt=prompt, prompt_token_ids=list(ids)))
+    return kept, dropped

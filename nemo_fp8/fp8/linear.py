@@ -1,0 +1,268 @@
+"""Block-scaled FP8 W8A8 linear layer for inference (the rollout side).
+
+`w8a8_block_linear` reproduces, in plain torch, the numerics of vLLM's
+block-scaled FP8 GEMM (`apply_w8a8_block_fp8_linear` in
+vllm/model_executor/layers/quantization/utils/fp8_utils.py, backed by DeepGEMM /
+CUTLASS / Triton `w8a8_block_fp8_matmul`), the scheme of the DeepSeek-V3 report
+(arXiv:2412.19437, Sec. 3.3):
+
+  1. activations x [M, K] are quantized on the fly in 1 x bk groups along K
+     (`per_token_group_quant_fp8`), giving x_q [M, K] and x_s [M, Kb];
+  2. the weight is stored quantized in bn x bk blocks: w_q [N, K], w_s [Nb, Kb];
+  3. for each K block b the kernel computes the FP8 x FP8 partial dot products
+     with fp32 accumulation and multiplies them by x_s[m, b] * w_s[n // bn, b]
+     (DeepGEMM "promotes" each 128-wide partial sum to fp32 CUDA-core registers
+     and applies the scales there), then sums over b in fp32.
+
+The GPU kernels accumulate each 128-element partial product in tensor-core
+accumulators of limited precision (about 14 bits on H800 per the DeepSeek-V3 report,
+which is why it promotes to fp32 every 128 elements); here the partial products are
+fp32 bmm results, so this reference is at least as accurate as the kernels and
+differs from them far below the FP8 quantization error.
+"""
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from nemo_fp8.fp8.formats import E4M3, FP8_DTYPES
+from nemo_fp8.fp8.quantize import (
+    ScaleMode,
+    _block_size,
+    _check_high_precision,
+    _check_scale_mode,
+    _quantize_last_dim_groups,
+    quantize_weight_blockwise,
+)
+
+# Upper bound on the fp32 elements of the [Kb, rows, N] partial-product buffer;
+# larger inputs are processed in row chunks to bound memory (128 MiB).
+_MAX_PARTIAL_ELEMENTS = 1 << 25
+
+
+def w8a8_block_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_block_size: Sequence[int] = (128, 128),
+    act_scale_mode: ScaleMode = "fp32",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y = x @ W.T + bias with FP8 block-scaled W and dynamically quantized x.
+
+    Numerics of vLLM `apply_w8a8_block_fp8_linear` / DeepGEMM (see module docstring):
+    x is quantized per 1 x bk group along K (bk = weight_block_size[1]), each K block
+    contributes (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[n // bn, b], and the
+    contributions are summed in fp32. K and N need not be multiples of the block size
+    (K is zero-padded; scales are cropped to N).
+
+    Args:
+        x: [..., K] bf16/fp16/fp32 activations.
+        qweight: [N, K] float8_e4m3fn (or e5m2).
+        weight_scale_inv: [ceil(N/bn), ceil(K/bk)] float32 dequantization scales.
+        bias: [N] or None; added in fp32 before the cast to out_dtype.
+        weight_block_size: (bn, bk) = rows x cols of one weight block.
+        act_scale_mode: "fp32" or "pow2" scales for the activation groups.
+        out_dtype: output dtype; defaults to x.dtype.
+
+    Returns:
+        [..., N] tensor of out_dtype.
+
+    Raises:
+        ValueError: wrong dtypes/shapes (the message names both shapes).
+
+    NaN/Inf in x are not checked (that would cost a device sync per layer); they
+    propagate to the output as they do in vLLM's kernels. Activations are always
+    quantized to e4m3, as in vLLM's block FP8 path.
+    """
+    _check_scale_mode(act_scale_mode)
+    bn, bk = _block_size(weight_block_size)
+    if qweight.dtype not in FP8_DTYPES or qweight.dim() != 2:
+        raise ValueError(
+            f"qweight must be a 2-D fp8 tensor [N, K], got dtype {qweight.dtype} and shape "
+            f"{tuple(qweight.shape)} (was the module cast with .to(dtype)?)"
+        )
+    N, K = qweight.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x shape {tuple(x.shape)} does not match qweight shape {(N, K)}: last dim must be {K}")
+    Nb, Kb = math.ceil(N / bn), math.ceil(K / bk)
+    if tuple(weight_scale_inv.shape) != (Nb, Kb):
+        raise ValueError(
+            f"weight_scale_inv shape {tuple(weight_scale_inv.shape)} does not match qweight "
+            f"shape {(N, K)} with weight_block_size {(bn, bk)}; expected {(Nb, Kb)}"
+        )
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} does not match out_features {N}")
+    _check_high_precision(x, "x")
+    out_dtype = out_dtype or x.dtype
+    lead_shape = x.shape[:-1]
+
+    # 1. dynamic per-token-group activation quantization (1 x bk groups along K)
+    x2 = x.reshape(-1, K)  # [M, K]
+    x_q, x_s = _quantize_last_dim_groups(x2, bk, E4M3, act_scale_mode)  # [M, K], [M, Kb]
+    M = x2.shape[0]
+
+    # 2. lay out FP8 values (exactly representable in fp32) as K blocks
+    pad_k = Kb * bk - K
+    w_f = torch.nn.functional.pad(qweight.float(), (0, pad_k))  # [N, Kp]
+    w_blocks = w_f.view(N, Kb, bk).permute(1, 2, 0)  # [Kb, bk, N]
+    w_s = weight_scale_inv.float().repeat_interleave(bn, dim=0)[:N].t()  # [Kb, N]
+
+    # 3. per-block fp32 partial products, scaled and summed over K blocks
+    out = torch.empty(M, N, dtype=torch.float32, device=x.device)  # [M, N]
+    rows_per_chunk = max(1, _MAX_PARTIAL_ELEMENTS // max(1, Kb * N))
+    for start in range(0, M, rows_per_chunk):
+        stop = min(M, start + rows_per_chunk)
+        xq_f = torch.nn.functional.pad(x_q[start:stop].float(), (0, pad_k))  # [m, Kp]
+        x_blocks = xq_f.view(stop - start, Kb, bk).transpose(0, 1)  # [Kb, m, bk]
+        partial = torch.bmm(x_blocks, w_blocks)  # [Kb, m, N]
+        partial.mul_(x_s[start:stop].t().unsqueeze(-1))  # * x_s[m, b]      [Kb, m, N]
+        partial.mul_(w_s.unsqueeze(1))  # * w_s[n // bn, b]                  [Kb, m, N]
+        out[start:stop] = partial.sum(dim=0)  # [m, N]
+
+    if bias is not None:
+        out = out + bias.float()  # [M, N]
+    return out.to(out_dtype).reshape(*lead_shape, N)
+
+
+class Fp8BlockLinear(nn.Module):
+    """Inference-only drop-in for nn.Linear with a block-scaled FP8 weight.
+
+    State (all buffers, named like vLLM's Fp8LinearMethod so state_dict keys match a
+    block-FP8 checkpoint):
+        weight: [out_features, in_features] float8_e4m3fn
+        weight_scale_inv: [ceil(out/bn), ceil(in/bk)] float32
+        bias: [out_features] in the model's compute dtype, or None
+
+    `load_weight` (the RL "refit") re-quantizes a new high-precision weight and
+    copies into the existing buffers, so their storage (data_ptr) never changes,
+    which matters for CUDA graphs and for engines holding references to the tensors.
+
+    Do not call `.to(dtype)` / `.half()` on this module: like any module, torch would
+    cast the fp8 buffers too. Move it with `.to(device)` only.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        weight_block_size: Sequence[int] = (128, 128),
+        weight_scale_mode: ScaleMode = "fp32",
+        act_scale_mode: ScaleMode = "fp32",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        _check_scale_mode(weight_scale_mode)
+        _check_scale_mode(act_scale_mode)
+        bn, bk = _block_size(weight_block_size)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight_block_size = (bn, bk)
+        self.weight_scale_mode = weight_scale_mode
+        self.act_scale_mode = act_scale_mode
+        scale_shape = (math.ceil(out_features / bn), math.ceil(in_features / bk))
+        self.register_buffer(
+            "weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        )
+        self.register_buffer("weight_scale_inv", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.register_buffer("bias", None)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        weight_block_size: Sequence[int] = (128, 128),
+        weight_scale_mode: ScaleMode = "fp32",
+        act_scale_mode: ScaleMode = "fp32",
+    ) -> "Fp8BlockLinear":
+        """Build an Fp8BlockLinear holding the quantized weight (and bias) of `linear`.
+
+        Args:
+            linear: nn.Linear with weight [N, K] (any float dtype); its bias dtype
+                (else its weight dtype) becomes the bias dtype here.
+            weight_block_size, weight_scale_mode, act_scale_mode: see the class.
+
+        Raises:
+            ValueError: NaN/Inf in the weight, bad block size or scale modes.
+        """
+        weight = linear.weight.detach()
+        has_bias = linear.bias is not None
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            weight_block_size=weight_block_size,
+            weight_scale_mode=weight_scale_mode,
+            act_scale_mode=act_scale_mode,
+            dtype=linear.bias.dtype if has_bias else weight.dtype,
+            device=weight.device,
+        )
+        module.load_weight(weight)
+        if has_bias:
+            module.load_bias(linear.bias.detach())
+        return module
+
+    @torch.no_grad()
+    def load_weight(self, weight: torch.Tensor) -> None:
+        """Refit: quantize `weight` and copy it in place into `weight`/`weight_scale_inv`.
+
+        Args:
+            weight: [out_features, in_features] bf16/fp16/fp32, any device.
+
+        Raises:
+            ValueError: shape mismatch (names both shapes), NaN/Inf in weight.
+        """
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(
+                f"load_weight: got weight of shape {tuple(weight.shape)}, this layer expects {expected}"
+            )
+        q, scale_inv = quantize_weight_blockwise(
+            weight.to(self.weight.device),
+            self.weight_block_size,
+            scale_mode=self.weight_scale_mode,
+            name="weight",
+        )
+        self.weight.copy_(q)
+        self.weight_scale_inv.copy_(scale_inv)
+
+    @torch.no_grad()
+    def load_bias(self, bias: torch.Tensor) -> None:
+        """Copy a new bias [out_features] in place (cast to the bias buffer's dtype).
+
+        Raises:
+            ValueError: if the layer has no bias or the shape differs.
+        """
+        if self.bias is None:
+            raise ValueError("load_bias: this layer was built with bias=False")
+        if tuple(bias.shape) != (self.out_features,):
+            raise ValueError(
+                f"load_bias: got bias of shape {tuple(bias.shape)}, this layer expects ({self.out_features},)"
+            )
+        self.bias.copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] in x.dtype."""
+        return w8a8_block_linear(
+            x,
+            self.weight,
+            self.weight_scale_inv,
+            self.bias,
+            self.weight_block_size,
+            act_scale_mode=self.act_scale_mode,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weight_block_size={list(self.weight_block_size)}, "
+            f"weight_scale_mode={self.weight_scale_mode}, act_scale_mode={self.act_scale_mode}"
+        )

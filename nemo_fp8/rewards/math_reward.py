@@ -1,0 +1,334 @@
+"""Rule-based math reward: extract the final answer of a response and check it with math-verify.
+
+Answer extraction follows the formats of the datasets used here:
+
+* DAPO-Math-17k / AIME prompts ask for a last line ``Answer: $Answer`` (the DAPO reward in verl,
+  ``verl/utils/reward_score/math_dapo.py``, reads ``Answer\\s*:\\s*([^\\n]+)``),
+* MATH-style solutions put the result in ``\\boxed{...}``,
+* GSM8K solutions end with ``#### <answer>`` (github.com/openai/grade-school-math).
+
+Equivalence is decided by Hugging Face math-verify (github.com/huggingface/Math-Verify) with its
+own timeouts disabled: they rely on ``signal.alarm`` and only work on the main thread. The time
+limit is enforced instead by :class:`MathRewardScorer`, which scores in ``pebble`` worker
+processes and kills a worker whose answer takes longer than ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FuturesTimeoutError
+from decimal import Decimal, InvalidOperation
+
+import math_verify
+import math_verify.grader
+import math_verify.parser
+
+logger = logging.getLogger(__name__)
+
+# math-verify warns once per process that timeouts are disabled; we enforce them ourselves.
+math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+
+_ANSWER_LINE_RE = re.compile(r"(?i)\banswer\s*\**\s*:([^\n]*)")
+_BOXED_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_GSM8K_RE = re.compile(r"####\s*([^\n]*)")
+_PLAIN_NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?")
+_MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+
+
+def _find_last_boxed(text: str) -> str | None:
+    """Return the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces.
+
+    Nested braces are handled (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``). A box whose braces
+    never close (e.g. a truncated response) or whose content is empty is skipped.
+
+    Args:
+        text (str): Text to search.
+
+    Returns:
+        str | None: The box content, stripped, or None when there is none.
+    """
+    for match in reversed(list(_BOXED_START_RE.finditer(text))):
+        depth = 1
+        start = match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    content = text[start:i].strip()
+                    if content:
+                        return content
+                    break
+    return None
+
+
+def _clean_answer(answer: str) -> str:
+    """Strip whitespace, markdown bold, surrounding math delimiters and a trailing period."""
+    answer = answer.strip().strip("*").strip()
+    changed = True
+    while changed:
+        changed = False
+        for left, right in _MATH_DELIMITERS:
+            if len(answer) >= len(left) + len(right) and answer.startswith(left) and answer.endswith(right):
+                answer = answer[len(left) : len(answer) - len(right)].strip()
+                changed = True
+                break
+    if answer.endswith(".") and not answer.endswith(".."):
+        answer = answer[:-1].rstrip()
+    return answer
+
+
+def extract_answer(text: str) -> str | None:
+    """Extract the final answer of a model response or worked solution.
+
+    Priority (the first rule that finds a non-empty answer wins):
+
+    1. the last ``Answer: ...`` (case-insensitive, e.g. ``Final answer: 5``, ``**Answer:** 5``),
+       the DAPO format; surrounding ``$...$`` / ``\\(...\\)`` and a trailing period are
+       stripped, and an answer written as ``\\boxed{x}`` gives ``x``;
+    2. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (balanced, nested braces);
+    3. the last ``#### N`` (GSM8K).
+
+    Args:
+        text (str): The response.
+
+    Returns:
+        str | None: The answer text, or None when no rule matches.
+    """
+    for match in reversed(_ANSWER_LINE_RE.findall(text)):
+        answer = _clean_answer(match)
+        boxed = _find_last_boxed(answer)
+        if boxed is not None:
+            answer = boxed
+        if answer:
+            return answer
+    boxed = _find_last_boxed(text)
+    if boxed is not None:
+        return boxed
+    for match in reversed(_GSM8K_RE.findall(text)):
+        answer = _clean_answer(match)
+        if answer:
+            return answer
+    return None
+
+
+def _as_plain_number(s: str) -> Decimal | None:
+    """Return ``s`` as a Decimal if it is a plain number (``-12``, ``1,000``, ``3.50``), else None."""
+    s = s.strip()
+    if not s or not any(c.isdigit() for c in s) or not _PLAIN_NUMBER_RE.fullmatch(s):
+        return None
+    try:
+        return Decimal(s.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def _parse_math(s: str) -> list:
+    """Parse an answer string with math-verify, as LaTeX math first, then as a plain expression.
+
+    ``s`` is wrapped in ``$...$`` unless it already carries math delimiters or a box, so both
+    plain numbers (``1,000``) and LaTeX (``\\frac{1}{2}``) are read as math.
+    """
+    has_delimiters = any(tok in s for tok in ("$", "\\(", "\\[", "\\boxed", "\\fbox"))
+    wrapped = s if has_delimiters else f"${s}$"
+    parsed = math_verify.parse(wrapped, parsing_timeout=None)
+    if not parsed and wrapped != s:
+        parsed = math_verify.parse(s, parsing_timeout=None)
+    return parsed
+
+
+def verify_answer(predicted: str, ground_truth: str) -> bool:
+    """Return True when ``predicted`` is mathematically equal to ``ground_truth``.
+
+    Checks, in order: exact string match (after stripping); when both are plain numbers, exact
+    decimal comparison (commas as thousands separators, ``"1,000" == "1000"``,
+    ``"18" == "18.0"``); otherwise math-verify ``parse`` + ``verify`` (so ``\\frac{1}{2}`` equals
+    ``0.5``). math-verify runs with its timeouts disabled (``parsing_timeout=None``,
+    ``timeout_seconds=None``), so this function has no time limit of its own; use
+    :class:`MathRewardScorer` for one. Any math-verify error counts as not equal.
+
+    Args:
+        predicted (str): The extracted model answer.
+        ground_truth (str): The reference answer.
+
+    Returns:
+        bool: Whether they are equivalent.
+    """
+    predicted, ground_truth = predicted.strip(), ground_truth.strip()
+    if not predicted or not ground_truth:
+        return False
+    if predicted == ground_truth:
+        return True
+    pred_num, gold_num = _as_plain_number(predicted), _as_plain_number(ground_truth)
+    if pred_num is not None and gold_num is not None:
+        return pred_num == gold_num
+    return math_verify_equal(predicted, ground_truth)
+
+
+def math_verify_equal(predicted: str, ground_truth: str) -> bool:
+    """Compare two answer strings with math-verify only (no string or decimal shortcuts).
+
+    Args:
+        predicted (str): The extracted model answer.
+        ground_truth (str): The reference answer.
+
+    Returns:
+        bool: math-verify's verdict; False when either side does not parse or on any error.
+    """
+    try:
+        gold = _parse_math(ground_truth)
+        pred = _parse_math(predicted)
+        if not gold or not pred:
+            return False
+        return bool(math_verify.verify(gold, pred, timeout_seconds=None))
+    except Exception as e:  # math-verify / sympy can raise on odd input; count as wrong
+        logger.debug("math-verify failed on %r vs %r: %s", predicted, ground_truth, e)
+        return False
+
+
+def score_response(response: str, ground_truth: str) -> float:
+    """Score a response: 1.0 when its extracted answer equals ``ground_truth``, else 0.0.
+
+    Args:
+        response (str): The full model response.
+        ground_truth (str): The reference final answer.
+
+    Returns:
+        float: 1.0 or 0.0 (0.0 when no answer can be extracted).
+    """
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    return 1.0 if verify_answer(answer, ground_truth) else 0.0
+
+
+class MathRewardScorer:
+    """Score batches of responses in parallel worker processes, with a per-answer time limit.
+
+    Each (response, ground truth) pair is one ``pebble.ProcessPool`` task with
+    ``timeout=timeout_s``; a task past its limit scores 0.0 and pebble kills its worker and starts
+    a new one. This works from any thread, unlike math-verify's signal-based timeouts. With
+    ``num_workers=0`` everything is scored inline in the calling process, without a time limit
+    (for debugging).
+
+    The pool is started on the first call; call :meth:`close` (or use ``with``) to stop it.
+
+    Args:
+        num_workers (int): Worker processes (0: inline).
+        timeout_s (float): Seconds allowed per answer (> 0).
+        score_fn (Callable[[str, str], float]): Scores one pair; must be picklable (a
+            module-level function). Defaults to :func:`score_response`.
+        mp_context (str | None): multiprocessing start method for the workers (``"fork"``,
+            ``"spawn"``, ``"forkserver"``); None uses the platform default.
+
+    Raises:
+        ValueError: Negative ``num_workers`` or non-positive ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        *,
+        score_fn: Callable[[str, str], float] = score_response,
+        mp_context: str | None = None,
+    ) -> None:
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.score_fn = score_fn
+        self.mp_context = mp_context
+        self.last_num_timeouts = 0
+        self.last_num_errors = 0
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _get_pool(self):
+        """Return the process pool, starting it on first use."""
+        with self._lock:
+            if self._pool is None:
+                import multiprocessing
+
+                from pebble import ProcessPool
+
+                context = multiprocessing.get_context(self.mp_context)
+                self._pool = ProcessPool(max_workers=self.num_workers, context=context)
+            return self._pool
+
+    def __call__(self, responses: list[str], ground_truths: list[str]) -> list[float]:
+        """Score each response against its ground truth.
+
+        Args:
+            responses (list[str]): Model responses.
+            ground_truths (list[str]): Reference answers, same length.
+
+        Returns:
+            list[float]: 1.0 / 0.0 per response, in input order; 0.0 for timeouts and errors.
+
+        Raises:
+            ValueError: The lists have different lengths.
+        """
+        if len(responses) != len(ground_truths):
+            raise ValueError(
+                f"responses and ground_truths differ in length: {len(responses)} vs {len(ground_truths)}"
+            )
+        self.last_num_timeouts = 0
+        self.last_num_errors = 0
+        if not responses:
+            return []
+        if self.num_workers == 0:
+            return [float(self.score_fn(r, g)) for r, g in zip(responses, ground_truths)]
+
+        pool = self._get_pool()
+        futures = [
+            pool.schedule(self.score_fn, args=(r, g), timeout=self.timeout_s)
+            for r, g in zip(responses, ground_truths)
+        ]
+        scores = []
+        for future in futures:
+            try:
+                scores.append(float(future.result()))
+            except FuturesTimeoutError:
+                self.last_num_timeouts += 1
+                scores.append(0.0)
+            except Exception as e:  # worker crashed (pebble ProcessExpired) or score_fn raised
+                self.last_num_errors += 1
+                logger.debug("reward scoring failed: %r", e)
+                scores.append(0.0)
+        if self.last_num_timeouts:
+            logger.warning(
+                "math reward: %d of %d answers timed out after %.1f s and scored 0.0",
+                self.last_num_timeouts, len(responses), self.timeout_s,
+            )
+        if self.last_num_errors:
+            logger.warning("math reward: %d of %d answers failed with an error and scored 0.0",
+                           self.last_num_errors, len(responses))
+        return scores
+
+    def close(self) -> None:
+        """Stop the worker processes (safe to call more than once)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            pool.join()
+
+    def __enter__(self) -> MathRewardScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,122 @@
+"""Metrics: one console row per step, JSONL, TensorBoard, optional wandb, and a closing PNG."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from nemo_fp8.config import LoggerConfig
+
+logger = logging.getLogger(__name__)
+
+# (metric key, column header, format) of the console row; missing values print as "-".
+ROW_COLUMNS = [
+    ("step", "step", "{:>5d}"),
+    ("train/reward_mean", "reward", "{:>7.3f}"),
+    ("val/accuracy", "val_acc", "{:>7.3f}"),
+    ("mismatch/gen_kl_error", "gen_kl", "{:>9.2e}"),
+    ("mismatch/token_mult_prob_error", "mult_prob", "{:>9.4f}"),
+    ("loss/is_weight_mean", "is_mean", "{:>7.3f}"),
+    ("loss/is_weight_min", "is_min", "{:>7.3f}"),
+    ("loss/is_weight_max", "is_max", "{:>7.3f}"),
+    ("loss/is_frac_tokens_truncated", "is_trunc", "{:>8.4f}"),
+    ("perf/rollout_tokens_per_s", "tok/s", "{:>8.0f}"),
+    ("timing/step", "step_s", "{:>7.2f}"),
+]
+
+
+def format_header() -> str:
+    return " ".join(f"{h:>{len(f.format(0) if 'd' in f else f.format(0.0))}}" for _, h, f in ROW_COLUMNS)
+
+
+def format_row(metrics: dict[str, Any]) -> str:
+    cells = []
+    for key, header, fmt in ROW_COLUMNS:
+        width = len(fmt.format(0) if "d" in fmt else fmt.format(0.0))
+        v = metrics.get(key)
+        cells.append(fmt.format(v) if v is not None and not (isinstance(v, float) and math.isnan(v)) else f"{'-':>{width}}")
+    return " ".join(cells)
+
+
+class MetricsLogger:
+    """Writes ``metrics.jsonl`` (one object per step), TensorBoard scalars and wandb (if enabled).
+
+    ``log(step, metrics)`` takes flat ``group/name`` keys. ``close()`` writes ``curves.png``.
+    """
+
+    def __init__(self, cfg: LoggerConfig, run_config: dict, resume: bool = False):
+        self.cfg = cfg
+        self.dir = Path(cfg.log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.dir / "metrics.jsonl"
+        if not resume and self.jsonl_path.exists():
+            self.jsonl_path.unlink()
+        self._tb = self._wandb = None
+        if cfg.tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        if cfg.wandb_enabled:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, mode=cfg.wandb.mode,
+                                     config=run_config, dir=str(self.dir), resume="allow" if resume else None)
+        self._printed_header = False
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
+        with self.jsonl_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        numeric = {k: v for k, v in row.items() if isinstance(v, float) and k != "step"}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if not self._printed_header:
+            tqdm.write(format_header())
+            self._printed_header = True
+        tqdm.write(format_row(row))
+
+    def close(self) -> Path | None:
+        """Flush writers and draw the reward/mismatch curves; returns the PNG path (or None)."""
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self.cfg.plot_enabled and self.jsonl_path.exists():
+            return plot_curves(self.jsonl_path, self.dir / "curves.png")
+        return None
+
+
+def plot_curves(jsonl_path: Path, png_path: Path) -> Path:
+    """Draw reward, validation accuracy, gen_kl_error and token_mult_prob_error against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
+    panels = [("train/reward_mean", "train reward"), ("val/accuracy", "validation accuracy"),
+              ("mismatch/gen_kl_error", "gen_kl_error (KL gen || train)"),
+              ("mismatch/token_mult_prob_error", "token_mult_prob_error")]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, title) in zip(axes.flat, panels):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(str(jsonl_path.parent.name))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny model built once per session (no downloads), configs, data paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A freshly built tiny Qwen3 checkpoint (short warm start: numerics tests need weights, not skill)."""
+    from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(sft_steps=20, sft_batch_size=32))
+
+
+@pytest.fixture
+def tiny_cfg(tiny_model_dir, tmp_path):
+    """The shipped tiny FP8 config pointed at the session model and a temporary output folder."""
+    from nemo_fp8.config import load_config
+
+    def make(*overrides: str, config: str = "grpo_math_tiny_fp8.yaml"):
+        return load_config(REPO / "examples" / "configs" / config, [
+            f"policy.model_name={tiny_model_dir}", "policy.tiny_model.build_if_missing=false",
+            f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+            "logger.tensorboard_enabled=false", *overrides])
+
+    return make

@@ -1,0 +1,91 @@
+"""Config loading and validation: every shipped config validates; bad input names the key."""
+
+from pathlib import Path
+
+import pytest
+
+from nemo_fp8.config import ConfigError, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
+TINY = next(p for p in CONFIGS if p.name == "grpo_math_tiny_fp8.yaml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.policy.generation.vllm_cfg.weight_block_size == [128, 128]
+
+
+def test_fp8_8b_config_is_the_seed_recipe():
+    cfg = load_config(TINY.parent / "grpo_math_8B_megatron_fp8.yaml")
+    assert cfg.policy.generation.vllm_cfg.precision == "fp8"
+    assert cfg.policy.generation.vllm_cfg.use_deep_gemm
+    assert cfg.policy.megatron_cfg.fp8_cfg.model_dump() == {"enabled": True, "fp8": "e4m3", "fp8_recipe": "blockwise",
+                                                            "fp8_param": False}
+    assert cfg.loss_fn.use_importance_sampling_correction
+    assert cfg.loss_fn.truncated_importance_sampling_ratio == 2.0
+    base = load_config(TINY.parent / "grpo_math_8B_megatron.yaml")
+    assert base.policy.generation.vllm_cfg.precision == "bfloat16" and not base.policy.megatron_cfg.fp8_cfg.enabled
+    assert base.grpo == cfg.grpo  # only the precision knobs differ
+
+
+def _error(*overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, list(overrides))
+    return str(e.value)
+
+
+def test_overrides_apply():
+    cfg = load_config(TINY, ["grpo.max_num_steps=3", "policy.generation.vllm_cfg.num_last_layers_in_bf16=1"])
+    assert cfg.grpo.max_num_steps == 3 and cfg.policy.generation.vllm_cfg.num_last_layers_in_bf16 == 1
+
+
+def test_unknown_key_lists_valid_keys():
+    msg = _error("grpo.num_prompt_per_step=4")
+    assert "grpo.num_prompt_per_step: unknown key" in msg and "num_prompts_per_step" in msg
+
+
+def test_wrong_type_and_literal_name_valid_values():
+    msg = _error("policy.generation.vllm_cfg.precision=fp16")
+    assert "policy.generation.vllm_cfg.precision" in msg and "'bfloat16' or 'fp8'" in msg and "fp16" in msg
+    assert "grpo.max_num_steps" in _error("grpo.max_num_steps=many")
+    msg = _error("policy.megatron_cfg.fp8_cfg.fp8_recipe=delayed")
+    assert "fp8_recipe" in msg and "'tensorwise' or 'blockwise'" in msg
+
+
+def test_fp8_kv_cache_needs_fp8_precision():
+    msg = _error("policy.generation.vllm_cfg.precision=bfloat16", "policy.generation.vllm_cfg.kv_cache_dtype=fp8")
+    assert "policy.generation.vllm_cfg.kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8'" in msg
+
+
+def test_fp8_rollout_without_is_correction_needs_explicit_allow():
+    msg = _error("loss_fn.use_importance_sampling_correction=false")
+    assert "loss_fn.use_importance_sampling_correction" in msg and "allow_fp8_rollout_without_is_correction" in msg
+    cfg = load_config(TINY, ["loss_fn.use_importance_sampling_correction=false",
+                             "loss_fn.allow_fp8_rollout_without_is_correction=true"])
+    assert not cfg.loss_fn.use_importance_sampling_correction
+
+
+def test_block_size_other_than_128():
+    assert "weight_block_size: [64, 64] is not supported (valid: [128, 128]" in _error(
+        "policy.generation.vllm_cfg.weight_block_size=[64,64]")
+
+
+def test_icepop_needs_a_window():
+    msg = _error("loss_fn.truncated_importance_sampling_type=icepop")
+    assert "truncated_importance_sampling_ratio_min" in msg
+    cfg = load_config(TINY, ["loss_fn.truncated_importance_sampling_type=icepop",
+                             "loss_fn.truncated_importance_sampling_ratio_min=0.5"])
+    assert cfg.loss_fn.to_loss_config().truncated_importance_sampling_type == "icepop"
+
+
+def test_batch_divisibility_and_missing_paths():
+    assert "policy.train_global_batch_size: 100 must divide" in _error("policy.train_global_batch_size=100")
+    assert "data.train_path: required" in _error("data.dataset=gsm8k")
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(TINY.parent / "nope.yaml")
+    with pytest.raises(ConfigError, match="not of the form key.sub=value"):
+        load_config(TINY, ["grpo.max_num_steps"])
