@@ -166,8 +166,8 @@ class TinyModelConfig(_Strict):
     """``tools/make_tiny_model.py`` settings, used when ``build_if_missing`` is true."""
 
     build_if_missing: bool = False
-    sft_steps: int = Field(1500, ge=0)
-    max_operand: int = Field(99, ge=1)
+    sft_steps: int = Field(400, ge=0)
+    max_operand: int = Field(49, ge=1)
     seed: int = 1234
 
 

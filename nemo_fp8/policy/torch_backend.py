@@ -116,8 +116,9 @@ class TorchPolicyBackend:
                 logprobs = self._forward_logprobs(self.model, mb)
                 loss, metrics = loss_fn(logprobs, _to_device(mb, self.device), max(n_tokens, 1.0), max(n_seqs, 1.0))
                 loss.backward()
-                for k, v in metrics.items():  # weight by micro-batch tokens (loss terms already sum)
-                    w = 1.0 if k in ("loss", "pg_loss", "kl_penalty") else float(mb.token_mask.sum()) / max(n_tokens, 1.0)
+                for k, v in metrics.items():  # loss terms and counts add up; the rest: token-weighted mean
+                    summed = k in ("loss", "pg_loss", "kl_penalty") or k.startswith("num_")
+                    w = 1.0 if summed else float(mb.token_mask.sum()) / max(n_tokens, 1.0)
                     step_metrics[k] = step_metrics.get(k, 0.0) + w * float(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
             if not math.isfinite(float(grad_norm)):
