@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_fp8.algorithms.grpo import grpo_train
+from nemo_fp8.algorithms.grpo import grpo_train, refit
 from nemo_fp8.config import MasterConfig, config_to_yaml
 from nemo_fp8.data import (MathExample, PromptDataloader, PromptFormatter, PromptSample, load_math_dataset,
                            make_arithmetic_problems, tokenize_prompts)
@@ -44,7 +44,8 @@ def ensure_model(cfg: MasterConfig) -> None:
     from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model
 
     logger.info("building the tiny model at %s (tools/make_tiny_model.py does the same)", path)
-    build_tiny_model(path, TinyModelSpec(sft_steps=tiny.sft_steps, max_operand=tiny.max_operand, seed=tiny.seed))
+    build_tiny_model(path, TinyModelSpec(sft_steps=tiny.sft_steps, max_operand=tiny.max_operand, seed=tiny.seed),
+                     device=str(resolve_device(cfg.policy.device)))
 
 
 def load_examples(cfg: MasterConfig) -> tuple[list[MathExample], list[MathExample]]:
@@ -115,7 +116,6 @@ def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:
     """Run the GRPO job described by ``cfg``; returns the last step's metrics."""
     import ray
 
-    from nemo_fp8.distributed.workers import refit
     from nemo_fp8.rewards import MathRewardScorer
 
     random.seed(cfg.grpo.seed)

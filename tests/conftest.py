@@ -11,6 +11,21 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def shared_data_dir() -> Path:
+    """``$NEMO_FP8_SHARED_DATA``, else ``<repo>/../shared/data`` (the steering files beside the checkout)."""
+    env = os.environ.get("NEMO_FP8_SHARED_DATA")
+    return Path(env) if env else REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    """The real GSM8K folder; tests that need it skip with the reason where it is absent."""
+    path = shared_data_dir() / "gsm8k"
+    if not (path / "train.jsonl").is_file() or not (path / "test.jsonl").is_file():
+        pytest.skip(f"GSM8K data not found at {path} (set NEMO_FP8_SHARED_DATA to the shared data folder)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A freshly built tiny Qwen3 checkpoint (short warm start: numerics tests need weights, not skill)."""
@@ -32,3 +47,13 @@ def tiny_cfg(tiny_model_dir, tmp_path):
             "logger.tensorboard_enabled=false", *overrides])
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

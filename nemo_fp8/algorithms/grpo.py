@@ -25,7 +25,6 @@ from nemo_fp8.algorithms.metrics import mismatch_metrics
 from nemo_fp8.batch import GenerationOutput, TrainBatch
 from nemo_fp8.config import MasterConfig
 from nemo_fp8.data import PromptSample
-from nemo_fp8.distributed.workers import refit
 from nemo_fp8.generation.interfaces import SamplingParams
 from nemo_fp8.utils.timer import Timer
 
@@ -41,6 +40,18 @@ class Rollout:
     output: GenerationOutput
     responses: list[str]
     rewards: torch.Tensor
+
+
+def refit(policy, generation) -> None:
+    """Copy the policy's current weights into the generation backend (the refit).
+
+    A backend that can pull from the policy directly (``refit_from``: Ray actors, actor to actor)
+    does so; otherwise the weights are streamed name by name through ``update_weights``.
+    """
+    if hasattr(generation, "refit_from"):
+        generation.refit_from(policy)
+    else:
+        generation.update_weights(policy.named_weights())
 
 
 def decode_responses(output: GenerationOutput, tokenizer) -> list[str]:

@@ -88,6 +88,10 @@ class RemoteGeneration:
     def update_weights(self, named_tensors) -> None:
         ray.get(self.actor.call.remote("update_weights", named_tensors))
 
+    def refit_from(self, policy: "RemotePolicy") -> None:
+        """Refit from a policy actor: the weights go actor to actor as one object reference."""
+        ray.get(self.actor.call.remote("update_weights", policy.actor.state_for_refit.remote()))
+
 
 class RemotePolicy:
     """``PolicyBackend`` whose work runs in a Ray actor."""
@@ -109,15 +113,3 @@ class RemotePolicy:
 
     def load(self, path) -> None:
         ray.get(self.actor.call.remote("load", str(path)))
-
-
-def refit(policy, generation) -> None:
-    """Copy the policy's current weights into the generation backend.
-
-    Between two Ray actors the weights travel as one object reference (actor to actor);
-    between local objects they are streamed name by name.
-    """
-    if isinstance(policy, RemotePolicy) and isinstance(generation, RemoteGeneration):
-        ray.get(generation.actor.call.remote("update_weights", policy.actor.state_for_refit.remote()))
-    else:
-        generation.update_weights(policy.named_weights())

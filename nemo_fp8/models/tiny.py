@@ -47,6 +47,7 @@ class TinyModelSpec:
     sft_steps: int = 400
     sft_batch_size: int = 128
     sft_lr: float = 3e-3
+    sft_min_lr_ratio: float = 0.1
     max_operand: int = 49
     seed: int = 1234
 
@@ -131,10 +132,17 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, dev
     problems = make_arithmetic_problems(spec.sft_steps * spec.sft_batch_size, seed=spec.seed + 10_000,
                                         max_operand=spec.max_operand)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    # Linear warm-up, then cosine decay to a floor of sft_min_lr_ratio * sft_lr (not to zero): a model
+    # annealed to lr=0 sits in a sharp spot where the first steps of a fresh RL optimizer (Adam's
+    # early updates are about lr * sign(grad)) lose accuracy; ending at a floor above the RL lr
+    # leaves it where GRPO's updates are small by comparison.
     warmup = max(1, spec.sft_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, spec.sft_steps) / spec.sft_steps))
-    )
+
+    def lr_mult(s: int) -> float:
+        cosine = 0.5 * (1 + math.cos(math.pi * min(s, spec.sft_steps) / max(1, spec.sft_steps)))
+        return min(1.0, (s + 1) / warmup) * (spec.sft_min_lr_ratio + (1 - spec.sft_min_lr_ratio) * cosine)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_mult)
     model.train()
     t0 = time.time()
     bar = tqdm(range(spec.sft_steps), desc="tiny model warm start", unit="step", mininterval=2.0)

@@ -44,7 +44,7 @@ def test_chat_mode_errors():
     with pytest.raises(ValueError, match="needs a tokenizer"):
         formatter.format(PLAIN)
     with pytest.raises(ValueError, match="chat_template"):
-        formatter.format(PLAIN, make_char_tokenizer(chat_template=None))
+        formatter.format(PLAIN, make_char_tokenizer(chat_template=False))
 
 
 def test_tokenize_prompts_drops_long(char_tokenizer):

@@ -11,7 +11,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "run_grpo_math.py"
-SHARED_DATA = Path(os.environ.get("NEMO_FP8_SHARED_DATA", REPO.parent / "shared" / "data"))
 FAST = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
         "policy.train_micro_batch_size=16", "grpo.max_val_samples=16", "grpo.val_batch_size=16", "grpo.val_period=2"]
 
@@ -67,13 +66,11 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_gsm8k_config_runs_end_to_end(tiny_model_dir, tmp_path):
-    if not (SHARED_DATA / "gsm8k" / "train.jsonl").is_file():
-        pytest.skip(f"GSM8K not found under {SHARED_DATA} (set NEMO_FP8_SHARED_DATA)")
+def test_gsm8k_config_runs_end_to_end(tiny_model_dir, gsm8k_dir, tmp_path):
     run_job(tiny_model_dir, tmp_path, "grpo.max_num_steps=2", "grpo.val_period=2", "grpo.max_val_samples=8",
             "grpo.val_batch_size=8", "policy.generation.max_new_tokens=16",
-            f"data.train_path={SHARED_DATA / 'gsm8k' / 'train.jsonl'}",
-            f"data.val_path={SHARED_DATA / 'gsm8k' / 'test.jsonl'}", config="grpo_math_gsm8k_tiny_fp8.yaml")
+            f"data.train_path={gsm8k_dir / 'train.jsonl'}",
+            f"data.val_path={gsm8k_dir / 'test.jsonl'}", config="grpo_math_gsm8k_tiny_fp8.yaml")
     r = rows(tmp_path)
     assert [x["step"] for x in r] == [1, 2] and r[-1]["val/num_samples"] == 8
     assert r[0]["train/num_sequences_trained"] == 16
