@@ -1,0 +1,1 @@
+"""Ray orchestration: backend actors, driver-side handles, actor-to-actor refit."""

@@ -1,0 +1,1 @@
+"""Model helpers: HF loading and aligned log-probs; the project-built tiny model."""

@@ -1,0 +1,1 @@
+"""Run plumbing: phase timer, metrics logger, checkpoints."""
