@@ -39,6 +39,12 @@ def response_mask(prompt_lengths: Tensor, response_lengths: Tensor, width: int) 
     return ((cols >= start) & (cols < end)).float()
 
 
+def concat_padded(tensors: list[Tensor], value: float) -> Tensor:
+    """Concatenate [B_i, T_i] tensors along the batch, right-padding each to the widest T with ``value``."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+
 def _check_per_token(name: str, t: Optional[Tensor], shape: torch.Size) -> None:
     if t is None:
         return
@@ -136,6 +142,11 @@ class TrainBatch:
         """Rows ``index`` of every tensor field (micro-batching, dynamic-sampling filters)."""
         return replace(self, **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
                                 for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """Every tensor field on ``device``."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
 
     def trimmed(self) -> "TrainBatch":
         """Drop padding columns past the longest sequence (saves compute on micro-batches)."""

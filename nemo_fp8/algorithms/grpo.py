@@ -22,7 +22,7 @@ from tqdm import tqdm
 from nemo_fp8.algorithms.advantages import dynamic_sampling_keep_mask, grpo_advantages, overlong_penalty
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.algorithms.metrics import mismatch_metrics
-from nemo_fp8.batch import GenerationOutput, TrainBatch
+from nemo_fp8.batch import GenerationOutput, TrainBatch, concat_padded
 from nemo_fp8.config import MasterConfig
 from nemo_fp8.data import PromptSample
 from nemo_fp8.generation.interfaces import SamplingParams
@@ -148,15 +148,10 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
 
 
 def _concat_batches(parts: list[TrainBatch], pad_token_id: int) -> TrainBatch:
-    width = max(p.token_ids.shape[1] for p in parts)
-
-    def cat(name: str, value):
-        return torch.cat([torch.nn.functional.pad(getattr(p, name), (0, width - p.token_ids.shape[1]), value=value)
-                          for p in parts])
-
-    return TrainBatch(cat("token_ids", pad_token_id), torch.cat([p.prompt_lengths for p in parts]),
-                      torch.cat([p.response_lengths for p in parts]), torch.cat([p.advantages for p in parts]),
-                      cat("generation_logprobs", 0.0))
+    cat = torch.cat
+    return TrainBatch(concat_padded([p.token_ids for p in parts], pad_token_id), cat([p.prompt_lengths for p in parts]),
+                      cat([p.response_lengths for p in parts]), cat([p.advantages for p in parts]),
+                      concat_padded([p.generation_logprobs for p in parts], 0.0))
 
 
 def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSample], cfg: MasterConfig,

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from nemo_fp8.batch import GenerationOutput
+from nemo_fp8.batch import GenerationOutput, concat_padded
 from nemo_fp8.config import VllmConfig
 from nemo_fp8.fp8 import Fp8BlockLinear, LayerPrecisionPlan, plan_layer_precision
 from nemo_fp8.generation.interfaces import SamplingParams
@@ -185,15 +185,10 @@ class TorchGenerationBackend:
 
 
 def _concat_outputs(chunks: list[GenerationOutput], pad_token_id: int) -> GenerationOutput:
-    width = max(c.token_ids.shape[1] for c in chunks)
-
-    def pad(t: Tensor, value) -> Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
     return GenerationOutput(
-        token_ids=torch.cat([pad(c.token_ids, pad_token_id) for c in chunks]),
+        token_ids=concat_padded([c.token_ids for c in chunks], pad_token_id),
         prompt_lengths=torch.cat([c.prompt_lengths for c in chunks]),
         response_lengths=torch.cat([c.response_lengths for c in chunks]),
-        generation_logprobs=torch.cat([pad(c.generation_logprobs, 0.0) for c in chunks]),
+        generation_logprobs=concat_padded([c.generation_logprobs for c in chunks], 0.0),
         truncated=torch.cat([c.truncated for c in chunks]),
     ).validate()

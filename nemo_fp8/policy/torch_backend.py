@@ -114,7 +114,7 @@ class TorchPolicyBackend:
             for m in range(0, gbs, mbs):
                 mb = gb.select(slice(m, m + mbs)).trimmed()
                 logprobs = self._forward_logprobs(self.model, mb)
-                loss, metrics = loss_fn(logprobs, _to_device(mb, self.device), max(n_tokens, 1.0), max(n_seqs, 1.0))
+                loss, metrics = loss_fn(logprobs, mb.to(self.device), max(n_tokens, 1.0), max(n_seqs, 1.0))
                 loss.backward()
                 for k, v in metrics.items():  # loss terms and counts add up; the rest: token-weighted mean
                     summed = k in ("loss", "pg_loss", "kl_penalty") or k.startswith("num_")
@@ -165,11 +165,3 @@ class TorchPolicyBackend:
         extra = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(extra["optimizer"])
         self.num_updates = int(extra["num_updates"])
-
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    from dataclasses import fields, replace
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-                             if getattr(batch, f.name) is not None})
