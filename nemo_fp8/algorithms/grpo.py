@@ -148,9 +148,9 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
 
 
 def _concat_batches(parts: list[TrainBatch], pad_token_id: int) -> TrainBatch:
-    cat = torch.cat
-    return TrainBatch(concat_padded([p.token_ids for p in parts], pad_token_id), cat([p.prompt_lengths for p in parts]),
-                      cat([p.response_lengths for p in parts]), cat([p.advantages for p in parts]),
+    return TrainBatch(concat_padded([p.token_ids for p in parts], pad_token_id),
+                      torch.cat([p.prompt_lengths for p in parts]), torch.cat([p.response_lengths for p in parts]),
+                      torch.cat([p.advantages for p in parts]),
                       concat_padded([p.generation_logprobs for p in parts], 0.0))
 
 

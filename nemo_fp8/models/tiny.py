@@ -99,7 +99,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, dev
     supervised training on fresh synthetic problems (``"Q: What is 37 + 5?\\n"`` ->
     ``"Answer: 42<eos>"``, loss on response tokens only) -> ``save_pretrained``. Writes into a
     temporary sibling folder and renames it, so an interrupted build leaves no half checkpoint.
-    Takes about 3 minutes on 2 CPU cores with the default spec.
+    Takes about 2.5 minutes on 2 CPU cores with the default spec (139 s measured).
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

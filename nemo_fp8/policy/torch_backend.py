@@ -112,9 +112,9 @@ class TorchPolicyBackend:
             self.optimizer.zero_grad(set_to_none=True)
             step_metrics: dict[str, float] = {}
             for m in range(0, gbs, mbs):
-                mb = gb.select(slice(m, m + mbs)).trimmed()
+                mb = gb.select(slice(m, m + mbs)).trimmed().to(self.device)  # moved once, used twice
                 logprobs = self._forward_logprobs(self.model, mb)
-                loss, metrics = loss_fn(logprobs, mb.to(self.device), max(n_tokens, 1.0), max(n_seqs, 1.0))
+                loss, metrics = loss_fn(logprobs, mb, max(n_tokens, 1.0), max(n_seqs, 1.0))
                 loss.backward()
                 for k, v in metrics.items():  # loss terms and counts add up; the rest: token-weighted mean
                     summed = k in ("loss", "pg_loss", "kl_penalty") or k.startswith("num_")
