@@ -140,7 +140,7 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
     metrics.update({f"mismatch/{k}": v for k, v in
                     mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
     with timer("training"):
-        train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn.to_loss_config()))
+        train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn))
     metrics.update({f"loss/{k}": v for k, v in train_metrics.items()})
     with timer("refit"):
         refit(policy, generation)

@@ -38,12 +38,10 @@ Key names follow NeMo-RL's ``ClippedPGLossConfig``
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from nemo_fp8.algorithms.config import TRUNCATED_IS_TYPES, ClippedPGLossConfig  # the YAML section loss_fn
 from nemo_fp8.algorithms.metrics import LOG_RATIO_CLAMP, masked_mean
 
 __all__ = [
@@ -52,129 +50,6 @@ __all__ = [
     "importance_sampling_weights",
     "clipped_pg_loss",
 ]
-
-TRUNCATED_IS_TYPES: tuple[str, ...] = ("tis", "icepop", "seq-mask-tis", "seq-tis")
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-@dataclass
-class ClippedPGLossConfig:
-    """Configuration of :func:`clipped_pg_loss` (NeMo-RL key names).
-
-    Attributes:
-        ratio_clip_min: eps_low; the ratio is clipped below at ``1 - eps_low``.
-            In ``[0, 1)``.
-        ratio_clip_max: eps_high; clipped above at ``1 + eps_high``. ``>= 0``.
-            ``ratio_clip_max > ratio_clip_min`` is DAPO's clip-higher.
-        ratio_clip_c: dual-clip constant ``c > 1`` (Ye et al. 2020), or None.
-        reference_policy_kl_penalty: beta ``>= 0`` of the k3 KL penalty to the
-            reference policy; 0 disables it.
-        token_level_loss: True: average over all valid tokens of the (global)
-            batch; False: average over sequences of per-sequence token means.
-        use_importance_sampling_correction: multiply each token's loss by an
-            importance weight correcting for the rollout engine being a
-            different policy than the trainer (``prev`` vs ``generation``).
-        truncated_importance_sampling_type: ``"tis"``, ``"icepop"``,
-            ``"seq-mask-tis"`` (these three as in NeMo-RL) or ``"seq-tis"``
-            (a sequence-level truncated weight; NeMo-RL has no name for it,
-            its closest is ``sequence_level_importance_ratios=True`` with
-            ``"tis"``). See :func:`importance_sampling_weights`.
-        truncated_importance_sampling_ratio: upper bound (C for tis/seq-tis,
-            hi for icepop/seq-mask-tis), ``> 0``. None means no truncation
-            for tis/seq-tis.
-        truncated_importance_sampling_ratio_min: lower bound (lo) for
-            icepop/seq-mask-tis; ignored (with a warning) by tis/seq-tis.
-        kl_input_clamp_value: the k3 log-ratio is clamped to ``[-v, v]``
-            before ``exp`` (NeMo-RL key; default 20.0 as NeMo-RL's
-            ``calculate_kl``); None disables. ``> 0``.
-        kl_output_clamp_value: the per-token k3 value is clamped to
-            ``[-v, v]`` (NeMo-RL key; default 10.0); None disables. ``> 0``.
-
-    Validation (``__post_init__``, ``ValueError`` naming the key):
-        icepop and seq-mask-tis need both bounds with
-        ``0 < ratio_min < 1 < ratio`` (a window that contains the on-policy
-        ratio 1). The IS keys are validated even when
-        ``use_importance_sampling_correction`` is False (unlike NeMo-RL, a
-        set ``truncated_importance_sampling_ratio`` is then simply unused).
-    """
-
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None
-    reference_policy_kl_penalty: float = 0.0
-    token_level_loss: bool = True
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis", "seq-tis"] = "tis"
-    truncated_importance_sampling_ratio: float | None = 2.0
-    truncated_importance_sampling_ratio_min: float | None = None
-    kl_input_clamp_value: float | None = 20.0
-    kl_output_clamp_value: float | None = 10.0
-
-    def __post_init__(self) -> None:
-        if not _is_number(self.ratio_clip_min) or not 0.0 <= self.ratio_clip_min < 1.0:
-            raise ValueError(f"ratio_clip_min must be a number in [0, 1), got {self.ratio_clip_min!r}")
-        if not _is_number(self.ratio_clip_max) or not self.ratio_clip_max >= 0.0:
-            raise ValueError(f"ratio_clip_max must be a number >= 0, got {self.ratio_clip_max!r}")
-        if self.ratio_clip_c is not None and (
-            not _is_number(self.ratio_clip_c) or not self.ratio_clip_c > 1.0
-        ):
-            raise ValueError(
-                f"ratio_clip_c must be None (dual clip off) or a number > 1, got {self.ratio_clip_c!r}"
-            )
-        if not _is_number(self.reference_policy_kl_penalty) or self.reference_policy_kl_penalty < 0:
-            raise ValueError(
-                "reference_policy_kl_penalty must be a finite number >= 0, "
-                f"got {self.reference_policy_kl_penalty!r}"
-            )
-        for key in ("token_level_loss", "use_importance_sampling_correction"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{key} must be a bool, got {getattr(self, key)!r}")
-        for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
-            v = getattr(self, key)
-            if v is not None and (not _is_number(v) or not v > 0):
-                raise ValueError(f"{key} must be None or a number > 0, got {v!r}")
-
-        kind = self.truncated_importance_sampling_type
-        if kind not in TRUNCATED_IS_TYPES:
-            raise ValueError(
-                f"truncated_importance_sampling_type must be one of {TRUNCATED_IS_TYPES}, got {kind!r}"
-            )
-        hi = self.truncated_importance_sampling_ratio
-        lo = self.truncated_importance_sampling_ratio_min
-        if hi is not None and (not _is_number(hi) or not hi > 0):
-            raise ValueError(
-                f"truncated_importance_sampling_ratio must be None or a number > 0, got {hi!r}"
-            )
-        if lo is not None and (not _is_number(lo) or not lo > 0):
-            raise ValueError(
-                f"truncated_importance_sampling_ratio_min must be None or a number > 0, got {lo!r}"
-            )
-        if kind in ("icepop", "seq-mask-tis"):
-            if hi is None or lo is None:
-                raise ValueError(
-                    f"truncated_importance_sampling_type={kind!r} needs both "
-                    "truncated_importance_sampling_ratio_min (lo) and "
-                    "truncated_importance_sampling_ratio (hi) with 0 < lo < 1 < hi, "
-                    f"got ratio_min={lo!r}, ratio={hi!r}"
-                )
-            if not lo < 1.0:
-                raise ValueError(
-                    f"truncated_importance_sampling_ratio_min must be in (0, 1) for {kind!r}, got {lo!r}"
-                )
-            if not hi > 1.0:
-                raise ValueError(
-                    f"truncated_importance_sampling_ratio must be > 1 for {kind!r}, got {hi!r}"
-                )
-        elif lo is not None:
-            warnings.warn(
-                f"truncated_importance_sampling_ratio_min={lo!r} is ignored by "
-                f"truncated_importance_sampling_type={kind!r} (only icepop and seq-mask-tis use it)",
-                stacklevel=3,
-            )
-
 
 # --------------------------------------------------------------------------- #
 # helpers

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from nemo_fp8.batch import GenerationOutput, concat_padded
-from nemo_fp8.config import VllmConfig
+from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.fp8 import Fp8BlockLinear, LayerPrecisionPlan, plan_layer_precision
 from nemo_fp8.generation.interfaces import SamplingParams
 from nemo_fp8.models.hf import load_causal_lm

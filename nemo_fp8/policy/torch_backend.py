@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.config import Fp8TrainingConfig, PolicyConfig
+from nemo_fp8.policy.config import Fp8TrainingConfig, PolicyConfig
 from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_precision
 from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, token_logprobs
 from nemo_fp8.policy.interfaces import LossFn

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nemo_fp8.config import LoggerConfig
+from nemo_fp8.utils.config import LoggerConfig
 
 logger = logging.getLogger(__name__)
 

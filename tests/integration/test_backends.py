@@ -132,7 +132,7 @@ def test_train_step_moves_logprobs_with_the_advantage(tiny_cfg, tok, fp8):
     gen = make_generation(cfg, tok, precision="bfloat16")
     gen.update_weights(pol.named_weights())
     batch = _advantage_batch(pol, gen, tok)
-    metrics = pol.train(batch, ClippedPGLossFn(cfg.loss_fn.to_loss_config()))
+    metrics = pol.train(batch, ClippedPGLossFn(cfg.loss_fn))
     assert {"loss", "grad_norm", "is_weight_mean", "clip_fraction"} <= metrics.keys()
     after = pol.get_logprobs(batch)
     m = batch.token_mask
@@ -154,7 +154,7 @@ def test_micro_batching_matches_one_big_batch(tiny_cfg, tok):
         gen = make_generation(cfg, tok, precision="bfloat16")
         batch = _advantage_batch(pol, gen, tok)
         pol.optimizer.step = lambda: None  # keep weights: compare the accumulated gradients only
-        pol.train(batch, ClippedPGLossFn(cfg.loss_fn.to_loss_config()))
+        pol.train(batch, ClippedPGLossFn(cfg.loss_fn))
         grads.append(torch.cat([p.grad.flatten() for p in pol.model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
 
@@ -167,7 +167,7 @@ def test_policy_save_load_round_trip(tiny_cfg, tok, tmp_path):
     pol = TorchPolicyBackend(cfg.policy, CPU)
     gen = make_generation(cfg, tok, precision="bfloat16")
     batch = _advantage_batch(pol, gen, tok)
-    pol.train(batch, ClippedPGLossFn(cfg.loss_fn.to_loss_config()))
+    pol.train(batch, ClippedPGLossFn(cfg.loss_fn))
     pol.save(tmp_path / "p")
     other = TorchPolicyBackend(cfg.policy, CPU)
     other.load(tmp_path / "p")

@@ -76,7 +76,7 @@ def test_icepop_needs_a_window():
     assert "truncated_importance_sampling_ratio_min" in msg
     cfg = load_config(TINY, ["loss_fn.truncated_importance_sampling_type=icepop",
                              "loss_fn.truncated_importance_sampling_ratio_min=0.5"])
-    assert cfg.loss_fn.to_loss_config().truncated_importance_sampling_type == "icepop"
+    assert cfg.loss_fn.truncated_importance_sampling_type == "icepop"
 
 
 def test_batch_divisibility_and_missing_paths():

@@ -1,0 +1,98 @@
+"""Config sections of the algorithm: ``grpo`` (the loop, advantages) and ``loss_fn``.
+
+``ClippedPGLossConfig`` is the one loss configuration: the YAML section ``loss_fn`` and the argument of
+``nemo_fp8.algorithms.loss.clipped_pg_loss`` are the same object, validated once, here. Key
+names follow NeMo-RL's ``ClippedPGLossConfig`` (``nemo_rl/algorithms/loss_functions.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, get_args
+
+from pydantic import Field
+
+from nemo_fp8.utils.config import StrictConfig
+
+TruncatedISType = Literal["tis", "icepop", "seq-mask-tis", "seq-tis"]
+TRUNCATED_IS_TYPES: tuple[str, ...] = get_args(TruncatedISType)
+
+
+class RewardShapingConfig(StrictConfig):
+    """DAPO overlong-response penalty (soft overlong punishment; Yu et al. 2025)."""
+
+    enabled: bool = False
+    overlong_buffer_length: int = Field(0, ge=0)
+    overlong_buffer_penalty: float = Field(1.0, ge=0)
+    max_response_length: Optional[int] = Field(None, ge=1)
+
+
+class GRPOConfig(StrictConfig):
+    num_prompts_per_step: int = Field(32, ge=1)
+    num_generations_per_prompt: int = Field(16, ge=1)
+    max_num_steps: int = Field(1000, ge=1)
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    val_period: int = Field(10, ge=0, description="validate every N steps; 0 disables")
+    val_at_start: bool = True
+    val_at_end: bool = True
+    max_val_samples: int = Field(256, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    val_greedy: bool = True
+    seed: int = 42
+
+    def config_errors(self) -> list[str]:
+        return ["num_generations_per_prompt: the leave-one-out baseline (use_leave_one_out_baseline=true) "
+                "needs >= 2"] if self.use_leave_one_out_baseline and self.num_generations_per_prompt < 2 else []
+
+
+class ClippedPGLossConfig(StrictConfig):
+    """ClippedPG + importance-sampling correction (``nemo_fp8.algorithms.loss``).
+
+    Attributes:
+        ratio_clip_min: eps_low; the PPO ratio is clipped below at ``1 - eps_low``. In [0, 1).
+        ratio_clip_max: eps_high; clipped above at ``1 + eps_high``. ``> ratio_clip_min`` is
+            DAPO's clip-higher.
+        ratio_clip_c: dual-clip constant ``c > 1`` (Ye et al. 2020), or None.
+        reference_policy_kl_penalty: beta >= 0 of the k3 KL penalty; 0 disables it.
+        token_level_loss: True: mean over all valid tokens of the global batch; False: mean
+            over sequences of per-sequence token means.
+        use_importance_sampling_correction: weight each token's loss by the truncated ratio
+            ``pi_train / pi_rollout`` (``prev_logprobs`` vs ``generation_logprobs``).
+        truncated_importance_sampling_type: ``tis`` | ``icepop`` | ``seq-mask-tis`` |
+            ``seq-tis`` (see ``importance_sampling_weights``).
+        truncated_importance_sampling_ratio: upper bound C (hi), > 0; None: no upper bound
+            for ``tis`` / ``seq-tis``.
+        truncated_importance_sampling_ratio_min: lower bound (lo), > 0; ``tis`` / ``seq-tis``
+            clamp weights to ``[lo, C]`` (NeMo-RL), ``icepop`` / ``seq-mask-tis`` mask outside.
+        kl_input_clamp_value / kl_output_clamp_value: NeMo-RL's clamps of the k3 input log-ratio
+            and output value; None disables.
+        allow_fp8_rollout_without_is_correction: run FP8 rollout uncorrected on purpose.
+    """
+
+    ratio_clip_min: float = Field(0.2, ge=0, lt=1)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_c: Optional[float] = Field(None, gt=1)
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    token_level_loss: bool = True
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: TruncatedISType = "tis"
+    truncated_importance_sampling_ratio: Optional[float] = Field(2.0, gt=0)
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(None, gt=0)
+    kl_input_clamp_value: Optional[float] = Field(20.0, gt=0)
+    kl_output_clamp_value: Optional[float] = Field(10.0, gt=0)
+    allow_fp8_rollout_without_is_correction: bool = False
+
+    def config_errors(self) -> list[str]:
+        t, hi, lo = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
+                     self.truncated_importance_sampling_ratio_min)
+        errs = []
+        if t in ("icepop", "seq-mask-tis") and (lo is None or hi is None or not lo < 1.0 < hi):
+            errs.append(f"truncated_importance_sampling_ratio_min: type '{t}' needs 0 < ratio_min < 1 < ratio "
+                        f"(got ratio_min={lo}, ratio={hi}; e.g. 0.5 and 2.0)")
+        elif lo is not None and hi is not None and not lo <= hi:
+            errs.append(f"truncated_importance_sampling_ratio_min: {lo} must be <= truncated_importance_sampling_ratio"
+                        f"={hi}")
+        return errs

@@ -1,0 +1,32 @@
+"""Config sections of the distributed layer: ``cluster`` and ``policy.weight_sync``."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from nemo_fp8.utils.config import StrictConfig
+
+
+class ClusterConfig(StrictConfig):
+    address: Optional[str] = None  # None: start a local Ray; else e.g. "auto" or "ray://host:10001"
+    num_cpus: Optional[int] = Field(None, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    num_nodes: int = Field(1, ge=1)
+    torch_threads_per_worker: Optional[int] = Field(None, ge=1)
+
+
+class WeightSyncConfig(StrictConfig):
+    """How the refit moves the policy's weights into the rollout engine.
+
+    Attributes:
+        method: ``auto`` picks ``object_store`` when the backends are Ray actors and
+            ``in_process`` when they live in the driver. ``object_store``: buckets travel
+            policy actor -> Ray object store -> engine actor, one bucket in flight at a time.
+        bucket_size_mb: bytes per bucket (MiB); a tensor larger than a bucket travels alone.
+            Peak extra memory of a refit is about one bucket plus the largest tensor.
+    """
+
+    method: Literal["auto", "in_process", "object_store"] = "auto"
+    bucket_size_mb: float = Field(256.0, gt=0)

@@ -1,0 +1,70 @@
+"""Config section of the rollout engine: ``policy.generation`` (with ``vllm_cfg``).
+
+Key names follow NeMo-RL's ``VllmConfig`` (``nemo_rl/models/generation/vllm/config.py``). The
+torch reference backend honours every precision key, so CPU runs use the same YAML.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from nemo_fp8.utils.config import StrictConfig
+
+SUPPORTED_WEIGHT_BLOCK_SIZE = [128, 128]
+
+
+class VllmConfig(StrictConfig):
+    """Rollout precision and engine settings (see the README's precision table)."""
+
+    precision: Literal["bfloat16", "fp8"] = "bfloat16"
+    use_deep_gemm: bool = False
+    num_first_layers_in_bf16: int = Field(0, ge=0)
+    num_last_layers_in_bf16: int = Field(0, ge=0)
+    fp8_ignore_patterns: list[str] = Field(default_factory=list)
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    weight_block_size: list[int] = Field(default_factory=lambda: list(SUPPORTED_WEIGHT_BLOCK_SIZE))
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: Optional[int] = Field(None, ge=1)
+    enforce_eager: bool = False
+
+    def config_errors(self) -> list[str]:
+        errs = []
+        if self.weight_block_size != SUPPORTED_WEIGHT_BLOCK_SIZE:
+            errs.append(f"weight_block_size: {self.weight_block_size} is not supported (valid: "
+                        f"{SUPPORTED_WEIGHT_BLOCK_SIZE}, the block size of vLLM/DeepGEMM block-scaled FP8 kernels)")
+        if self.kv_cache_dtype == "fp8" and self.precision != "fp8":
+            errs.append("kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8' "
+                        "(valid with bfloat16 precision: 'auto')")
+        return errs
+
+
+class ColocationConfig(StrictConfig):
+    """Trainer and engine share the GPUs; the engine sleeps while the trainer works."""
+
+    enabled: bool = True
+
+
+class GenerationConfig(StrictConfig):
+    backend: Literal["torch", "vllm"] = "torch"
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=1)
+    stop_token_ids: Optional[list[int]] = None
+    vllm_cfg: VllmConfig = VllmConfig()
+    colocated: ColocationConfig = ColocationConfig()
+
+    def config_errors(self) -> list[str]:
+        errs = []
+        if self.top_p != 1.0 or self.top_k is not None:
+            errs.append("top_p/top_k: must be 1.0/null; the trainer's log-probs cannot reproduce a truncated sampling "
+                        "distribution, so IS correction would be wrong")
+        if self.vllm_cfg.kv_cache_dtype == "fp8" and self.backend != "vllm":
+            errs.append("vllm_cfg.kv_cache_dtype: 'fp8' is implemented by the vllm backend only "
+                        f"(policy.generation.backend is '{self.backend}'; valid here: 'auto')")
+        return errs

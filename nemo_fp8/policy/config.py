@@ -1,0 +1,116 @@
+"""Config section ``policy``: the model, the trainer (torch or Megatron) and its FP8 recipe.
+
+Key names follow NeMo-RL's ``PolicyConfig`` / ``MegatronConfig``; the rollout engine's section
+(``policy.generation``) lives in ``nemo_fp8/generation/config.py`` and the refit's
+(``policy.weight_sync``) in ``nemo_fp8/distributed/config.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from nemo_fp8.distributed.config import WeightSyncConfig
+from nemo_fp8.generation.config import GenerationConfig
+from nemo_fp8.utils.config import StrictConfig
+
+
+class Fp8TrainingConfig(StrictConfig):
+    """TransformerEngine FP8 training (the torch backend emulates the same recipe)."""
+
+    enabled: bool = False
+    fp8: Literal["e4m3", "hybrid"] = "e4m3"
+    fp8_recipe: Literal["tensorwise", "blockwise"] = "blockwise"
+    fp8_param: bool = False
+
+    def config_errors(self) -> list[str]:
+        if not (self.fp8_param and not self.enabled):
+            return []
+        return ["fp8_param: true needs policy.megatron_cfg.fp8_cfg.enabled=true"]
+
+
+class MegatronOptimizerConfig(StrictConfig):
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(5e-7, gt=0)
+    min_lr: float = Field(5e-8, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    bf16: bool = True
+    fp16: bool = False
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(1.0, gt=0)
+    use_distributed_optimizer: bool = True
+    use_precision_aware_optimizer: bool = False
+
+
+class MegatronConfig(StrictConfig):
+    enabled: bool = False
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    expert_model_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
+    fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
+
+    def config_errors(self) -> list[str]:
+        if not (self.fp8_cfg.fp8_param and not self.enabled):
+            return []
+        return ["fp8_cfg.fp8_param: FP8 parameters need the megatron backend (policy.megatron_cfg.enabled=true); "
+                 "the torch backend emulates activations/weights only"]
+
+
+class OptimizerConfig(StrictConfig):
+    """AdamW for the torch reference policy."""
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+class TokenizerConfig(StrictConfig):
+    name: Optional[str] = None  # defaults to policy.model_name
+
+
+class TinyModelConfig(StrictConfig):
+    """``tools/make_tiny_model.py`` settings, used when ``build_if_missing`` is true."""
+
+    build_if_missing: bool = False
+    sft_steps: int = Field(400, ge=0)
+    max_operand: int = Field(49, ge=1)
+    seed: int = 1234
+
+
+class PolicyConfig(StrictConfig):
+    """The trained model. ``data_parallel_size`` ranks each hold a replica and a shard of
+    every global batch (gradients are summed across ranks, so the update equals one rank's)."""
+
+    model_name: str
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    tiny_model: TinyModelConfig = TinyModelConfig()
+    precision: Literal["float32", "bfloat16"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    data_parallel_size: int = Field(1, ge=1)
+    train_global_batch_size: int = Field(512, ge=1)
+    train_micro_batch_size: int = Field(4, ge=1)
+    logprob_batch_size: int = Field(4, ge=1)
+    generation_batch_size: int = Field(32, ge=1)
+    max_total_sequence_length: int = Field(1024, ge=2)
+    max_grad_norm: float = Field(1.0, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    megatron_cfg: MegatronConfig = MegatronConfig()
+    generation: GenerationConfig = GenerationConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+
+    def config_errors(self) -> list[str]:
+        gbs, mbs, dp = self.train_global_batch_size, self.train_micro_batch_size, self.data_parallel_size
+        errs = []
+        if gbs % (mbs * dp) != 0:
+            errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
+                        f"policy.train_global_batch_size={gbs}")
+        return errs
