@@ -1,15 +1,26 @@
 """The generation (rollout) backend interface.
 
 A backend turns prompt token ids into responses plus the log-probs of the sampled tokens
-(``generation_logprobs``), and accepts new weights from the policy (``update_weights``, the
-refit). Two implementations: ``torch`` (reference, CPU or CUDA, same FP8 numerics code as the
-engine) and ``vllm`` (later issue). Batches follow ``nemo_fp8.batch``.
+(``generation_logprobs``) and takes new weights from the policy (the refit). Two
+implementations: ``torch`` (reference, CPU or CUDA, same FP8 numerics code as the engine) and
+``vllm`` (a later issue). Batches follow ``nemo_fp8.batch``.
+
+Lifecycle (NeMo-RL's names), as the GRPO step drives it::
+
+    start_weight_update(version) -> update_weights(bucket) x N -> finish_weight_update()   # refit, when stale
+    prepare_for_generation() -> generate(...) -> finish_generation()                      # wake, roll out, sleep
+    shutdown()
+
+``update_weights`` receives buckets of ``(HF name, high-precision tensor)``; FP8 layers quantize
+on arrival (blockwise 128x128, in place). FP8 KV scales travel in the same stream under
+``model.layers.{i}.self_attn.{q,k,v}_scale`` (``nemo_fp8.fp8.kv_scales``), so they are always
+tagged with the version (GRPO step) of the weights they were measured on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Iterable, Protocol
 
 from torch import Tensor
 
@@ -36,11 +47,55 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class WeightVersion:
+    """What the engine holds after a refit: the policy version of its weights and KV scales.
+
+    Attributes:
+        weights: GRPO step of the policy weights loaded (0: the initial weights), or -1 before
+            the first refit.
+        kv_scales: GRPO step of the FP8 KV scales loaded, or -1 when none were ever sent.
+        num_tensors: tensors received in the last update (weights and scales).
+    """
+
+    weights: int = -1
+    kv_scales: int = -1
+    num_tensors: int = 0
+
+
 class GenerationBackend(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Generate one response per prompt (repeat a prompt for n samples); see GenerationOutput."""
         ...
 
-    def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
-        """Refit: load high-precision weights by HF name; FP8 layers quantize them in place."""
+    def start_weight_update(self, version: int) -> None:
+        """Begin a refit to policy ``version`` (GRPO step); buckets follow."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load one bucket of HF-named high-precision tensors; FP8 layers quantize in place."""
+        ...
+
+    def finish_weight_update(self) -> WeightVersion:
+        """End the refit; returns what the engine now holds.
+
+        Raises:
+            RuntimeError: not every weight arrived (the engine would mix two versions).
+        """
+        ...
+
+    def weight_version(self) -> WeightVersion:
+        """The versions currently loaded (checked by the loop before each rollout)."""
+        ...
+
+    def prepare_for_generation(self) -> None:
+        """Wake: bring weights / KV cache back to the device (colocated with the trainer)."""
+        ...
+
+    def finish_generation(self) -> None:
+        """Sleep: free device memory for the trainer (colocated)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release everything; the backend is unusable afterwards."""
         ...

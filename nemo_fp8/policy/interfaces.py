@@ -2,9 +2,19 @@
 
 ``get_logprobs`` gives the trainer's per-token log-probs (``prev_logprobs``, or the reference
 policy's with ``reference=True``); ``train`` runs one GRPO update over a rollout batch with a
-loss function; ``named_weights`` streams the weights, by HF name, for the refit. Two
+loss function; ``named_weights`` streams the weights, by HF name, for the refit;
+``calibrate_kv_scales`` measures per-layer q/k/v amax for the FP8 KV cache. Two
 implementations: ``torch`` (reference: HF model + AdamW, FP8 recipes emulated) and ``megatron``
-(Megatron-core + TransformerEngine, later issue). Batches follow ``nemo_fp8.batch``.
+(Megatron-core + TransformerEngine, a later issue). Batches follow ``nemo_fp8.batch``.
+
+Lifecycle (NeMo-RL's names): around a refit with a colocated engine the loop calls
+``offload_before_refit`` (optimizer state off the device) and ``offload_after_refit`` (weights
+off the device too, so the engine can wake); ``prepare_for_training`` brings both back before
+the next log-probs / training; ``shutdown`` releases everything.
+
+Data parallelism: a backend instance is one data-parallel rank. ``train`` on a rank sees its
+shard of each global batch and sums gradients across ranks (the loss is normalised by the
+global batch's token counts, so the update equals a single rank's on the whole batch).
 """
 
 from __future__ import annotations
@@ -15,12 +25,17 @@ from typing import Iterator, Protocol
 from torch import Tensor
 
 from nemo_fp8.batch import TrainBatch
+from nemo_fp8.fp8.kv_scales import KvScales
 
 
 class LossFn(Protocol):
-    def __call__(self, logprobs: Tensor, batch: TrainBatch, global_valid_tokens: float,
-                 global_valid_seqs: float) -> tuple[Tensor, dict[str, float]]:
-        """Loss of one micro-batch, normalised by the global batch's token/sequence counts."""
+    """A loss over one micro-batch (``nemo_fp8.algorithms.loss.ClippedPGLossFn``)."""
+
+    metric_reductions: dict[str, str]  # metric name -> "sum" | "token_mean" | "seq_mean" | "min" | "max"
+
+    def __call__(self, logprobs: Tensor, batch: TrainBatch, global_valid_tokens: float | Tensor,
+                 global_valid_seqs: float | Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """(scalar loss, 0-dim metric tensors), normalised by the global batch's counts; no host sync."""
         ...
 
 
@@ -30,13 +45,25 @@ class PolicyBackend(Protocol):
         ...
 
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One pass over ``batch`` in global batches of ``train_global_batch_size``."""
+        """One optimizer step per ``train_global_batch_size`` rows; metrics reduced once per global batch."""
+        ...
+
+    def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
+        """Per-layer q/k/v amax over ``batch``'s real tokens (post-RoPE, post q/k-norm) -> scales."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The current weights by HF name, high precision, for the refit."""
+        """The current weights by HF name, high precision, for the refit (a stream, no copies)."""
         ...
+
+    def prepare_for_training(self) -> None: ...
+
+    def offload_before_refit(self) -> None: ...
+
+    def offload_after_refit(self) -> None: ...
 
     def save(self, path: str | Path) -> None: ...
 
     def load(self, path: str | Path) -> None: ...
+
+    def shutdown(self) -> None: ...
