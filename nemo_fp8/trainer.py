@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_fp8.algorithms.grpo import grpo_train, refit
+from nemo_fp8.algorithms.grpo import RefitController, grpo_train, prompts_batch
 from nemo_fp8.config import MasterConfig, config_to_yaml
 from nemo_fp8.data import (MathExample, PromptDataloader, PromptFormatter, PromptSample, load_math_dataset,
                            make_arithmetic_problems, tokenize_prompts)
@@ -84,32 +84,69 @@ def prepare_prompts(cfg: MasterConfig, tokenizer) -> tuple[list[PromptSample], l
 
 @dataclass
 class Workers:
+    """The run's backends (Ray worker groups) and the refit between them."""
+
     policy: object
     generation: object
+    refitter: RefitController
+
+    def shutdown(self) -> None:
+        for group in (self.generation, self.policy):
+            try:
+                group.shutdown()
+            except Exception as e:  # a crashed actor must not hide the error that ended the run
+                logger.warning("shutdown of %s failed: %s", type(group).__name__, e)
 
 
-def start_workers(cfg: MasterConfig, tokenizer) -> Workers:
-    """Start Ray and one actor per backend; colocated actors share the GPU on a GPU host."""
-    from nemo_fp8.distributed.workers import RemoteGeneration, RemotePolicy, init_ray, spawn
-    from nemo_fp8.generation import build_generation_backend
-    from nemo_fp8.policy import build_policy_backend
+def make_weight_sync(cfg: MasterConfig, policy, generation):
+    """The refit transport for ``policy.weight_sync`` (``auto``: by where the backends live).
+
+    Raises:
+        ValueError: ``in_process`` requested for backends that run in Ray actors.
+    """
+    from nemo_fp8.distributed.weight_sync import InProcessWeightSync, ObjectStoreWeightSync
+    from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
+
+    ws = cfg.policy.weight_sync
+    bucket_bytes = int(ws.bucket_size_mb * 2**20)
+    remote = isinstance(policy, PolicyGroup) and isinstance(generation, GenerationGroup)
+    if remote and ws.method in ("auto", "object_store"):
+        return ObjectStoreWeightSync(policy.weight_source, generation.worker, bucket_bytes)
+    if not remote and ws.method in ("auto", "in_process"):
+        return InProcessWeightSync(policy, generation, bucket_bytes)
+    raise ValueError(f"policy.weight_sync.method={ws.method!r} does not fit backends that run "
+                     f"{'in Ray actors' if remote else 'in this process'} (valid: 'auto', "
+                     f"{'object_store' if remote else 'in_process'})")
+
+
+def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
+    """Start Ray, the placement group, the policy's data-parallel ranks and the engine.
+
+    On a GPU host the engine is colocated with policy rank 0 (shared GPU) unless
+    ``policy.generation.colocated.enabled`` is false.
+    """
+    from nemo_fp8.distributed.worker_groups import (GenerationGroup, PolicyGroup, create_placement_group, init_ray,
+                                                    plan_cluster)
 
     device = resolve_device(cfg.policy.device)
     init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
-    gpus = (0.5 if cfg.policy.generation.colocated.enabled else 1.0) if device.type == "cuda" else 0.0
-    threads = cfg.cluster.torch_threads_per_worker or os.cpu_count()
     gen_cfg = cfg.policy.generation
-    generation = spawn(build_generation_backend, dict(
+    colocated = gen_cfg.colocated.enabled
+    plan = plan_cluster(cfg.policy.data_parallel_size, device.type == "cuda", colocated)
+    pg = create_placement_group(plan)
+    # Engine and trainer take turns (never run at once); data-parallel ranks train side by side.
+    threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.policy.data_parallel_size)
+    generation = GenerationGroup.start(pg, plan, dict(
         backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg, device=device,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        batch_size=cfg.policy.generation_batch_size), num_cpus=1, num_gpus=gpus, torch_threads=threads,
-        name="generation")
-    policy = spawn(build_policy_backend, dict(
+        batch_size=cfg.policy.generation_batch_size, offload_when_idle=colocated), threads)
+    policy = PolicyGroup.start(pg, plan, dict(
         megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device, temperature=gen_cfg.temperature,
-        keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0), num_cpus=1, num_gpus=gpus,
-        torch_threads=threads, name="policy")
-    return Workers(RemotePolicy(policy), RemoteGeneration(generation))
+        keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0), threads)
+    refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
+                               requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8")
+    return Workers(policy, generation, refitter)
 
 
 def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:
@@ -130,22 +167,27 @@ def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:
     if resume and latest is None:
         logger.warning("--resume: no checkpoint under %s; starting from step 0", cfg.checkpointing.checkpoint_dir)
 
-    workers = start_workers(cfg, tokenizer)
     start_step = 0
+    state = None
     if latest is not None:
         state = CheckpointManager.load_trainer_state(latest)
+        start_step = int(state["step"])
+    workers = start_workers(cfg, tokenizer, version=start_step)
+    if latest is not None:
         workers.policy.load(latest / "policy")
         dataloader.load_state_dict(state["dataloader"])
-        start_step = int(state["step"])
         logger.info("resumed from %s (step %d)", latest, start_step)
-    refit(workers.policy, workers.generation)  # the engine always starts from the policy's weights
+    if workers.refitter.requires_kv_scales:  # FP8 KV: scales for the starting weights, from the first prompts
+        first = train[: cfg.grpo.num_prompts_per_step]
+        workers.refitter.mark_stale(start_step, workers.policy.calibrate_kv_scales(
+            prompts_batch(first, tokenizer.pad_token_id), start_step, cfg.policy.generation.vllm_cfg.kv_scale_margin))
 
     metrics_logger = MetricsLogger(cfg.logger, cfg.model_dump(mode="json"), resume=latest is not None)
     (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
     scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s)
     try:
         return grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
-                          metrics_logger, checkpointer, start_step, config_yaml)
+                          metrics_logger, checkpointer, start_step, config_yaml, workers.refitter)
     except KeyboardInterrupt:
         done = checkpointer.latest()
         logger.warning("interrupted; last checkpoint: %s; continue with --resume", done)
@@ -155,4 +197,5 @@ def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:
         if png:
             logger.info("curves: %s", png)
         scorer.close()
+        workers.shutdown()
         ray.shutdown()

@@ -1,9 +1,13 @@
 """The GRPO loop: one ``grpo_step`` that reads top to bottom, validation, and the outer loop.
 
 Engine-free: it talks to a ``GenerationBackend`` and a ``PolicyBackend`` (local objects or Ray
-handles, it cannot tell) and imports no vLLM / Megatron / TransformerEngine. Each phase is
-timed by name: ``generation``, ``reward``, ``advantages``, ``logprobs``, ``training``,
-``refit``, ``validation``, ``checkpoint``.
+worker groups, it cannot tell) and imports no vLLM / Megatron / TransformerEngine. One step::
+
+    refit if stale -> wake -> generate -> sleep -> reward -> advantages -> logprobs -> train
+      -> (FP8 KV) calibrate q/k/v scales -> mark the engine stale
+
+Each phase is timed by name: ``refit``, ``generation``, ``reward``, ``advantages``,
+``logprobs``, ``training``, ``kv_calibration``, ``validation``, ``checkpoint``.
 
 GRPO: Shao et al. 2024 (DeepSeekMath); DAPO options: Yu et al. 2025; importance-sampling
 correction of the rollout/trainer mismatch: Yao et al. 2025, NeMo-RL's FP8 recipe.
@@ -11,10 +15,11 @@ correction of the rollout/trainer mismatch: Yao et al. 2025, NeMo-RL's FP8 recip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 from tqdm import tqdm
@@ -25,6 +30,7 @@ from nemo_fp8.algorithms.metrics import mismatch_metrics
 from nemo_fp8.batch import GenerationOutput, TrainBatch, concat_padded
 from nemo_fp8.config import MasterConfig
 from nemo_fp8.data import PromptSample
+from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.generation.interfaces import SamplingParams
 from nemo_fp8.utils.timer import Timer
 
@@ -42,16 +48,84 @@ class Rollout:
     rewards: torch.Tensor
 
 
-def refit(policy, generation) -> None:
-    """Copy the policy's current weights into the generation backend (the refit).
+class RefitController:
+    """Keeps the engine's weights (and FP8 KV scales) on the policy's version (NeMo-RL's "stale" flag).
 
-    A backend that can pull from the policy directly (``refit_from``: Ray actors, actor to actor)
-    does so; otherwise the weights are streamed name by name through ``update_weights``.
+    After each training step the loop calls ``mark_stale(step, kv_scales)``; the next
+    ``generating()`` block first refits (colocated: the policy offloads its optimizer state
+    before and its weights after, so the engine can wake), then wakes the engine, checks that it
+    holds exactly this version (weights and, with FP8 KV, scales), and puts it to sleep at the end.
+
+    Args:
+        policy: a ``PolicyBackend`` (or group).
+        generation: a ``GenerationBackend`` (or group).
+        weight_sync: a ``nemo_fp8.distributed.weight_sync.WeightSync``.
+        version: the policy version held now (the GRPO step; 0 for the initial weights).
+        kv_scales: FP8 KV scales for ``version`` (required when ``requires_kv_scales``).
+        requires_kv_scales: the engine runs an FP8 KV cache: every refit must carry fresh scales.
     """
-    if hasattr(generation, "refit_from"):
-        generation.refit_from(policy)
-    else:
-        generation.update_weights(policy.named_weights())
+
+    def __init__(self, policy, generation, weight_sync, version: int = 0, kv_scales: Optional[KvScales] = None,
+                 requires_kv_scales: bool = False):
+        self.policy, self.generation, self.weight_sync = policy, generation, weight_sync
+        self.requires_kv_scales = requires_kv_scales
+        self.stale = True
+        self.version, self.kv_scales = version, kv_scales
+        self.last_stats = None
+
+    def mark_stale(self, version: int, kv_scales: Optional[KvScales] = None) -> None:
+        """The policy now holds ``version``; refit before the next rollout."""
+        self.version, self.kv_scales, self.stale = version, kv_scales, True
+
+    def refit_if_stale(self, timer: Timer) -> dict[str, float]:
+        """Refit when stale; returns the refit's metrics (empty when nothing was sent).
+
+        Raises:
+            RuntimeError: FP8 KV cache on and no scales for this version.
+        """
+        if not self.stale:
+            return {}
+        if self.requires_kv_scales and (self.kv_scales is None or self.kv_scales.step != self.version):
+            got = None if self.kv_scales is None else self.kv_scales.step
+            raise RuntimeError(f"refit to version {self.version}: the FP8 KV cache needs scales measured on these "
+                               f"weights (have: {got}); calibrate_kv_scales after every training step")
+        with timer("refit"):
+            self.policy.offload_before_refit()
+            self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
+            self.policy.offload_after_refit()
+        self.stale = False
+        return self.last_stats.metrics()
+
+    @contextlib.contextmanager
+    def generating(self, timer: Timer):
+        """Refit if stale, wake the engine, check its version, yield; then put it to sleep.
+
+        Raises:
+            RuntimeError: the engine does not hold this version's weights (or KV scales).
+        """
+        self.refit_if_stale(timer)
+        self.generation.prepare_for_generation()
+        try:
+            held = self.generation.weight_version()
+            if held.weights != self.version:
+                raise RuntimeError(f"rollout: the engine holds weights of version {held.weights}, the policy is at "
+                                   f"{self.version} (a refit was lost)")
+            if self.requires_kv_scales and held.kv_scales != self.version:
+                raise RuntimeError(f"rollout: the engine's FP8 KV scales are of version {held.kv_scales} (-1: never "
+                                   f"set, i.e. the default 1.0), the weights of {self.version}: stale scales")
+            yield
+        finally:
+            self.generation.finish_generation()
+
+
+def prompts_batch(prompts: list[PromptSample], pad_token_id: int) -> TrainBatch:
+    """Prompts alone as a ``TrainBatch`` (no responses): what KV calibration sees before the first rollout."""
+    lengths = torch.tensor([len(p.prompt_token_ids) for p in prompts], dtype=torch.long)
+    ids = torch.full((len(prompts), int(lengths.max())), pad_token_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p.prompt_token_ids)] = torch.tensor(p.prompt_token_ids)
+    zeros = torch.zeros(ids.shape, dtype=torch.float32)
+    return TrainBatch(ids, lengths, torch.zeros_like(lengths), torch.zeros(len(prompts)), zeros)
 
 
 def decode_responses(output: GenerationOutput, tokenizer) -> list[str]:
@@ -90,7 +164,7 @@ def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, tor
 
 
 def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, generation, reward_fn: RewardFn,
-              tokenizer, cfg: MasterConfig, timer: Timer) -> dict[str, float]:
+              tokenizer, cfg: MasterConfig, timer: Timer, refitter: RefitController) -> dict[str, float]:
     """One GRPO step; returns flat ``group/name`` metrics.
 
     With ``grpo.use_dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no
@@ -102,19 +176,21 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
     g, gen_cfg = cfg.grpo, cfg.policy.generation
     n, want = g.num_generations_per_prompt, g.num_prompts_per_step * g.num_generations_per_prompt
     parts, rollouts = [], []
-    for round_idx in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
-        sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
-                                  seed=g.seed * 1_000_003 + step * 101 + round_idx,
-                                  stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
-        r = rollout(next(prompt_batches), n, generation, reward_fn, tokenizer, sampling, timer)
-        with timer("advantages"):
-            adv, keep = compute_advantages(r, cfg)
-        o = r.output
-        rollouts.append(r)
-        parts.append(TrainBatch(o.token_ids, o.prompt_lengths, o.response_lengths, adv,
-                                o.generation_logprobs).select(keep))
-        if sum(p.size for p in parts) >= want:
-            break
+    refit_metrics = refitter.refit_if_stale(timer)
+    with refitter.generating(timer):
+        for round_idx in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+            sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
+                                      seed=g.seed * 1_000_003 + step * 101 + round_idx,
+                                      stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
+            r = rollout(next(prompt_batches), n, generation, reward_fn, tokenizer, sampling, timer)
+            with timer("advantages"):
+                adv, keep = compute_advantages(r, cfg)
+            o = r.output
+            rollouts.append(r)
+            parts.append(TrainBatch(o.token_ids, o.prompt_lengths, o.response_lengths, adv,
+                                    o.generation_logprobs).select(keep))
+            if sum(p.size for p in parts) >= want:
+                break
     batch = _concat_batches(parts, tokenizer.pad_token_id)
     usable = min(batch.size, want) // cfg.policy.train_global_batch_size * cfg.policy.train_global_batch_size
     batch = batch.select(slice(0, usable))
@@ -127,11 +203,12 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
         "train/truncated_frac": float(torch.cat([r.output.truncated for r in rollouts]).float().mean()),
         "train/num_sequences_trained": float(usable),
         "train/num_generation_rounds": float(len(rollouts)),
+        **refit_metrics,
     }
     if usable == 0:
         logger.warning("step %d: no informative groups after %d generation rounds; skipping the update", step,
                        len(rollouts))
-        return metrics
+        return metrics  # the policy did not change: the engine stays fresh
 
     with timer("logprobs"):
         batch.prev_logprobs = policy.get_logprobs(batch)
@@ -142,8 +219,12 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
     with timer("training"):
         train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn))
     metrics.update({f"loss/{k}": v for k, v in train_metrics.items()})
-    with timer("refit"):
-        refit(policy, generation)
+    kv_scales = None
+    if refitter.requires_kv_scales:
+        with timer("kv_calibration"):
+            kv_scales = policy.calibrate_kv_scales(batch, step, cfg.policy.generation.vllm_cfg.kv_scale_margin)
+        metrics.update(kv_scales.metrics())
+    refitter.mark_stale(step, kv_scales)
     return metrics
 
 
@@ -155,28 +236,29 @@ def _concat_batches(parts: list[TrainBatch], pad_token_id: int) -> TrainBatch:
 
 
 def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSample], cfg: MasterConfig,
-             step: int) -> dict[str, float]:
+             step: int, refitter: RefitController, timer: Timer) -> dict[str, float]:
     """Accuracy (mean reward) on ``samples``: greedy when ``grpo.val_greedy``, one response each."""
     g, gen_cfg = cfg.grpo, cfg.policy.generation
     sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
                               greedy=g.val_greedy, seed=g.seed + 7 * step,
                               stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
     rewards, shown = [], 0
-    for i in tqdm(range(0, len(samples), g.val_batch_size), desc=f"validation @ step {step}", leave=False,
-                  unit="batch"):
-        chunk = samples[i:i + g.val_batch_size]
-        r = rollout(chunk, 1, generation, reward_fn, tokenizer, sampling, Timer())
-        rewards.append(r.rewards)
-        for s, text, rew in zip(chunk, r.responses, r.rewards.tolist()):
-            if shown < cfg.logger.num_val_samples_to_print:
-                tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
-                shown += 1
+    with refitter.generating(timer):
+        for i in tqdm(range(0, len(samples), g.val_batch_size), desc=f"validation @ step {step}", leave=False,
+                      unit="batch"):
+            chunk = samples[i:i + g.val_batch_size]
+            r = rollout(chunk, 1, generation, reward_fn, tokenizer, sampling, Timer())
+            rewards.append(r.rewards)
+            for s, text, rew in zip(chunk, r.responses, r.rewards.tolist()):
+                if shown < cfg.logger.num_val_samples_to_print:
+                    tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
+                    shown += 1
     return {"val/accuracy": float(torch.cat(rewards).mean()), "val/num_samples": float(len(samples))}
 
 
 def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, tokenizer, dataloader,
                val_samples: list[PromptSample], metrics_logger, checkpointer, start_step: int,
-               config_yaml: str) -> dict[str, float]:
+               config_yaml: str, refitter: RefitController) -> dict[str, float]:
     """Run steps ``start_step + 1 .. grpo.max_num_steps``; returns the last step's metrics.
 
     ``dataloader`` is an endless iterator of prompt batches with ``state_dict()``; its state is
@@ -187,17 +269,17 @@ def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, token
     last: dict[str, float] = {}
     if start_step == 0 and g.val_at_start and g.val_period > 0:
         with timer("validation"):
-            last = validate(generation, reward_fn, tokenizer, val_samples, cfg, 0)
-        metrics_logger.log(0, {**last, "timing/validation": timer.pop()["validation"]})
+            last = validate(generation, reward_fn, tokenizer, val_samples, cfg, 0, refitter, timer)
+        metrics_logger.log(0, {**last, **{f"timing/{k}": v for k, v in timer.pop().items()}})
     bar = tqdm(range(start_step + 1, g.max_num_steps + 1), initial=start_step, total=g.max_num_steps,
                desc="grpo", unit="step", dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        metrics = grpo_step(step, dataloader, policy, generation, reward_fn, tokenizer, cfg, timer)
+        metrics = grpo_step(step, dataloader, policy, generation, reward_fn, tokenizer, cfg, timer, refitter)
         is_last = step == g.max_num_steps
         if (g.val_period > 0 and step % g.val_period == 0) or (is_last and g.val_at_end):
             with timer("validation"):
-                metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step))
+                metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step, refitter, timer))
         if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or is_last):
             with timer("checkpoint"):
                 checkpointer.save(step, policy, {"dataloader": dataloader.state_dict()}, config_yaml)

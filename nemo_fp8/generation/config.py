@@ -27,6 +27,7 @@ class VllmConfig(StrictConfig):
     pow2_activation_scaling_factors: bool = False
     weight_block_size: list[int] = Field(default_factory=lambda: list(SUPPORTED_WEIGHT_BLOCK_SIZE))
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    kv_scale_margin: float = Field(1.0, ge=1.0, description="FP8 KV scale = amax * margin / 448 (head-room >= 1)")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: Optional[int] = Field(None, ge=1)

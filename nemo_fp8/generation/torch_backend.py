@@ -3,8 +3,9 @@
 Precision ``bfloat16`` runs the model in bf16. Precision ``fp8`` additionally replaces every
 FP8-eligible Linear (``nemo_fp8.fp8.plan_layer_precision``) by ``Fp8BlockLinear``: W8A8 with
 128x128 weight blocks and 1x128 activation groups, the numerics of vLLM's block-scaled FP8
-kernels, with weights quantized at every refit (``update_weights``). Runs on CPU, or CUDA when
-there is one, with the same code; slow, and meant to pin down numerics, not to serve.
+kernels, with weights quantized at every refit (``update_weights``, bucket by bucket). Runs on
+CPU, or CUDA when there is one, with the same code; slow, and meant to pin down numerics, not to
+serve. FP8 KV scales sent with the weights are kept with their version (``kv_scales``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch import Tensor, nn
 from nemo_fp8.batch import GenerationOutput, concat_padded
 from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.fp8 import Fp8BlockLinear, LayerPrecisionPlan, plan_layer_precision
-from nemo_fp8.generation.interfaces import SamplingParams
+from nemo_fp8.fp8.kv_scales import is_kv_scale_name, parse_kv_scale_name
+from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
 from nemo_fp8.models.hf import load_causal_lm
 
 logger = logging.getLogger(__name__)
@@ -57,10 +59,13 @@ class TorchGenerationBackend:
         pad_token_id, eos_token_id: from the tokenizer.
         max_total_sequence_length: prompt + response cap per sequence.
         batch_size: prompts per forward pass (``policy.generation_batch_size``).
+        offload_when_idle: colocated with the trainer on a GPU: ``finish_generation`` moves the
+            model to host memory (the reference's stand-in for vLLM's sleep mode).
     """
 
     def __init__(self, model_name: str, vllm_cfg: VllmConfig, device: torch.device, pad_token_id: int,
-                 eos_token_id: int, max_total_sequence_length: int, batch_size: int = 64):
+                 eos_token_id: int, max_total_sequence_length: int, batch_size: int = 64,
+                 offload_when_idle: bool = False):
         self.device = device
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
         self.max_total_sequence_length = max_total_sequence_length
@@ -69,6 +74,16 @@ class TorchGenerationBackend:
         self.model = load_causal_lm(model_name, torch.bfloat16, device).eval().requires_grad_(False)
         self.plan = convert_to_fp8_inference(self.model, vllm_cfg) if vllm_cfg.precision == "fp8" else None
         self._targets = self._refit_targets()
+        out_emb = self.model.get_output_embeddings()
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        # A tied lm_head shares the embedding's storage: the policy streams the weight once.
+        self._tied = {n for n, (m, _) in self._targets.items() if tied and m is out_emb}
+        self.num_layers = int(self.model.config.num_hidden_layers)
+        self.offload_when_idle = offload_when_idle
+        self.kv_scales: dict[str, Tensor] | None = None  # {'q'|'k'|'v': [num_layers] fp32}, from the refit
+        self._version = WeightVersion()
+        self._pending: dict | None = None
+        self._asleep = False
 
     def _refit_targets(self) -> dict[str, tuple[nn.Module, str]]:
         """HF weight name -> (module, attribute) for every tensor a refit may write."""
@@ -82,17 +97,31 @@ class TorchGenerationBackend:
                 targets[f"{mod_name}.{attr}" if mod_name else attr] = (module, attr)
         return targets
 
+    # ----------------------------------------------------------------------- refit
+    def start_weight_update(self, version: int) -> None:
+        """Begin a refit to policy ``version``; the buckets that follow must cover every weight."""
+        self._pending = {"version": int(version), "seen": set(), "kv": {}}
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
-        """Refit: copy each named high-precision tensor in place; FP8 layers re-quantize blockwise.
+        """Load one bucket: copy each named high-precision tensor in place; FP8 layers re-quantize.
+
+        ``model.layers.{i}.self_attn.{q,k,v}_scale`` entries are FP8 KV scales: kept with the
+        update's version (``kv_scales``). Called outside ``start_weight_update`` /
+        ``finish_weight_update`` it is one complete refit on its own (version unchanged).
 
         Raises:
             KeyError: a name this model does not have (lists a few valid names).
             ValueError: shape mismatch or NaN/Inf in an FP8 layer's weight.
         """
+        standalone = self._pending is None
+        if standalone:
+            self.start_weight_update(self._version.weights)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        seen = set()
         for name, tensor in items:
+            if is_kv_scale_name(name):
+                self._pending["kv"][parse_kv_scale_name(name)] = float(tensor.reshape(()))
+                continue
             if name not in self._targets:
                 raise KeyError(f"refit: the generation model has no weight {name!r} "
                                f"(e.g. {sorted(self._targets)[:3]})")
@@ -104,10 +133,60 @@ class TorchGenerationBackend:
                 if target.shape != tensor.shape:
                     raise ValueError(f"refit: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
                 target.copy_(tensor)
-            seen.add(name)
-        missing = [n for n in self._targets if n not in seen and self._targets[n][0] is not self.model.get_output_embeddings()]
-        if missing:
-            logger.warning("refit left %d weights unchanged, e.g. %s", len(missing), missing[:3])
+            self._pending["seen"].add(name)
+        if standalone:
+            self.finish_weight_update(require_all=False)
+
+    def finish_weight_update(self, require_all: bool = True) -> WeightVersion:
+        """End the refit started by ``start_weight_update``; return the versions now loaded.
+
+        Raises:
+            RuntimeError: no refit in progress; or (``require_all``) weights that did not arrive,
+                or KV scales for only some layers: the engine would mix two policy versions.
+        """
+        if self._pending is None:
+            raise RuntimeError("finish_weight_update: no weight update in progress (call start_weight_update first)")
+        pending, self._pending = self._pending, None
+        missing = [n for n in self._targets if n not in pending["seen"] and n not in self._tied]
+        if missing and require_all:
+            raise RuntimeError(f"refit to version {pending['version']}: {len(missing)} weights did not arrive, "
+                               f"e.g. {missing[:3]}; the engine would mix two policy versions")
+        kv_step = self._version.kv_scales
+        if pending["kv"]:
+            layers = {layer for layer, _ in pending["kv"]}
+            want = {(layer, kind) for layer in range(self.num_layers) for kind in "qkv"}
+            if set(pending["kv"]) != want:
+                raise RuntimeError(f"refit to version {pending['version']}: KV scales for {len(pending['kv'])} of "
+                                   f"{len(want)} (layer, q/k/v) pairs (layers {sorted(layers)[:4]}...); send all")
+            self.kv_scales = {kind: torch.tensor([pending["kv"][(i, kind)] for i in range(self.num_layers)])
+                              for kind in "qkv"}
+            kv_step = pending["version"]
+        self._version = WeightVersion(pending["version"], kv_step, len(pending["seen"]) + len(pending["kv"]))
+        return self._version
+
+    def weight_version(self) -> WeightVersion:
+        return self._version
+
+    # ----------------------------------------------------------------------- lifecycle
+    def prepare_for_generation(self) -> None:
+        """Wake: move the model back to its device (after ``finish_generation`` offloaded it)."""
+        if self._asleep:
+            self.model.to(self.device)
+            self._asleep = False
+
+    def finish_generation(self) -> None:
+        """Sleep when colocated on a GPU: move the model to host memory and free the cache."""
+        if self.offload_when_idle and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self._asleep = True
+
+    def shutdown(self) -> None:
+        """Drop the model (and its device memory)."""
+        self.model = None  # type: ignore[assignment]
+        self._targets = {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
@@ -116,7 +195,12 @@ class TorchGenerationBackend:
         Raises:
             ValueError: an empty prompt, or a prompt that leaves no room under
                 ``max_total_sequence_length``.
+            RuntimeError: called during a weight update or while asleep.
         """
+        if self._pending is not None:
+            raise RuntimeError("generate: a weight update is in progress (finish_weight_update first)")
+        if self._asleep:
+            raise RuntimeError("generate: the engine is asleep (call prepare_for_generation first)")
         if not prompt_token_ids:
             raise ValueError("generate: no prompts")
         for i, p in enumerate(prompt_token_ids):

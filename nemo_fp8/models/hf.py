@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -69,3 +71,54 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) 
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
     picked = logp.gather(-1, token_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)  # [B, T]
+
+
+_CALIBRATION_ATTN = "nemo_fp8_qkv_amax"
+_calibration_state: dict = {}
+
+
+def _qkv_amax_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA that first records the amax of q, k, v over real tokens ([B, H, T, D] each)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    state = _calibration_state
+    valid = state["token_mask"]  # [B, T] bool, True on real tokens
+    for row, x in enumerate((query, key, value)):
+        per_token = x.detach().abs().amax(dim=(1, 3)).float()  # [B, T]
+        amax = torch.where(valid[:, -per_token.shape[1]:], per_token, torch.zeros_like(per_token)).amax()
+        state["amax"][row, module.layer_idx] = torch.maximum(state["amax"][row, module.layer_idx], amax)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def record_qkv_amax(model: nn.Module, attention_mask: Tensor, amax: Tensor) -> Iterator[None]:
+    """Within: every forward of ``model`` max-accumulates q/k/v amax per layer into ``amax``.
+
+    q and k are recorded as the attention kernel receives them: after q/k-norm and RoPE (HF
+    models apply both before calling the attention function), k and v before GQA repetition.
+    Works for HF decoders whose attention modules carry ``layer_idx`` (Qwen3, Qwen3-MoE, Llama).
+
+    Args:
+        model: an HF causal LM.
+        attention_mask: [B, T] int/bool, 1 on real tokens of the batch about to run.
+        amax: [3, num_layers] float32 on the model's device, updated in place (rows q, k, v).
+
+    Raises:
+        ValueError: an attention module without ``layer_idx``.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(_CALIBRATION_ATTN, _qkv_amax_attention)
+    AttentionMaskInterface.register(_CALIBRATION_ATTN, sdpa_mask)
+    attn_modules = [m for n, m in model.named_modules() if n.endswith("self_attn")]
+    if not attn_modules or any(getattr(m, "layer_idx", None) is None for m in attn_modules):
+        raise ValueError(f"record_qkv_amax: {type(model).__name__} has attention modules without layer_idx")
+    previous = model.config._attn_implementation
+    _calibration_state.update(token_mask=attention_mask.bool(), amax=amax)
+    model.set_attn_implementation(_CALIBRATION_ATTN)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _calibration_state.clear()

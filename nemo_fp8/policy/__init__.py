@@ -17,4 +17,4 @@ def build_policy_backend(megatron: bool, **kwargs) -> PolicyBackend:
                                   "emulates the same FP8 recipes)")
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
-    return TorchPolicyBackend(**kwargs)
+    return TorchPolicyBackend(**kwargs)  # cfg, device, temperature, keep_reference, dp_rank, dp_size, dist_init_method

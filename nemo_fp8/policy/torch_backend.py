@@ -1,5 +1,10 @@
 """Reference policy backend: an HF causal LM trained with AdamW, in pure torch.
 
+One instance is one data-parallel rank: with ``policy.data_parallel_size > 1`` the ranks (Ray
+actors) join a ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), each trains on its shard
+of every global batch and gradients are summed across ranks before the optimizer step, so every
+replica takes the same update a single rank would take on the whole global batch.
+
 When ``policy.megatron_cfg.fp8_cfg.enabled`` is set, every FP8-eligible Linear
 (``nemo_fp8.fp8.plan_layer_precision``) becomes an ``Fp8TrainingLinear`` that emulates the
 TransformerEngine recipe by quantize-dequantize (``tensorwise`` current scaling or
@@ -12,15 +17,18 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.policy.config import Fp8TrainingConfig, PolicyConfig
+from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_precision
+from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, token_logprobs
 from nemo_fp8.policy.interfaces import LossFn
 
@@ -35,8 +43,38 @@ def enable_fp8_training(model: nn.Module, fp8_cfg: Fp8TrainingConfig) -> list[st
     return names
 
 
+@dataclass
+class ShardTrainResult:
+    """One rank's part of ``train``: per global batch, its metric accumulator and the grad norm.
+
+    ``reduce_train_results`` merges the ranks' results (``MetricAccumulator.merge``) and
+    averages over global batches.
+    """
+
+    accumulators: list[MetricAccumulator]
+    grad_norms: list[float]
+
+
+def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
+    """Metrics of ``train``: each global batch reduced once over ranks and micro-batches, then averaged.
+
+    Raises:
+        ValueError: ranks that saw different numbers of global batches.
+    """
+    n = {len(r.accumulators) for r in results}
+    if len(n) != 1:
+        raise ValueError(f"reduce_train_results: ranks saw different numbers of global batches: {sorted(n)}")
+    history = []
+    for g in range(n.pop()):
+        acc = results[0].accumulators[g]
+        for r in results[1:]:
+            acc = acc.merge(r.accumulators[g])
+        history.append({**acc.result(), "grad_norm": results[0].grad_norms[g]})
+    return {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
+
+
 class TorchPolicyBackend:
-    """``PolicyBackend`` in pure torch (see the module docstring).
+    """``PolicyBackend`` in pure torch (see the module docstring); one data-parallel rank.
 
     Args:
         cfg: the ``policy`` config section (model, precision, batch sizes, optimizer, fp8_cfg).
@@ -44,11 +82,20 @@ class TorchPolicyBackend:
         temperature: the generation temperature; logits are divided by it before log-softmax,
             so trainer and rollout score the same distribution.
         keep_reference: keep a frozen copy of the initial weights for the KL penalty.
+        dp_rank, dp_size: this rank and the number of data-parallel ranks.
+        dist_init_method: ``tcp://host:port`` of rank 0, required when ``dp_size > 1``.
     """
 
     def __init__(self, cfg: PolicyConfig, device: torch.device, temperature: float = 1.0,
-                 keep_reference: bool = False):
+                 keep_reference: bool = False, dp_rank: int = 0, dp_size: int = 1,
+                 dist_init_method: Optional[str] = None):
         self.cfg, self.device, self.temperature = cfg, device, temperature
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        if dp_size > 1:
+            if dist_init_method is None:
+                raise ValueError("TorchPolicyBackend: dp_size > 1 needs dist_init_method (tcp://host:port of rank 0)")
+            torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                                 init_method=dist_init_method, rank=dp_rank, world_size=dp_size)
         self.model = load_causal_lm(cfg.model_name, DTYPES[cfg.precision], device)
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if keep_reference else None
         self.fp8_modules = enable_fp8_training(self.model, cfg.megatron_cfg.fp8_cfg) \
@@ -57,6 +104,7 @@ class TorchPolicyBackend:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
                                            betas=tuple(opt.betas), eps=opt.eps)
         self.num_updates = 0
+        self._offloaded: set[str] = set()  # "optimizer", "model": what offload_* moved to host memory
 
     # ----------------------------------------------------------------------- log-probs
     def _forward_logprobs(self, model: nn.Module, mb: TrainBatch) -> Tensor:
@@ -73,6 +121,7 @@ class TorchPolicyBackend:
         Raises:
             ValueError: ``reference=True`` without a reference model.
         """
+        self.prepare_for_training()
         model = self.reference if reference else self.model
         if model is None:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
@@ -88,58 +137,150 @@ class TorchPolicyBackend:
 
     # ----------------------------------------------------------------------- training
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step per ``train_global_batch_size`` rows of ``batch``.
+        """One optimizer step per ``train_global_batch_size`` rows of ``batch`` (single rank).
+
+        Metrics: each global batch reduced once (``MetricAccumulator``), then averaged over
+        global batches; ``loss`` is the global batch's loss. See ``train_shard``.
+        """
+        return reduce_train_results([self.train_shard(batch, loss_fn)])
+
+    def train_shard(self, batch: TrainBatch, loss_fn: LossFn) -> ShardTrainResult:
+        """This rank's part of ``train``: ``batch`` holds, in order, its ``gbs / dp_size`` rows
+        of every global batch.
 
         The loss of each micro-batch is normalised by the valid token / sequence counts of its
-        global batch, so summed micro-batch gradients equal the global-batch gradient.
-        Returns metrics averaged over global batches (``loss`` summed within one).
+        whole global batch (summed across ranks), and gradients are summed across ranks, so the
+        update equals one rank's on the whole global batch. No host sync per micro-batch: metrics
+        stay tensors until the end of each global batch.
 
         Raises:
             ValueError: the batch fails ``TrainBatch.validate`` or its size is not a multiple
-                of ``train_global_batch_size``.
+                of ``train_global_batch_size / dp_size``.
+            FloatingPointError: a non-finite gradient norm.
         """
         batch.validate()
-        gbs, mbs = self.cfg.train_global_batch_size, self.cfg.train_micro_batch_size
+        self.prepare_for_training()
+        gbs, mbs = self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size
         if batch.size % gbs != 0:
-            raise ValueError(f"train: batch of {batch.size} is not a multiple of policy.train_global_batch_size={gbs}")
+            raise ValueError(f"train: batch of {batch.size} rows is not a multiple of policy.train_global_batch_size"
+                             f" / data_parallel_size = {gbs}")
         self.model.train()
-        history: list[dict[str, float]] = []
+        result = ShardTrainResult([], [])
         for g in range(0, batch.size, gbs):
             gb = batch.select(slice(g, g + gbs))
             mask = gb.token_mask
-            n_tokens = float(mask.sum())
-            n_seqs = float((mask.sum(1) > 0).sum())
+            counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(self.device)  # [tokens, seqs]
+            if self.dp_size > 1:
+                torch.distributed.all_reduce(counts)
+            n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
             self.optimizer.zero_grad(set_to_none=True)
-            step_metrics: dict[str, float] = {}
+            acc = MetricAccumulator(loss_fn.metric_reductions)
             for m in range(0, gbs, mbs):
                 mb = gb.select(slice(m, m + mbs)).trimmed().to(self.device)  # moved once, used twice
                 logprobs = self._forward_logprobs(self.model, mb)
-                loss, metrics = loss_fn(logprobs, mb, max(n_tokens, 1.0), max(n_seqs, 1.0))
+                loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 loss.backward()
-                for k, v in metrics.items():  # loss terms and counts add up; the rest: token-weighted mean
-                    summed = k in ("loss", "pg_loss", "kl_penalty") or k.startswith("num_")
-                    w = 1.0 if summed else float(mb.token_mask.sum()) / max(n_tokens, 1.0)
-                    step_metrics[k] = step_metrics.get(k, 0.0) + w * float(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-            if not math.isfinite(float(grad_norm)):
-                raise FloatingPointError(f"train: non-finite gradient norm {float(grad_norm)} at update {self.num_updates}")
+                acc.add(metrics)
+            self._all_reduce_grads()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"train: non-finite gradient norm {grad_norm} at update {self.num_updates}")
             self.optimizer.step()
             self.num_updates += 1
-            step_metrics["grad_norm"] = float(grad_norm)
-            history.append(step_metrics)
-        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+            result.accumulators.append(acc.cpu())
+            result.grad_norms.append(grad_norm)
+        return result
 
-    # ----------------------------------------------------------------------- weights
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients across data-parallel ranks (one flat buffer per dtype)."""
+        if self.dp_size == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            group = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in group])
+            torch.distributed.all_reduce(flat)
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    # ----------------------------------------------------------------------- FP8 KV calibration
+    @torch.no_grad()
+    def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
+        """Per-layer amax of q, k and v over ``batch``'s real tokens -> e4m3 KV scales.
+
+        q and k are measured as attention consumes them (after q/k-norm and RoPE): the forward
+        runs with an attention function that records them (``transformers.AttentionInterface``)
+        and then computes SDPA. Across data-parallel ranks the amax is the max over ranks.
+
+        Raises:
+            ValueError: the model's attention layers do not expose ``layer_idx``.
+        """
+        from nemo_fp8.models.hf import record_qkv_amax
+
+        self.prepare_for_training()
+        was_training = self.model.training
+        self.model.eval()
+        n_layers = int(self.model.config.num_hidden_layers)
+        amax = torch.zeros(3, n_layers, dtype=torch.float32, device=self.device)  # [q|k|v, L]
+        step_rows = self.cfg.logprob_batch_size
+        for i in range(0, batch.size, step_rows):
+            mb = batch.select(slice(i, i + step_rows)).trimmed()
+            ids = mb.token_ids.to(self.device)
+            attn = attention_mask_for(mb.prompt_lengths, mb.response_lengths, ids.shape[1]).to(self.device)
+            with record_qkv_amax(self.model, attn, amax):
+                self.model(input_ids=ids, attention_mask=attn)
+        self.model.train(was_training)
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+        return KvScales.from_amax(amax[0], amax[1], amax[2], step=step, margin=margin)
+
+    # ----------------------------------------------------------------------- weights and lifecycle
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, detached tensor) for every weight, in ``state_dict`` order."""
+        """(HF name, detached tensor) for every weight, in ``state_dict`` order (no copies)."""
+        self.prepare_for_training()
         for name, t in self.model.state_dict().items():
             if t.is_floating_point() and not name.endswith("inv_freq"):
                 yield name, t.detach()
+
+    def prepare_for_training(self) -> None:
+        """Bring back to the device whatever ``offload_*`` moved to host memory."""
+        if "model" in self._offloaded:
+            self.model.to(self.device)
+            if self.reference is not None:
+                self.reference.to(self.device)
+        if "optimizer" in self._offloaded:
+            _move_optimizer_state(self.optimizer, self.device)
+        self._offloaded.clear()
+
+    def offload_before_refit(self) -> None:
+        """Colocated on a GPU: optimizer state to host memory before the engine takes weights."""
+        if self.device.type == "cuda" and "optimizer" not in self._offloaded:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            self._offloaded.add("optimizer")
+            torch.cuda.empty_cache()
+
+    def offload_after_refit(self) -> None:
+        """Colocated on a GPU: the weights to host memory too, so the engine can wake."""
+        if self.device.type == "cuda" and "model" not in self._offloaded:
+            self.model.to("cpu")
+            if self.reference is not None:
+                self.reference.to("cpu")
+            self._offloaded.add("model")
+            torch.cuda.empty_cache()
+
+    def shutdown(self) -> None:
+        """Leave the data-parallel group and drop the model."""
+        if self.dp_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.model = self.reference = None  # type: ignore[assignment]
 
     def save(self, path: str | Path) -> None:
         """Save model (HF ``save_pretrained``, safetensors) and optimizer state under ``path``."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        self.prepare_for_training()
         self.model.save_pretrained(path / "model")
         torch.save({"optimizer": self.optimizer.state_dict(), "num_updates": self.num_updates}, path / "optimizer.pt")
 
@@ -151,6 +292,7 @@ class TorchPolicyBackend:
         """
         from safetensors.torch import load_file
 
+        self.prepare_for_training()
         path = Path(path)
         files = sorted((path / "model").glob("*.safetensors"))
         if not files or not (path / "optimizer.pt").is_file():
@@ -165,3 +307,10 @@ class TorchPolicyBackend:
         extra = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(extra["optimizer"])
         self.num_updates = int(extra["num_updates"])
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, Tensor):
+                state[k] = v.to(device)

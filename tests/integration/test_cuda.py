@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from nemo_fp8.algorithms.grpo import grpo_step
+from nemo_fp8.algorithms.grpo import RefitController, grpo_step
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.data import PromptDataloader
+from nemo_fp8.distributed.weight_sync import InProcessWeightSync
 from nemo_fp8.fp8 import Fp8BlockLinear
 from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
@@ -52,8 +53,9 @@ def test_grpo_step_on_cuda_with_fp8_training(tiny_cfg, recipe):
                    "policy.megatron_cfg.fp8_cfg.fp8=hybrid")
     tok, policy, gen = backends(cfg, CUDA)
     train, _ = prepare_prompts(cfg, tok)
+    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, 64 * 2**20))
     metrics = grpo_step(1, iter(PromptDataloader(train, 8, seed=0)), policy, gen,
-                        lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, Timer())
+                        lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, Timer(), refitter)
     for key in ("mismatch/gen_kl_error", "loss/is_weight_mean", "loss/grad_norm"):
         assert torch.isfinite(torch.tensor(metrics[key])), key
     assert metrics["train/num_sequences_trained"] == 64

@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from nemo_fp8.algorithms.grpo import grpo_step
+from nemo_fp8.algorithms.grpo import RefitController, grpo_step
+from nemo_fp8.distributed.weight_sync import InProcessWeightSync
 from nemo_fp8.data import PromptDataloader
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.models.hf import load_tokenizer
@@ -25,8 +26,8 @@ def setup(cfg):
     policy = TorchPolicyBackend(cfg.policy, CPU, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
     gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,
                                  tok.eos_token_id, cfg.policy.max_total_sequence_length, batch_size=16)
-    gen.update_weights(policy.named_weights())
-    return tok, PromptDataloader(train, cfg.grpo.num_prompts_per_step, seed=0), policy, gen
+    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20))  # stale: first
+    return tok, PromptDataloader(train, cfg.grpo.num_prompts_per_step, seed=0), policy, gen, refitter
 
 
 @pytest.mark.parametrize("overrides", [
@@ -37,12 +38,15 @@ def setup(cfg):
 ], ids=["fp8_tis", "bf16_no_is", "icepop_kl_fp8train"])
 def test_grpo_step_runs_every_phase(tiny_cfg, overrides):
     cfg = tiny_cfg(*SMALL, *overrides)
-    tok, loader, policy, gen = setup(cfg)
+    tok, loader, policy, gen, refitter = setup(cfg)
     timer = Timer()
     before = next(iter(gen.model.parameters())).clone()
     # Rewards: 1.0 for every even-length response, so each group has signal and the update is real.
-    metrics = grpo_step(1, iter(loader), policy, gen, lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, timer)
-    assert set(timer.pop()) == {"generation", "reward", "advantages", "logprobs", "training", "refit"}
+    metrics = grpo_step(1, iter(loader), policy, gen, lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, timer,
+                        refitter)
+    assert set(timer.pop()) == {"refit", "generation", "reward", "advantages", "logprobs", "training"}
+    assert metrics["refit/num_buckets"] >= 2  # the initial refit, in 1 MiB buckets
+    assert refitter.stale and refitter.version == 1  # the engine is refreshed lazily, before the next rollout
     for key in ("train/reward_mean", "mismatch/gen_kl_error", "mismatch/token_mult_prob_error", "loss/is_weight_mean",
                 "loss/is_weight_max", "loss/is_frac_tokens_truncated", "loss/grad_norm"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
@@ -52,7 +56,9 @@ def test_grpo_step_runs_every_phase(tiny_cfg, overrides):
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
         assert "loss/kl_penalty" in metrics
     assert metrics["train/num_sequences_trained"] == 16
-    # the refit reached the engine: its weights now equal the policy's
+    # the next refit reaches the engine: its weights then equal the policy's
+    refitter.refit_if_stale(timer)
+    assert gen.weight_version().weights == 1
     emb = dict(policy.named_weights())["model.embed_tokens.weight"]
     assert torch.equal(next(iter(gen.model.parameters())), emb.to(torch.bfloat16))
     assert not torch.equal(next(iter(gen.model.parameters())), before)
@@ -60,13 +66,14 @@ def test_grpo_step_runs_every_phase(tiny_cfg, overrides):
 
 def test_dynamic_sampling_skips_uninformative_groups(tiny_cfg):
     cfg = tiny_cfg(*SMALL, "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2")
-    tok, loader, policy, gen = setup(cfg)
+    tok, loader, policy, gen, refitter = setup(cfg)
     w0 = {k: v.clone() for k, v in policy.named_weights()}
     batches = iter(loader)
-    metrics = grpo_step(1, batches, policy, gen, lambda r, a: [0.0] * len(r), tok, cfg, Timer())
+    metrics = grpo_step(1, batches, policy, gen, lambda r, a: [0.0] * len(r), tok, cfg, Timer(), refitter)
     assert metrics["train/num_generation_rounds"] == 2 and metrics["train/num_sequences_trained"] == 0
     assert all(torch.equal(w0[k], v) for k, v in policy.named_weights())  # no update happened
     assert loader.state_dict()["position"] == 2 * cfg.grpo.num_prompts_per_step  # two prompt batches drawn
+    assert not refitter.stale and refitter.version == 0  # nothing changed: no refit is due
 
 
 def test_reward_scorer_on_generated_text(tiny_cfg):
@@ -74,8 +81,8 @@ def test_reward_scorer_on_generated_text(tiny_cfg):
     scorer = MathRewardScorer(num_workers=0)
     assert scorer(["Answer: 7", "Answer: 8", "no answer"], ["7", "7", "7"]) == [1.0, 0.0, 0.0]
     cfg = tiny_cfg(*SMALL)
-    tok, loader, policy, gen = setup(cfg)
-    metrics = grpo_step(1, iter(loader), policy, gen, scorer, tok, cfg, Timer())
+    tok, loader, policy, gen, refitter = setup(cfg)
+    metrics = grpo_step(1, iter(loader), policy, gen, scorer, tok, cfg, Timer(), refitter)
     assert 0.0 <= metrics["train/reward_mean"] <= 1.0
 
 

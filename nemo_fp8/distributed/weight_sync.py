@@ -1,0 +1,239 @@
+"""Weight sync: the refit's transport from the policy to the rollout engine, in buckets.
+
+The policy yields HF-named high-precision tensors (``PolicyBackend.named_weights``, a stream);
+the sync groups them into buckets of at most ``bucket_size_mb`` (a larger tensor travels
+alone), moves one bucket at a time, and the engine quantizes each tensor on arrival
+(``GenerationBackend.update_weights``: FP8 layers re-quantize blockwise in place). FP8 KV scales
+(``nemo_fp8.fp8.kv_scales``) travel last, in the same stream, and the whole update is tagged with
+its version (the GRPO step), so the engine can tell stale from fresh.
+
+Peak extra memory is one bucket plus the largest tensor, never a copy of the model (the older
+refit sent the whole state dict as one object: for an 8B model, 16 GB through Ray's object
+store every step). The same design as NeMo-RL's ``weight_sync`` and verl's checkpoint engine
+(``send_weights`` / ``receive_weights`` in buckets).
+
+Transports (``policy.weight_sync.method``):
+
+* ``in_process``: policy and engine in one process; buckets are lists of views, no copy.
+* ``object_store``: Ray actors. The policy's rank 0 packs a bucket into one contiguous uint8
+  numpy buffer (zero-copy into Ray's shared-memory object store), a streaming generator hands
+  the engine actor one bucket at a time (back-pressure keeps at most one more in flight), and
+  the engine unpacks views of the shared buffer and copies them into its parameters.
+
+CUDA IPC (colocated GPUs) and NCCL broadcast (separate GPUs) plug in behind the same
+``WeightSync`` protocol with the vLLM backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nemo_fp8.fp8.kv_scales import KvScales
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nemo_fp8.generation.interfaces import WeightVersion
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 16  # bytes; every tensor starts at a multiple, so views of any dtype are legal
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group a stream of ``(name, tensor)`` into lists of at most ``bucket_bytes`` (no copies).
+
+    A tensor larger than ``bucket_bytes`` forms a bucket on its own. Order is preserved.
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+@dataclass
+class PackedBucket:
+    """One bucket as a single contiguous byte buffer plus the metadata to view it back.
+
+    Attributes:
+        names: HF names, in order.
+        shapes: each tensor's shape.
+        dtypes: each tensor's dtype name (``"bfloat16"``, ``"float32"``, ...).
+        offsets: byte offset of each tensor in ``buffer`` (multiples of 16).
+        buffer: [nbytes] uint8 numpy array (numpy, so Ray stores and reads it zero-copy).
+    """
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    offsets: list[int]
+    buffer: np.ndarray = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+
+def pack_bucket(items: list[tuple[str, Tensor]]) -> PackedBucket:
+    """Copy ``items`` (any device) into one host byte buffer (one bucket's worth of memory).
+
+    Raises:
+        ValueError: a tensor of a non-float, non-integer dtype that cannot be viewed as bytes.
+    """
+    offsets, total = [], 0
+    for _, t in items:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    buffer = np.empty(total, dtype=np.uint8)
+    flat = torch.from_numpy(buffer)
+    for (name, t), off in zip(items, offsets):
+        n = t.numel() * t.element_size()
+        flat[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=False)
+    return PackedBucket([n for n, _ in items], [tuple(t.shape) for _, t in items],
+                        [str(t.dtype).removeprefix("torch.") for _, t in items], offsets, buffer)
+
+
+def unpack_bucket(bucket: PackedBucket) -> list[tuple[str, Tensor]]:
+    """Views of ``bucket.buffer`` as the original tensors (no copy; read-only if the buffer is).
+
+    Raises:
+        ValueError: metadata that does not fit the buffer.
+    """
+    with warnings.catch_warnings():  # a buffer read from Ray's object store is read-only; we only read it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(bucket.buffer)
+    out = []
+    for name, shape, dtype, off in zip(bucket.names, bucket.shapes, bucket.dtypes, bucket.offsets):
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        if off + n > flat.numel():
+            raise ValueError(f"bucket entry {name} ({dtype}{list(shape)}) at offset {off} overruns the "
+                             f"{flat.numel()}-byte buffer")
+        out.append((name, flat[off:off + n].view(dt).reshape(shape)))
+    return out
+
+
+def weight_stream(named_weights: Iterable[tuple[str, Tensor]],
+                  kv_scales: Optional[KvScales]) -> Iterator[tuple[str, Tensor]]:
+    """The refit's tensor stream: the policy's weights, then the FP8 KV scales if any."""
+    yield from named_weights
+    if kv_scales is not None:
+        yield from kv_scales.named_tensors()
+
+
+@dataclass
+class SyncStats:
+    """What one refit moved.
+
+    Attributes:
+        version: the policy version (GRPO step) sent.
+        num_tensors, num_buckets: counts.
+        bytes: payload bytes (sum of tensor sizes).
+        max_bucket_bytes: the largest bucket sent (bounds the extra memory).
+        seconds: wall time of the whole update.
+    """
+
+    version: int
+    num_tensors: int = 0
+    num_buckets: int = 0
+    bytes: int = 0
+    max_bucket_bytes: int = 0
+    seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"refit/num_buckets": float(self.num_buckets), "refit/gbytes": self.bytes / 1e9,
+                "refit/max_bucket_mbytes": self.max_bucket_bytes / 2**20,
+                "refit/gbytes_per_s": self.bytes / 1e9 / max(self.seconds, 1e-9)}
+
+
+class WeightSync(Protocol):
+    def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
+        """Move the policy's current weights (and KV scales) into the engine, as ``version``."""
+        ...
+
+
+def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvScales]) -> None:
+    if got.weights != version:
+        raise RuntimeError(f"refit: the engine reports weights of version {got.weights} after an update to {version}")
+    if kv_scales is not None and got.kv_scales != kv_scales.step:
+        raise RuntimeError(f"refit: the engine reports KV scales of step {got.kv_scales}, sent {kv_scales.step}")
+
+
+class InProcessWeightSync:
+    """Policy and engine objects in one process: buckets of views, no copies.
+
+    Args:
+        policy: a ``PolicyBackend`` (``named_weights``).
+        generation: a ``GenerationBackend``.
+        bucket_bytes: bucket size in bytes.
+    """
+
+    def __init__(self, policy, generation, bucket_bytes: int):
+        self.policy, self.generation, self.bucket_bytes = policy, generation, bucket_bytes
+
+    def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
+        t0 = time.perf_counter()
+        stats = SyncStats(version)
+        self.generation.start_weight_update(version)
+        for bucket in iter_buckets(weight_stream(self.policy.named_weights(), kv_scales), self.bucket_bytes):
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            self.generation.update_weights(bucket)
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket)
+            stats.bytes += nbytes
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
+        _check_version(self.generation.finish_weight_update(), version, kv_scales)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+class ObjectStoreWeightSync:
+    """Ray actors: packed buckets stream policy rank 0 -> object store -> engine actor.
+
+    Args:
+        policy_worker: the policy's rank-0 actor (``PolicyWorker``), which holds a full replica.
+        generation_worker: the engine's actor (``GenerationWorker``).
+        bucket_bytes: bucket size in bytes.
+    """
+
+    def __init__(self, policy_worker, generation_worker, bucket_bytes: int):
+        self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
+
+    def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
+        import ray
+
+        t0 = time.perf_counter()
+        stats = SyncStats(version)
+        ray.get(self.generation_worker.start_weight_update.remote(version))
+        # One bucket is packed ahead while the engine loads the previous one (back-pressure 1).
+        stream = self.policy_worker.packed_weight_buckets.options(
+            num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
+        for ref in stream:
+            # The ref resolves inside the engine actor, straight from the object store.
+            n_tensors, nbytes = ray.get(self.generation_worker.receive_packed_bucket.remote(ref))
+            del ref  # its object can be freed now
+            stats.num_buckets += 1
+            stats.num_tensors += n_tensors
+            stats.bytes += nbytes
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
+        _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
+        stats.seconds = time.perf_counter() - t0
+        return stats

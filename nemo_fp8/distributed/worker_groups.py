@@ -1,0 +1,357 @@
+"""Ray worker groups for the policy (N data-parallel ranks) and the rollout engine, with typed facades.
+
+Layout (``plan_cluster``): one Ray placement group whose bundles hold every actor of the run.
+
+* CPU: one ``{"CPU": 1}`` bundle per policy rank plus one for the engine.
+* CUDA, colocated (``policy.generation.colocated.enabled``): one ``{"CPU": 1, "GPU": 1}``
+  bundle per policy rank; the engine shares bundle 0's GPU (0.5 each) and sleeps while the
+  trainer works (NeMo-RL's colocated mode).
+* CUDA, not colocated: the engine gets a bundle of its own (``{"CPU": 1, "GPU": 1}``).
+
+The driver holds ``PolicyGroup`` and ``GenerationGroup``, which implement the backend interfaces
+at group level (the GRPO loop cannot tell them from local backends): batches are sharded by
+data-parallel rank and gathered back; every call is a typed method of a typed actor (no method
+names as strings). Weights reach the engine through ``nemo_fp8.distributed.weight_sync``,
+actor to actor, never through the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import ray
+import torch
+
+from nemo_fp8.batch import GenerationOutput, TrainBatch
+from nemo_fp8.distributed.weight_sync import PackedBucket, iter_buckets, pack_bucket, unpack_bucket, weight_stream
+from nemo_fp8.fp8.kv_scales import KvScales
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
+    """Start (``address`` None) or join a Ray cluster, once per driver process.
+
+    Ray's dashboard and usage stats are off; workers inherit the driver's ``PYTHONPATH`` plus
+    the repository root, so ``nemo_fp8`` imports there without an install too.
+    """
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pythonpath = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
+                                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}})
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus, **kwargs)
+    logger.info("ray: %s", ray.cluster_resources())
+
+
+# --------------------------------------------------------------------------- cluster plan
+@dataclass
+class ClusterPlan:
+    """Placement-group bundles and which bundle (and share of it) each actor takes.
+
+    Attributes:
+        bundles: resources of each bundle, e.g. ``{"CPU": 1, "GPU": 1}``.
+        policy_slots: per data-parallel rank, ``(bundle index, actor resources)``.
+        generation_slot: the engine actor's ``(bundle index, actor resources)``.
+    """
+
+    bundles: list[dict[str, float]]
+    policy_slots: list[tuple[int, dict[str, float]]]
+    generation_slot: tuple[int, dict[str, float]]
+
+    def required(self) -> dict[str, float]:
+        """Total resources the run asks of the Ray cluster (compare with ``ray.cluster_resources()``)."""
+        total: dict[str, float] = {}
+        for b in self.bundles:
+            for k, v in b.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+
+def plan_cluster(dp_size: int, use_gpu: bool, colocated: bool) -> ClusterPlan:
+    """The placement plan described in the module docstring.
+
+    Raises:
+        ValueError: ``dp_size < 1``.
+    """
+    if dp_size < 1:
+        raise ValueError(f"policy.data_parallel_size must be >= 1, got {dp_size}")
+    if not use_gpu:
+        bundles = [{"CPU": 1.0} for _ in range(dp_size + 1)]
+        return ClusterPlan(bundles, [(i, {"CPU": 1.0}) for i in range(dp_size)], (dp_size, {"CPU": 1.0}))
+    bundles = [{"CPU": 1.0, "GPU": 1.0} for _ in range(dp_size)]
+    if colocated:
+        bundles[0]["CPU"] += 1.0
+        slots = [(0, {"CPU": 1.0, "GPU": 0.5})] + [(i, {"CPU": 1.0, "GPU": 1.0}) for i in range(1, dp_size)]
+        return ClusterPlan(bundles, slots, (0, {"CPU": 1.0, "GPU": 0.5}))
+    bundles.append({"CPU": 1.0, "GPU": 1.0})
+    return ClusterPlan(bundles, [(i, {"CPU": 1.0, "GPU": 1.0}) for i in range(dp_size)],
+                       (dp_size, {"CPU": 1.0, "GPU": 1.0}))
+
+
+def create_placement_group(plan: ClusterPlan, timeout_s: float = 60.0):
+    """Reserve ``plan``'s bundles (PACK strategy).
+
+    Raises:
+        RuntimeError: the cluster cannot hold them within ``timeout_s``; names what the run
+            needs and what the cluster has, instead of waiting forever.
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(plan.bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(f"ray: the run needs {plan.required()} in {len(plan.bundles)} bundles {plan.bundles}, the "
+                           f"cluster has {ray.cluster_resources()}; raise cluster.num_cpus / GPUs or lower "
+                           "policy.data_parallel_size")
+    return pg
+
+
+def _options(pg, slot: tuple[int, dict[str, float]]) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle, res = slot
+    return dict(num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0), max_concurrency=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
+
+
+def _set_threads(torch_threads: Optional[int]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+
+
+# --------------------------------------------------------------------------- actors
+@ray.remote
+class PolicyWorker:
+    """One data-parallel rank of the policy: a ``PolicyBackend`` in its own process."""
+
+    def __init__(self, torch_threads: Optional[int] = None):
+        _set_threads(torch_threads)
+        self.backend = None
+
+    def rendezvous_address(self) -> str:
+        """``tcp://ip:port`` with a free port on this node, for ``torch.distributed`` (rank 0)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def setup(self, backend_kwargs: dict, dp_rank: int, dp_size: int, dist_init_method: Optional[str]) -> bool:
+        from nemo_fp8.policy import build_policy_backend
+
+        self.backend = build_policy_backend(**backend_kwargs, dp_rank=dp_rank, dp_size=dp_size,
+                                            dist_init_method=dist_init_method)
+        return True
+
+    def get_logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
+        return self.backend.get_logprobs(batch, reference)
+
+    def train_shard(self, batch: TrainBatch, loss_fn):
+        return self.backend.train_shard(batch, loss_fn)
+
+    def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float) -> KvScales:
+        return self.backend.calibrate_kv_scales(batch, step, margin)
+
+    def packed_weight_buckets(self, bucket_bytes: int, kv_scales: Optional[KvScales]) -> Iterator[PackedBucket]:
+        """Streaming generator: the refit's tensors, packed one bucket at a time."""
+        for bucket in iter_buckets(weight_stream(self.backend.named_weights(), kv_scales), bucket_bytes):
+            yield pack_bucket(bucket)
+
+    def prepare_for_training(self) -> None:
+        self.backend.prepare_for_training()
+
+    def offload_before_refit(self) -> None:
+        self.backend.offload_before_refit()
+
+    def offload_after_refit(self) -> None:
+        self.backend.offload_after_refit()
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()
+
+
+@ray.remote
+class GenerationWorker:
+    """The rollout engine: a ``GenerationBackend`` in its own process."""
+
+    def __init__(self, backend_kwargs: dict, torch_threads: Optional[int] = None):
+        from nemo_fp8.generation import build_generation_backend
+
+        _set_threads(torch_threads)
+        self.backend = build_generation_backend(**backend_kwargs)
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling) -> GenerationOutput:
+        return self.backend.generate(prompt_token_ids, sampling)
+
+    def start_weight_update(self, version: int) -> None:
+        self.backend.start_weight_update(version)
+
+    def update_weights(self, named_tensors) -> None:
+        self.backend.update_weights(named_tensors)
+
+    def receive_packed_bucket(self, bucket: PackedBucket) -> tuple[int, int]:
+        """Load one bucket (read straight from the object store); returns (tensors, bytes)."""
+        items = unpack_bucket(bucket)
+        self.backend.update_weights(items)
+        return len(items), sum(t.numel() * t.element_size() for _, t in items)
+
+    def finish_weight_update(self):
+        return self.backend.finish_weight_update()
+
+    def weight_version(self):
+        return self.backend.weight_version()
+
+    def prepare_for_generation(self) -> None:
+        self.backend.prepare_for_generation()
+
+    def finish_generation(self) -> None:
+        self.backend.finish_generation()
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+# --------------------------------------------------------------------------- facades
+def shard_rows(size: int, parts: int) -> list[slice]:
+    """``parts`` contiguous row ranges covering ``range(size)``, sizes differing by at most 1."""
+    base, extra = divmod(size, parts)
+    out, start = [], 0
+    for r in range(parts):
+        n = base + (1 if r < extra else 0)
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def train_shard_indices(size: int, global_batch_size: int, dp_size: int, rank: int) -> torch.Tensor:
+    """Rows of rank ``rank``: its ``global_batch_size / dp_size`` rows of every global batch, in order.
+
+    Raises:
+        ValueError: ``size`` not a multiple of ``global_batch_size``, or ``global_batch_size``
+            not a multiple of ``dp_size``.
+    """
+    if size % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(f"train: {size} rows in global batches of {global_batch_size} over {dp_size} ranks: "
+                         "the batch must be a multiple of the global batch, the global batch of the ranks")
+    per_rank = global_batch_size // dp_size
+    return torch.cat([torch.arange(g + rank * per_rank, g + (rank + 1) * per_rank)
+                      for g in range(0, size, global_batch_size)]) if size else torch.zeros(0, dtype=torch.long)
+
+
+class PolicyGroup:
+    """``PolicyBackend`` over ``dp_size`` ``PolicyWorker`` ranks (see the module docstring)."""
+
+    def __init__(self, workers: list, global_batch_size: int):
+        self.workers, self.global_batch_size = workers, global_batch_size
+
+    @classmethod
+    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int]) -> "PolicyGroup":
+        """Start the ranks on their bundles and build the backends (errors surface here)."""
+        workers = [PolicyWorker.options(**_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
+        dp = len(workers)
+        init = ray.get(workers[0].rendezvous_address.remote()) if dp > 1 else None
+        ray.get([w.setup.remote(backend_kwargs, r, dp, init) for r, w in enumerate(workers)])
+        logger.info("policy: %d data-parallel rank(s) ready", dp)
+        return cls(workers, backend_kwargs["cfg"].train_global_batch_size)
+
+    @property
+    def weight_source(self):
+        """The rank-0 actor, which streams the weights for the refit (all ranks hold the same)."""
+        return self.workers[0]
+
+    def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        parts = shard_rows(batch.size, len(self.workers))
+        outs = ray.get([w.get_logprobs.remote(batch.select(s), reference) for w, s in zip(self.workers, parts)])
+        return torch.cat(outs)
+
+    def train(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
+        from nemo_fp8.policy.torch_backend import reduce_train_results
+
+        dp = len(self.workers)
+        shards = [batch.select(train_shard_indices(batch.size, self.global_batch_size, dp, r)) for r in range(dp)]
+        return reduce_train_results(ray.get([w.train_shard.remote(s, loss_fn) for w, s in zip(self.workers, shards)]))
+
+    def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
+        parts = shard_rows(batch.size, len(self.workers))
+        return ray.get([w.calibrate_kv_scales.remote(batch.select(s), step, margin)
+                        for w, s in zip(self.workers, parts)])[0]  # amax already max-reduced across ranks
+
+    def prepare_for_training(self) -> None:
+        ray.get([w.prepare_for_training.remote() for w in self.workers])
+
+    def offload_before_refit(self) -> None:
+        ray.get([w.offload_before_refit.remote() for w in self.workers])
+
+    def offload_after_refit(self) -> None:
+        ray.get([w.offload_after_refit.remote() for w in self.workers])
+
+    def save(self, path) -> None:
+        ray.get(self.workers[0].save.remote(str(path)))  # ranks hold identical replicas
+
+    def load(self, path) -> None:
+        ray.get([w.load.remote(str(path)) for w in self.workers])
+
+    def shutdown(self) -> None:
+        ray.get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)
+
+
+class GenerationGroup:
+    """``GenerationBackend`` whose engine runs in a ``GenerationWorker`` actor."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    @classmethod
+    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int]) -> "GenerationGroup":
+        worker = GenerationWorker.options(**_options(pg, plan.generation_slot)).remote(backend_kwargs, torch_threads)
+        ray.get(worker.ready.remote())  # re-raises the backend's construction error
+        logger.info("generation engine ready")
+        return cls(worker)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling) -> GenerationOutput:
+        return ray.get(self.worker.generate.remote(prompt_token_ids, sampling))
+
+    def start_weight_update(self, version: int) -> None:
+        ray.get(self.worker.start_weight_update.remote(version))
+
+    def update_weights(self, named_tensors) -> None:
+        ray.get(self.worker.update_weights.remote(list(named_tensors)))
+
+    def finish_weight_update(self):
+        return ray.get(self.worker.finish_weight_update.remote())
+
+    def weight_version(self):
+        return ray.get(self.worker.weight_version.remote())
+
+    def prepare_for_generation(self) -> None:
+        ray.get(self.worker.prepare_for_generation.remote())
+
+    def finish_generation(self) -> None:
+        ray.get(self.worker.finish_generation.remote())
+
+    def shutdown(self) -> None:
+        ray.get(self.worker.shutdown.remote())
+        ray.kill(self.worker)
