@@ -4,16 +4,12 @@ Convention (vLLM / DeepSeek-V3 checkpoints / TransformerEngine): every quantized
 tensor `q` (fp8) comes with a float32 `scale_inv`, and
 
     dequant = q.float() * scale_inv          (broadcast over the scaled region)
-    q       = saturate_cast(x / scale_inv)   (round to nearest, clamp to +-fmt.max)
+    q       = saturate_cast(x / scale_inv)   (round to nearest even, clamp to +-fmt.max)
 
 The scale of a region is computed from its current amax ("current scaling"):
 
     fp32 mode: scale_inv = amax / fmt.max
-               (vLLM `per_token_group_quant_fp8`, TE `Float8CurrentScaling`)
-    pow2 mode: scale_inv = 2 ** ceil(log2(amax / fmt.max))
-               (TE `Float8BlockScaling` default "power_2_scale"; DeepGEMM UE8M0
-               scales). Dividing by a power of two is exact, so the only error is
-               the fp8 rounding of the mantissa, and nothing saturates.
+    pow2 mode: scale_inv = 2 ** ceil(log2(amax / fmt.max))  (UE8M0 / E8M0 scales)
 
 Granularities (DeepSeek-V3 technical report, arXiv:2412.19437, Sec. 3.3.1):
   - weights: 128x128 blocks  -> scale_inv [ceil(M/128), ceil(N/128)]
@@ -21,11 +17,39 @@ Granularities (DeepSeek-V3 technical report, arXiv:2412.19437, Sec. 3.3.1):
                              -> scale_inv [..., ceil(K/128)]
   - per tensor: one scale (TE Float8CurrentScaling); per channel: one scale per row.
 
-Shapes that are not multiples of the block size are zero-padded for the amax and
-cropped afterwards; zero padding never changes an amax. A region whose amax is 0
-gets scale_inv = 1 (its fp8 values are all zero).
+The weight-block and activation-group quantizers reproduce, bit for bit, the
+arithmetic of the vLLM 0.22 code that consumes or mirrors them (sources read from
+the vllm-0.22.0 wheel and vllm csrc):
 
-All math is done in float32 regardless of the input dtype.
+  weights (128x128), `_quantize_2d_blocks` / `weight_block_scale_inv`:
+      vLLM `per_block_cast_to_fp8` (vllm/utils/deep_gemm.py, copied from DeepGEMM
+      deep_gemm/utils/math.py). vLLM runs it to requantize block-FP8 weights to
+      UE8M0 scales in `requant_weight_ue8m0_inplace` (fp8_utils.py, called from
+      `deepgemm_post_process_fp8_weight_block` when VLLM_USE_DEEP_GEMM_E8M0 is on)
+      and for online block quantization (quantization/online/fp8.py):
+          amax = max(block amax in fp32, 1e-4)
+          sf   = amax / 448           (on CUDA: amax * fp32(1/448), see below)
+          sf   = 2**ceil(log2(sf))    if use_ue8m0
+          q    = (x * (1.0 / sf)).to(fp8)   multiply by the fp32 reciprocal
+  activations (1x128), `_quantize_last_dim_groups` / `activation_group_scale_inv`:
+      vLLM `per_token_group_quant_fp8` (fp8_utils.py) -> CUDA op
+      `per_token_group_fp8_quant`, kernel `per_token_group_quant_8bit_kernel`
+      (csrc/libtorch_stable/quantization/w8a8/fp8/per_token_group_quant.cu,
+      `ComputeGroupScale` + `QuantizeGroup`), which vLLM uses for block-FP8 models
+      (`VllmConfig` forces "+quant_fp8" when weights are blocked, so QuantFP8 runs
+      forward_cuda, not forward_native):
+          amax = max(group amax in fp32, eps = 1e-10)
+          y_s  = amax / 448                                  (fp32 division)
+          y_s  = exp2f(ceilf(log2f(fmaxf(y_s, 1e-10f))))      if UE8M0
+          q    = fp8(clamp(x / y_s, -448, 448))               fp32 division
+
+So a zero or tiny block is not special-cased any more: it gets the floored scale
+(1e-4 / 448 for weights, 1e-10 / 448 for activations) and all-zero fp8 values.
+Per-tensor and per-channel quantization keep `compute_scale_inv` (no amax floor,
+amax == 0 gives scale_inv = 1, division by an fp32 scale).
+
+pow2 scales are exact powers of two, so dividing by them and multiplying by their
+reciprocal give the same result; only fp32 mode depends on the choice.
 """
 
 import math
@@ -112,7 +136,10 @@ def _pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 def compute_scale_inv(
     amax: torch.Tensor, fmt: Fp8Format = E4M3, scale_mode: ScaleMode = "fp32"
 ) -> torch.Tensor:
-    """Dequantization scales from absolute maxima.
+    """Dequantization scales from absolute maxima, for per-tensor / per-channel scaling.
+
+    Weight blocks and activation groups use `weight_block_scale_inv` and
+    `activation_group_scale_inv` (vLLM's amax floors and arithmetic) instead.
 
     fp32 mode: scale_inv = amax / fmt.max (vLLM fp8_utils, TE Float8CurrentScaling).
     pow2 mode: scale_inv = 2 ** ceil(log2(amax / fmt.max)), the smallest power of two
@@ -151,15 +178,143 @@ def compute_scale_inv(
     return torch.where(amax > 0, scale_inv, torch.ones_like(scale_inv))
 
 
+# vLLM 0.22 constants (see the module docstring for their sources).
+WEIGHT_BLOCK_AMAX_FLOOR = 1e-4
+"""per_block_cast_to_fp8: `x_view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)`."""
+ACTIVATION_GROUP_AMAX_FLOOR = 1e-10
+"""per_token_group_quant_fp8(eps=1e-10): `float local_absmax = eps;` in ComputeGroupScale."""
+ACTIVATION_GROUP_UE8M0_SCALE_FLOOR = 1e-10
+"""ComputeGroupScale (UE8M0): `exp2f(ceilf(log2f(fmaxf(fabsf(y_s), 1e-10f))))`."""
+
+
+def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
+    """2 ** ceil(log2(x)) computed exactly from the float32 bits of x.
+
+    Same as DeepGEMM `ceil_to_ue8m0` (deep_gemm/utils/math.py: biased exponent plus
+    one if the mantissa is non-zero) and the bit trick of vLLM's UE8M0 CUDA kernels
+    (per_token_group_quant.cu, `per_token_group_quant_8bit_packed_register_kernel`),
+    without DeepGEMM's clamp of the exponent to [2^-126, 2^127]. vLLM's
+    `_ceil_to_ue8m0` (utils/deep_gemm.py, `torch.pow(2, ceil(log2(x)))`) and the
+    `exp2f(ceilf(log2f(y)))` of ComputeGroupScale agree with it except when x lies
+    within about one float32 ulp above a power of two, where a rounded log2 gives
+    the power itself; a scale amax / fmt.max with amax from bf16/fp16 values is
+    either a power of two or far from one (8 or 11 significant bits), so for such
+    inputs all of them agree.
+
+    Args:
+        x: float tensor of positive values, any shape (read as float32).
+
+    Returns:
+        float32 tensor of x's shape, each an exact power of two >= x. Non-finite
+        values are returned unchanged (NaN/Inf propagate).
+    """
+    x = x.float()
+    m, e = torch.frexp(x)  # x = m * 2^e, m in [0.5, 1)
+    k = e - (m == 0.5).to(e.dtype)  # x == 2^(e-1) exactly -> keep it, else round up
+    out = torch.ldexp(torch.ones_like(x), k)
+    return torch.where(torch.isfinite(x), out, x)
+
+
+def _fp32_reciprocal_of(value: float, like: torch.Tensor) -> torch.Tensor:
+    """fp32 1/value as a 0-dim tensor: what PyTorch CUDA uses for `t / value`.
+
+    PyTorch's CUDA true division by a (CPU) scalar multiplies by the fp32 reciprocal
+    (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), and torch.compile (Inductor)
+    lowers division by a constant to multiplication by its reciprocal. On CPU,
+    `t / value` divides. Using the reciprocal explicitly gives the CUDA result on
+    every device.
+    """
+    one = torch.ones((), dtype=torch.float32, device=like.device)
+    return one / torch.full((), value, dtype=torch.float32, device=like.device)
+
+
+def weight_block_scale_inv(
+    amax: torch.Tensor, fmt: Fp8Format = E4M3, scale_mode: ScaleMode = "fp32"
+) -> torch.Tensor:
+    """Scales of 2-D weight blocks, as vLLM `per_block_cast_to_fp8` computes them.
+
+    Source: vllm/utils/deep_gemm.py `per_block_cast_to_fp8` (vLLM 0.22; a copy of
+    DeepGEMM deep_gemm/utils/math.py `per_block_cast_to_fp8`):
+        x_amax = x_view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+        sf = x_amax / fp8_max
+        sf = _ceil_to_ue8m0(sf) if use_ue8m0 else sf
+    `x_amax / fp8_max` divides a CUDA tensor by a Python float, which PyTorch
+    (eager and Inductor) computes as x_amax * fp32(1 / fp8_max); we do the same on
+    every device (on a CPU, the literal code would divide and differ in the last bit
+    for about half of the amax values). pow2 uses the exact `ceil_pow2`.
+
+    Args:
+        amax: non-negative block absolute maxima, any shape (read as float32).
+        fmt: target FP8 format (fmt.max plays vLLM's fp8_max).
+        scale_mode: "fp32" or "pow2" (vLLM use_ue8m0=True).
+
+    Returns:
+        float32 tensor of amax's shape; >= 1e-4 / fmt.max (rounded), so an all-zero
+        block gets fp32(1e-4) * fp32(1/448) in fp32 mode and 2^-22 in pow2 mode (e4m3).
+
+    Raises:
+        ValueError: on an unknown scale_mode.
+    """
+    _check_scale_mode(scale_mode)
+    amax = amax.float().clamp_min(WEIGHT_BLOCK_AMAX_FLOOR)
+    sf = amax * _fp32_reciprocal_of(fmt.max, amax)
+    return ceil_pow2(sf) if scale_mode == "pow2" else sf
+
+
+def activation_group_scale_inv(
+    amax: torch.Tensor, fmt: Fp8Format = E4M3, scale_mode: ScaleMode = "fp32"
+) -> torch.Tensor:
+    """Scales of 1 x G activation groups, as vLLM's CUDA per-token-group quantizer.
+
+    Source: vLLM 0.22 `per_token_group_quant_fp8` (fp8_utils.py, eps=1e-10) ->
+    `torch.ops._C.per_token_group_fp8_quant` -> per_token_group_quant.cu
+    `ComputeGroupScale`:
+        float local_absmax = eps;   ... fmaxf(local_absmax, fabsf(x)) ...
+        float y_s = local_absmax / max_8bit;                 // fp32 division
+        if (SCALE_UE8M0) y_s = exp2f(ceilf(log2f(fmaxf(fabsf(y_s), 1e-10f))));
+    Here the division is float32 tensor / float32 tensor (IEEE round to nearest on
+    CPU and CUDA). Not followed: the Triton fallback `_per_token_group_quant_fp8`
+    (non-CUDA or non-contiguous input), which computes `_absmax * (1.0 / fp8_max)`,
+    and QuantFP8.forward_native (`_quantize_group_native`), which floors the scale
+    at 1 / (448 * 512) instead of the amax at eps.
+
+    Args:
+        amax: non-negative group absolute maxima, any shape (read as float32).
+        fmt: target FP8 format (fmt.max plays vLLM's max_8bit).
+        scale_mode: "fp32" or "pow2" (vLLM use_ue8m0=True).
+
+    Returns:
+        float32 tensor of amax's shape. An all-zero group gets fp32(1e-10) / 448 in
+        fp32 mode and 2^-33 (= ceil_pow2(fp32(1e-10))) in pow2 mode.
+
+    Raises:
+        ValueError: on an unknown scale_mode.
+    """
+    _check_scale_mode(scale_mode)
+    amax = amax.float().clamp_min(ACTIVATION_GROUP_AMAX_FLOOR)
+    y_s = amax / torch.full((), fmt.max, dtype=torch.float32, device=amax.device)
+    if scale_mode == "pow2":
+        y_s = ceil_pow2(y_s.clamp_min(ACTIVATION_GROUP_UE8M0_SCALE_FLOOR))
+    return y_s
+
+
 def _quantize_last_dim_groups(
     x: torch.Tensor, group_size: int, fmt: Fp8Format, scale_mode: ScaleMode
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 x group_size quantization along the last dim, no input validation."""
+    """1 x group_size quantization along the last dim, no input validation.
+
+    vLLM per_token_group_quant.cu `QuantizeGroup`:
+    `fminf(fmaxf(static_cast<float>(src) / y_s, min_8bit), max_8bit)` then the
+    round-to-nearest-even (satfinite) cast: x in float32 divided by the float32
+    scale, not multiplied by its reciprocal. Scales: `activation_group_scale_inv`.
+    Partial last groups are zero-padded for the amax (vLLM requires K % group_size
+    == 0).
+    """
     K = x.shape[-1]
     xp = _pad_to_multiple(x.float(), -1, group_size)  # [..., Kp]
     xg = xp.unflatten(-1, (-1, group_size))  # [..., G, group_size]
     amax = xg.abs().amax(dim=-1)  # [..., G]
-    scale_inv = compute_scale_inv(amax, fmt, scale_mode)  # [..., G]
+    scale_inv = activation_group_scale_inv(amax, fmt, scale_mode)  # [..., G]
     q = cast_to_fp8(xg / scale_inv.unsqueeze(-1), fmt)  # [..., G, group_size]
     q = q.flatten(-2)[..., :K].contiguous()  # [..., K]
     return q, scale_inv
@@ -168,14 +323,21 @@ def _quantize_last_dim_groups(
 def _quantize_2d_blocks(
     x: torch.Tensor, bm: int, bn: int, fmt: Fp8Format, scale_mode: ScaleMode
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """bm x bn block quantization of a 2-D tensor, no input validation."""
+    """bm x bn block quantization of a 2-D tensor, no input validation.
+
+    vLLM/DeepGEMM `per_block_cast_to_fp8`: `(x_view * (1.0 / sf)).to(fp8)`, i.e. x
+    (promoted to float32) times the float32 reciprocal of the scale, rounded to
+    nearest even. The clamp of cast_to_fp8 never triggers here (|x| * (1/sf) rounds
+    to at most 448). Scales: `weight_block_scale_inv`. Shapes that are not block
+    multiples are zero-padded, as in per_block_cast_to_fp8.
+    """
     M, N = x.shape
     xp = _pad_to_multiple(_pad_to_multiple(x.float(), 0, bm), 1, bn)  # [Mp, Np]
     Mb, Nb = xp.shape[0] // bm, xp.shape[1] // bn
     xb = xp.view(Mb, bm, Nb, bn)  # [Mb, bm, Nb, bn]
     amax = xb.abs().amax(dim=(1, 3))  # [Mb, Nb]
-    scale_inv = compute_scale_inv(amax, fmt, scale_mode)  # [Mb, Nb]
-    q = cast_to_fp8(xb / scale_inv[:, None, :, None], fmt)  # [Mb, bm, Nb, bn]
+    scale_inv = weight_block_scale_inv(amax, fmt, scale_mode)  # [Mb, Nb]
+    q = cast_to_fp8(xb * torch.reciprocal(scale_inv)[:, None, :, None], fmt)  # [Mb, bm, Nb, bn]
     q = q.view(Mb * bm, Nb * bn)[:M, :N].contiguous()  # [M, N]
     return q, scale_inv
 
@@ -211,6 +373,15 @@ def quantize_weight_blockwise(
     (`quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}`):
     qweight has the weight's shape and weight_scale_inv[i, j] scales the block
     weight[i*bm:(i+1)*bm, j*bn:(j+1)*bn].
+
+    Bit-exact numerics of vLLM/DeepGEMM `per_block_cast_to_fp8` (vllm/utils/
+    deep_gemm.py), the quantizer vLLM 0.22 itself applies to block weights (UE8M0
+    requantization `requant_weight_ue8m0_inplace`, online fp8): block amax floored
+    at 1e-4, scale_inv = amax * fp32(1/fmt.max) (pow2: 2^ceil(log2(that))),
+    q = fp8(x * fp32(1/scale_inv)). So pow2 weights handed to vLLM with
+    VLLM_USE_DEEP_GEMM_E8M0 requantize to the same dequantized values. An all-zero
+    block gets scale_inv = fp32(1e-4) * fp32(1/448) (pow2: 2^-22) and zeros. See
+    `weight_block_scale_inv`.
 
     Args:
         weight: [M, N] bf16/fp16/fp32 (M = out_features, N = in_features).
@@ -285,9 +456,12 @@ def quantize_activation_per_group(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize in 1 x group_size groups along the last dim (DeepSeek-V3 1x128 tiles).
 
-    Numerics of vLLM `per_token_group_quant_fp8` (fp8_utils.py) and TE's 1-D block
-    quantizer (Float8BlockScaling with block_scaling_dim=1), without vLLM's eps clamp:
-    an all-zero group gets scale_inv = 1.
+    Bit-exact numerics of vLLM 0.22 `per_token_group_quant_fp8` (fp8_utils.py, eps
+    1e-10) as run by its CUDA kernel (per_token_group_quant.cu, ComputeGroupScale /
+    QuantizeGroup): amax floored at 1e-10, scale_inv = amax / fmt.max (fp32
+    division; pow2: 2^ceil(log2(max(that, 1e-10)))), q = fp8(x / scale_inv) with a
+    true fp32 division. An all-zero group gets scale_inv = fp32(1e-10) / fmt.max
+    (pow2: 2^-33) and zeros. See `activation_group_scale_inv`.
 
     Args:
         x: [..., K] bf16/fp16/fp32, at least 1-D.

@@ -39,19 +39,15 @@ _PLAIN_NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?")
 _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
 
-def _find_last_boxed(text: str) -> str | None:
-    """Return the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces.
+def _iter_boxed(text: str):
+    """Yield ``(start, content)`` for every ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces.
 
-    Nested braces are handled (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``). A box whose braces
-    never close (e.g. a truncated response) or whose content is empty is skipped.
-
-    Args:
-        text (str): Text to search.
-
-    Returns:
-        str | None: The box content, stripped, or None when there is none.
+    ``start`` is the index of the backslash; ``content`` is stripped. Nested braces are handled
+    (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``). A box whose braces never close (e.g. a
+    truncated response) or whose content is empty is skipped. A box nested in another box is
+    yielded too, after (at a larger start than) the outer one.
     """
-    for match in reversed(list(_BOXED_START_RE.finditer(text))):
+    for match in _BOXED_START_RE.finditer(text):
         depth = 1
         start = match.end()
         for i in range(start, len(text)):
@@ -62,9 +58,23 @@ def _find_last_boxed(text: str) -> str | None:
                 if depth == 0:
                     content = text[start:i].strip()
                     if content:
-                        return content
+                        yield match.start(), content
                     break
-    return None
+
+
+def _find_last_boxed(text: str) -> str | None:
+    """Return the content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (by start) with balanced braces.
+
+    Args:
+        text (str): Text to search.
+
+    Returns:
+        str | None: The box content, stripped, or None when there is none (see `_iter_boxed`).
+    """
+    last = None
+    for _, content in _iter_boxed(text):
+        last = content
+    return last
 
 
 def _clean_answer(answer: str) -> str:
@@ -83,38 +93,56 @@ def _clean_answer(answer: str) -> str:
     return answer
 
 
+def _answer_markers(text: str) -> list[tuple[int, str]]:
+    """All final-answer markers of ``text`` as ``(position, answer)``, answers non-empty.
+
+    Markers: ``Answer: ...`` phrases (position of the phrase; the rest of the line, cleaned, or
+    the last box in it), ``\\boxed{...}`` / ``\\fbox{...}`` (position of the backslash) and GSM8K
+    ``#### ...`` (position of the hashes).
+    """
+    markers: list[tuple[int, str]] = []
+    for match in _ANSWER_LINE_RE.finditer(text):
+        answer = _clean_answer(match.group(1))
+        boxed = _find_last_boxed(answer)
+        if boxed is not None:
+            answer = boxed
+        if answer:
+            markers.append((match.start(), answer))
+    markers.extend(_iter_boxed(text))
+    for match in _GSM8K_RE.finditer(text):
+        answer = _clean_answer(match.group(1))
+        if answer:
+            markers.append((match.start(), answer))
+    return markers
+
+
 def extract_answer(text: str) -> str | None:
     """Extract the final answer of a model response or worked solution.
 
-    Priority (the first rule that finds a non-empty answer wins):
+    The last final-answer marker by position wins, whatever its kind:
 
-    1. the last ``Answer: ...`` (case-insensitive, e.g. ``Final answer: 5``, ``**Answer:** 5``),
-       the DAPO format; surrounding ``$...$`` / ``\\(...\\)`` and a trailing period are
-       stripped, and an answer written as ``\\boxed{x}`` gives ``x``;
-    2. the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` (balanced, nested braces);
-    3. the last ``#### N`` (GSM8K).
+    * ``Answer: ...`` (case-insensitive, e.g. ``Final answer: 5``, ``**Answer:** 5``), the DAPO
+      format; surrounding ``$...$`` / ``\\(...\\)`` and a trailing period are stripped, and an
+      answer written as ``\\boxed{x}`` gives ``x``; a phrase with nothing after it on its line
+      (``we get our answer:`` followed by display math) is not a marker;
+    * ``\\boxed{...}`` or ``\\fbox{...}`` (balanced, nested braces; empty or unclosed boxes are
+      skipped);
+    * ``#### N`` (GSM8K).
+
+    So a solution that says "check our answer: $17 \\cdot 44 = 748$" before its final
+    ``\\boxed{44}`` gives ``44``, and ``\\boxed{5}`` followed by ``Answer: 6`` gives ``6``.
+    (Earlier versions gave any ``Answer:`` phrase priority over boxes wherever it stood.)
 
     Args:
         text (str): The response.
 
     Returns:
-        str | None: The answer text, or None when no rule matches.
+        str | None: The answer text, or None when there is no marker.
     """
-    for match in reversed(_ANSWER_LINE_RE.findall(text)):
-        answer = _clean_answer(match)
-        boxed = _find_last_boxed(answer)
-        if boxed is not None:
-            answer = boxed
-        if answer:
-            return answer
-    boxed = _find_last_boxed(text)
-    if boxed is not None:
-        return boxed
-    for match in reversed(_GSM8K_RE.findall(text)):
-        answer = _clean_answer(match)
-        if answer:
-            return answer
-    return None
+    markers = _answer_markers(text)
+    if not markers:
+        return None
+    return max(markers, key=lambda m: m[0])[1]
 
 
 def _as_plain_number(s: str) -> Decimal | None:

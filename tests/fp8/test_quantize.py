@@ -150,8 +150,9 @@ def test_weight_not_divisible_padding_does_not_change_scales():
     expected = torch.empty(2, 2)
     for i in range(2):
         for j in range(2):
-            expected[i, j] = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max() / 448.0
-    torch.testing.assert_close(s, expected, rtol=0, atol=0)
+            expected[i, j] = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max()
+    # per_block_cast_to_fp8 on CUDA: amax * fp32(1/448), not amax / 448 (see quantize.py)
+    torch.testing.assert_close(s, expected * torch.tensor(1.0 / 448.0), rtol=0, atol=0)
 
 
 def test_representable_values_roundtrip_bitwise():
@@ -198,15 +199,17 @@ def test_outlier_changes_only_its_block():
     assert diff[1, 2] and diff.sum() == 1
 
 
-def test_all_zero_block_gets_scale_one():
+def test_all_zero_block_gets_floored_scale():
+    """vLLM per_block_cast_to_fp8 floors the block amax at 1e-4 (was: special case scale 1)."""
     w = torch.randn(256, 256)
     w[:128, 128:] = 0.0
+    expected = {"fp32": (torch.tensor(1e-4) * torch.tensor(1.0 / 448.0)).item(), "pow2": 2.0**-22}
     for mode in ("fp32", "pow2"):
         q, s = quantize_weight_blockwise(w, scale_mode=mode)
-        assert s[0, 1].item() == 1.0
+        assert s[0, 1].item() == expected[mode]
         assert torch.all(q[:128, 128:].float() == 0)
     q, s = quantize_weight_blockwise(torch.zeros(3, 5))
-    assert s.tolist() == [[1.0]] and torch.all(q.float() == 0)
+    assert s.tolist() == [[expected["fp32"]]] and torch.all(q.float() == 0)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -329,3 +332,139 @@ def test_quantize_dequantize_matches_explicit_path(granularity, dtype):
 def test_quantize_dequantize_rejects_unknown_granularity():
     with pytest.raises(ValueError, match="granularity"):
         quantize_dequantize(torch.ones(4, 4), "row")
+
+
+# ----------------------------------------------------------------------------- vLLM 0.22 bit-exactness
+#
+# Reference transcriptions of the quantizers vLLM 0.22 runs on the tensors we hand it.
+
+
+def _ref_ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM deep_gemm/utils/math.py `ceil_to_ue8m0` (bundled in vllm/third_party/deep_gemm)."""
+    bits = x.abs().float().view(torch.int)
+    exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+    return (exp.clamp(1, 254) << 23).view(torch.float)
+
+
+def _ref_per_block_cast_to_fp8(x, block_size=(128, 128), use_ue8m0=False):
+    """vllm/utils/deep_gemm.py `per_block_cast_to_fp8` (vLLM 0.22), line by line.
+
+    One change: `x_amax / fp8_max` is written `x_amax * (1.0 / fp8_max)`, which is what
+    PyTorch computes for a CUDA tensor divided by a Python float (BinaryDivTrueKernel.cu;
+    Inductor lowers division by a constant the same way), so this CPU transcription gives
+    the GPU's bits. `_ceil_to_ue8m0` is torch.pow(2.0, torch.ceil(torch.log2(x.abs()))).
+    """
+    fp8_dtype = torch.float8_e4m3fn
+    m, n = x.shape
+    block_m, block_n = block_size
+    align = lambda a, b: -(-a // b) * b  # noqa: E731
+    x_padded = torch.zeros((align(m, block_m), align(n, block_n)), dtype=x.dtype)
+    x_padded[:m, :n] = x
+    x_view = x_padded.view(-1, block_m, x_padded.size(1) // block_n, block_n)
+    x_amax = x_view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    fp8_max = torch.finfo(fp8_dtype).max
+    sf = x_amax * torch.tensor(1.0 / fp8_max, dtype=torch.float32)
+    sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs()))) if use_ue8m0 else sf
+    x_scaled = (x_view * (1.0 / sf)).to(fp8_dtype)
+    return x_scaled.view_as(x_padded)[:m, :n].contiguous(), sf.view(x_view.size(0), x_view.size(2))
+
+
+def _ref_per_token_group_quant(x, group_size=128, eps=1e-10, use_ue8m0=False):
+    """vLLM 0.22 per_token_group_quant.cu `per_token_group_quant_8bit_kernel` (the CUDA path of
+    fp8_utils.per_token_group_quant_fp8), element for element in float32:
+
+        float local_absmax = eps;  local_absmax = fmaxf(local_absmax, fabsf((float)x));
+        float y_s = local_absmax / max_8bit;
+        if (SCALE_UE8M0) y_s = exp2f(ceilf(log2f(fmaxf(fabsf(y_s), 1e-10f))));
+        q = __nv_fp8_e4m3(fminf(fmaxf((float)x / y_s, min_8bit), max_8bit));  // RNE, satfinite
+    """
+    xf = x.float().view(*x.shape[:-1], -1, group_size)
+    eps32 = torch.tensor(eps, dtype=torch.float32)
+    absmax = torch.maximum(xf.abs().amax(-1), eps32)
+    y_s = absmax / torch.tensor(448.0)
+    if use_ue8m0:
+        y_s = torch.exp2(torch.ceil(torch.log2(torch.maximum(y_s.abs(), torch.tensor(1e-10, dtype=torch.float32)))))
+    q = (xf / y_s.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(x.shape), y_s
+
+
+def _bits(q):
+    return q.view(torch.uint8)
+
+
+def _weights_for_bitexact():
+    torch.manual_seed(11)
+    w = torch.randn(384, 640) * torch.logspace(-7, 2, 384).unsqueeze(1)
+    w[:128, 128:256] = 0.0  # zero block
+    w[128:256, :128] *= 1e-6  # tiny block, amax < 1e-4
+    w[256:, 512:] = torch.tensor(3.1875)  # constant block: x / sf exactly representable
+    return w
+
+
+@pytest.mark.parametrize("scale_mode", ["fp32", "pow2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_blockwise_bitexact_with_per_block_cast_to_fp8(scale_mode, dtype):
+    w = _weights_for_bitexact().to(dtype)
+    q, s = quantize_weight_blockwise(w, scale_mode=scale_mode)
+    q_ref, s_ref = _ref_per_block_cast_to_fp8(w, use_ue8m0=scale_mode == "pow2")
+    assert torch.equal(s, s_ref)
+    assert torch.equal(_bits(q), _bits(q_ref))
+    # tiny block: the 1e-4 floor sets the scale, not the block's own amax
+    assert s[1, 0].item() == s[0, 1].item() and w[128:256, :128].abs().max() < 1e-4
+
+
+def test_weight_pow2_scale_matches_deepgemm_bit_ceil_and_requant_is_stable():
+    """pow2 weights survive vLLM's UE8M0 requantization (requant_weight_ue8m0_inplace):
+    dequantize with our scales, per_block_cast_to_fp8(use_ue8m0=True), same values back."""
+    w = _weights_for_bitexact().bfloat16()
+    q, s = quantize_weight_blockwise(w, scale_mode="pow2")
+    amax = torch.nn.functional.pad(w.float(), (0, 0, 0, 0)).abs().reshape(3, 128, 5, 128).amax(dim=(1, 3))
+    assert torch.equal(s, _ref_ceil_to_ue8m0(amax.clamp(1e-4) * torch.tensor(1.0 / 448.0)))
+    w_dq = dequantize_weight_blockwise(q, s)
+    q2, s2 = _ref_per_block_cast_to_fp8(w_dq, use_ue8m0=True)
+    assert torch.equal(dequantize_weight_blockwise(q2, s2), w_dq)
+
+
+@pytest.mark.parametrize("scale_mode", ["fp32", "pow2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_activation_groups_bitexact_with_vllm_cuda_kernel(scale_mode, dtype):
+    torch.manual_seed(12)
+    x = torch.randn(6, 512) * torch.logspace(-14, 3, 6).unsqueeze(1)
+    x[0, :128] = 0.0  # zero group
+    x[1, 128:256] = 3e-11  # tiny group: amax below eps = 1e-10
+    x = x.to(dtype)
+    q, s = quantize_activation_per_group(x, 128, scale_mode=scale_mode)
+    q_ref, s_ref = _ref_per_token_group_quant(x, 128, use_ue8m0=scale_mode == "pow2")
+    assert torch.equal(s, s_ref)
+    assert torch.equal(_bits(q), _bits(q_ref))
+    zero_scale = {"fp32": (torch.tensor(1e-10) / torch.tensor(448.0)).item(), "pow2": 2.0**-33}[scale_mode]
+    assert s[0, 0].item() == zero_scale and torch.all(q[0, :128].float() == 0)
+    if dtype == torch.float32:  # tiny group uses the eps floor (bf16/fp16 round 3e-11 differently)
+        assert s[1, 1].item() == zero_scale
+
+
+def test_activation_exact_midpoints_divide_not_multiply():
+    """bf16 values with x / y_s exactly on an e4m3 midpoint: vLLM's kernel divides (ties to even);
+    multiplying by fp32(1 / y_s) moves them off the midpoint and rounds some the other way."""
+    vals = torch.arange(0x3C00, 0x4400, dtype=torch.int16).view(torch.bfloat16)  # [2^-7, 2^8)
+    amax = torch.tensor(276.0, dtype=torch.bfloat16)  # y_s = 276 / 448 is not a power of two
+    n = vals.numel()
+    x = torch.cat([vals, amax.expand((-n) % 128 + 128)]).reshape(-1, 128)
+    x[:, -1] = amax  # every group has amax 276
+    q, s = quantize_activation_per_group(x)
+    q_ref, s_ref = _ref_per_token_group_quant(x)
+    assert torch.equal(s, s_ref) and torch.equal(_bits(q), _bits(q_ref))
+    q_mul = (x.float() * (1.0 / s.unsqueeze(-1).repeat_interleave(128, -1))).to(torch.float8_e4m3fn)
+    assert (_bits(q_mul) != _bits(q)).sum() > 0  # the test does exercise the difference
+
+
+def test_weight_scale_multiplies_by_reciprocal():
+    """fp32 weight scales: amax * fp32(1/448) (PyTorch CUDA / Inductor), which differs from
+    amax / 448 in the last bit for about half of the bf16 amax values."""
+    amax = torch.arange(0x3F80, 0x4000, dtype=torch.int16).view(torch.bfloat16)  # all mantissas
+    w = torch.zeros(128, 128 * amax.numel(), dtype=torch.bfloat16)
+    w[0] = amax.repeat_interleave(128)
+    _, s = quantize_weight_blockwise(w)
+    a = amax.float()
+    assert torch.equal(s[0], a * torch.tensor(1.0 / 448.0))
+    assert (s[0] != a / 448.0).sum() > 0

@@ -63,13 +63,48 @@ def test_extract_gsm8k_and_none():
     assert extract_answer("\\boxed{}") is None
 
 
-def test_extract_priority():
-    # Answer: beats \boxed beats ####, regardless of position in the text.
-    assert extract_answer("Answer: 1\n\\boxed{2}\n#### 3") == "1"
+def test_extract_last_marker_by_position_wins():
+    # Was "Answer: beats \boxed beats #### regardless of position": a mid-text "answer:" phrase
+    # then hid the final box. Now the last marker by position wins, whatever its kind.
+    assert extract_answer("Answer: 1\n\\boxed{2}\n#### 3") == "3"
     assert extract_answer("#### 3\n\\boxed{2}") == "2"
-    assert extract_answer("\\boxed{2}\n#### 3") == "2"
-    # An empty Answer: line falls through to lower-priority rules.
+    assert extract_answer("\\boxed{2}\n#### 3") == "3"
+    assert extract_answer("\\boxed{2}\nAnswer: 3") == "3"  # answer phrase after boxed
+    assert extract_answer("Answer: 3\nso \\boxed{2}") == "2"  # boxed after answer phrase
+    # An empty Answer: line is not a marker.
     assert extract_answer("\\boxed{2}\nAnswer:") == "2"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # worked solutions that say "answer:" mid-text before their final box (the reported bug)
+        (
+            "Multiply: 17 * 44 = 748. Let's check our answer: $17 \\cdot 44 = 748$, and "
+            "748 / 17 = 44.\nSo the number is \\boxed{44}.",
+            "44",
+        ),
+        (
+            "First we solve the small case and we get our answer:\n\\[ x = \\boxed{1} \\]\n"
+            "Scaling up, the answer to the problem is \\boxed{44}.",
+            "44",
+        ),
+        ("we get our answer: \\[ x = \\boxed{1} \\] and finally \\boxed{44}", "44"),
+        # nested braces, multiple boxes
+        ("\\boxed{1}, \\boxed{2}, then \\boxed{\\frac{\\sqrt{3}}{\\sqrt{2}}}", "\\frac{\\sqrt{3}}{\\sqrt{2}}"),
+        ("\\boxed{\\text{x = \\boxed{7}}}", "7"),
+        # the DAPO last-line format still wins when it is last
+        ("so the value is \\boxed{12}.\n\nAnswer: 12", "12"),
+        ("I think \\boxed{11} is wrong.\nAnswer: $\\boxed{12}$", "12"),
+    ],
+)
+def test_extract_answer_mid_text_answer_phrase(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_score_response_final_box_after_answer_phrase():
+    text = "Let's check our answer: $17 \\cdot 44 = 748$. Therefore \\boxed{44}."
+    assert score_response(text, "44") == 1.0
 
 
 # ---------------------------------------------------------------- verification
