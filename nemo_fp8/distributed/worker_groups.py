@@ -29,6 +29,7 @@ import torch
 from nemo_fp8.batch import GenerationOutput, TrainBatch
 from nemo_fp8.distributed.weight_sync import PackedBucket, iter_buckets, pack_bucket, unpack_bucket, weight_stream
 from nemo_fp8.fp8.kv_scales import KvScales
+from nemo_fp8.utils.memory import memory_stats
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,10 @@ class PolicyWorker:
     def load(self, path: str) -> None:
         self.backend.load(path)
 
+    def memory_stats(self, reset_peak: bool = False) -> dict[str, int]:
+        """This process's RSS and its peak (``nemo_fp8.utils.memory``); optionally reset the peak first."""
+        return memory_stats(reset_peak)
+
     def shutdown(self) -> None:
         if self.backend is not None:
             self.backend.shutdown()
@@ -227,6 +232,10 @@ class GenerationWorker:
 
     def finish_generation(self) -> None:
         self.backend.finish_generation()
+
+    def memory_stats(self, reset_peak: bool = False) -> dict[str, int]:
+        """This process's RSS and its peak (``nemo_fp8.utils.memory``); optionally reset the peak first."""
+        return memory_stats(reset_peak)
 
     def shutdown(self) -> None:
         self.backend.shutdown()

@@ -1,0 +1,153 @@
+"""Ray worker groups: object-store refit (correct, bounded memory), data parallelism, cluster plan."""
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from nemo_fp8.algorithms.loss import ClippedPGLossFn
+from nemo_fp8.batch import TrainBatch
+from nemo_fp8.distributed.weight_sync import InProcessWeightSync, ObjectStoreWeightSync
+from nemo_fp8.distributed.worker_groups import (PolicyGroup, create_placement_group, init_ray, plan_cluster,
+                                                shard_rows, train_shard_indices)
+from nemo_fp8.generation import SamplingParams
+from nemo_fp8.generation.torch_backend import TorchGenerationBackend
+from nemo_fp8.models.hf import load_tokenizer
+from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+from nemo_fp8.trainer import start_workers
+
+CPU = torch.device("cpu")
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    init_ray(None, num_cpus=8)  # logical CPUs: room for two groups side by side
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def test_cluster_plan_and_sharding():
+    cpu = plan_cluster(2, use_gpu=False, colocated=True)
+    assert cpu.required() == {"CPU": 3.0} and cpu.generation_slot == (2, {"CPU": 1.0})
+    colo = plan_cluster(2, use_gpu=True, colocated=True)
+    assert colo.required() == {"CPU": 3.0, "GPU": 2.0} and colo.generation_slot == (0, {"CPU": 1.0, "GPU": 0.5})
+    assert plan_cluster(1, use_gpu=True, colocated=False).required() == {"CPU": 2.0, "GPU": 2.0}
+    assert [s.stop - s.start for s in shard_rows(7, 3)] == [3, 2, 2]
+    idx = [train_shard_indices(8, 4, 2, r).tolist() for r in range(2)]
+    assert idx == [[0, 1, 4, 5], [2, 3, 6, 7]]  # each rank: its half of every global batch
+    with pytest.raises(ValueError, match="multiple"):
+        train_shard_indices(6, 4, 2, 0)
+
+
+def _perturbed_policy_checkpoint(cfg, path: Path) -> TorchPolicyBackend:
+    policy = TorchPolicyBackend(cfg.policy, CPU)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    policy.save(path)
+    return policy
+
+
+@pytest.mark.parametrize("precision", ["fp8"])
+def test_object_store_refit_equals_in_process_refit(ray_cluster, tiny_cfg, tok, tmp_path, precision):
+    cfg = tiny_cfg("policy.weight_sync.bucket_size_mb=0.25", f"policy.generation.vllm_cfg.precision={precision}")
+    local = _perturbed_policy_checkpoint(cfg, tmp_path / "policy")
+    workers = start_workers(cfg, tok)
+    try:
+        workers.policy.load(tmp_path / "policy")
+        sync = workers.refitter.weight_sync
+        assert isinstance(sync, ObjectStoreWeightSync)
+        stats = sync.sync(version=3)
+        assert stats.num_buckets > 4 and workers.generation.weight_version().weights == 3
+        ref = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,
+                                     tok.eos_token_id, cfg.policy.max_total_sequence_length)
+        InProcessWeightSync(local, ref, bucket_bytes=MiB).sync(version=3)
+        prompts = [tok.encode(f"Q: What is {i} + {2 * i}?\n", add_special_tokens=False) for i in range(8)]
+        sampling = SamplingParams(max_new_tokens=8, greedy=True)
+        remote, here = workers.generation.generate(prompts, sampling), ref.generate(prompts, sampling)
+        assert torch.equal(remote.token_ids, here.token_ids)
+        assert torch.equal(remote.generation_logprobs, here.generation_logprobs)
+    finally:
+        workers.shutdown()
+
+
+def _mid_model(tok, path: Path) -> Path:
+    """A 34M-parameter Qwen3 (random weights): big enough that a full copy dwarfs a bucket."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_refit_peak_extra_memory_is_one_bucket_not_a_model_copy(ray_cluster, tiny_cfg, tok, tmp_path):
+    """Peak RSS growth of the engine process during a refit: at most one bucket plus the largest
+    tensor (plus a small allowance for the interpreter), far below the model's size."""
+    model = _mid_model(tok, tmp_path / "mid")
+    bucket_mb = 4
+    cfg = tiny_cfg(f"policy.model_name={model}", "policy.generation.vllm_cfg.precision=bfloat16",
+                   f"policy.weight_sync.bucket_size_mb={bucket_mb}")
+    workers = start_workers(cfg, tok)
+    try:
+        sync, gen_actor = workers.refitter.weight_sync, workers.generation.worker
+        model_bytes = sum(p.numel() * 2 for p in TorchPolicyBackend(cfg.policy, CPU).model.parameters())  # bf16
+        largest = 2048 * 512 * 2
+        sync.sync(version=1)  # warm-up: first-use allocations of the transport
+        ray.get(gen_actor.memory_stats.remote(reset_peak=True))
+        before = ray.get(gen_actor.memory_stats.remote())["rss"]
+        sync.sync(version=2)
+        extra = ray.get(gen_actor.memory_stats.remote())["peak_rss"] - before
+        allowance = 8 * MiB
+        print(f"engine peak extra RSS during refit: {extra / MiB:.1f} MiB (bucket {bucket_mb} MiB, largest tensor "
+              f"{largest / MiB:.1f} MiB, model {model_bytes / MiB:.0f} MiB)")
+        assert extra <= bucket_mb * MiB + largest + allowance, extra / MiB
+    finally:
+        workers.shutdown()
+
+
+def _train_batch(cfg, tok) -> TrainBatch:
+    policy = TorchPolicyBackend(cfg.policy, CPU)
+    gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,
+                                 tok.eos_token_id, cfg.policy.max_total_sequence_length)
+    prompts = [tok.encode(f"Q: What is {i} + {3 * i}?\n", add_special_tokens=False) for i in range(8)]
+    out = gen.generate(prompts, SamplingParams(max_new_tokens=6, seed=1))
+    batch = TrainBatch(out.token_ids, out.prompt_lengths, out.response_lengths,
+                       torch.tensor([1.0, -1.0, 0.5, -0.5] * 2), out.generation_logprobs)
+    batch.prev_logprobs = policy.get_logprobs(batch)
+    return batch
+
+
+def test_two_data_parallel_ranks_train_like_one(ray_cluster, tiny_cfg, tok):
+    cfg = tiny_cfg("policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "grpo.num_prompts_per_step=4",
+                   "grpo.num_generations_per_prompt=2", "policy.optimizer.lr=1e-3",
+                   "loss_fn.use_importance_sampling_correction=true")
+    batch = _train_batch(cfg, tok)
+    results = {}
+    for dp in (1, 2):
+        dcfg = cfg.policy.model_copy(update={"data_parallel_size": dp})
+        plan = plan_cluster(dp, use_gpu=False, colocated=True)
+        group = PolicyGroup.start(create_placement_group(plan), plan, dict(
+            megatron=False, cfg=dcfg, device=CPU, temperature=1.0, keep_reference=False), torch_threads=1)
+        try:
+            metrics = group.train(batch, ClippedPGLossFn(cfg.loss_fn))
+            results[dp] = (metrics, group.get_logprobs(batch))
+        finally:
+            group.shutdown()
+    (m1, lp1), (m2, lp2) = results[1], results[2]
+    assert m1.keys() == m2.keys()
+    for k in m1:  # two global batches of 4 rows; ranks hold 2 rows of each
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
+    torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)  # same update: the replicas agree after training
+    assert not torch.allclose(lp1, batch.prev_logprobs)  # and it was a real update
