@@ -71,16 +71,25 @@ def grpo_advantages(
     ``G = 1`` the std is taken as 0 (the advantage is 0 anyway with the mean
     baseline).
 
-    A group whose rewards are all equal has ``r_i - b_i = 0`` for both
-    baselines, so it gets advantage exactly 0 (no NaN) with or without std
-    normalisation.
+    A group whose rewards are all equal gets advantage **exactly 0** (never
+    NaN), for both baselines, with or without std normalisation, whatever the
+    value and ``G``. In floating point ``mean(r) != r`` in general (e.g.
+    ``[0.3] * 3`` in float32), so ``r_i - b_i`` would be a rounding residue
+    ~1e-8 and the std the same order, and dividing one by the other gave
+    advantages up to ~0.5 before. So constant groups (``max == min``,
+    exact) get ``r_i - b_i = 0`` and ``s = 0``, and, as NeMo-RL's
+    ``GRPOAdvantageEstimator`` (``nemo_rl/algorithms/advantage_estimator.py``:
+    ``advantages[std > 0] /= std[std > 0] + 1e-6``), the division is applied
+    only where ``s > 0``. (NeMo-RL computes its std as
+    ``sqrt(E[r^2] - E[r]^2)``, which has the same residue problem; the exact
+    ``max == min`` test is ours.)
 
     Args:
         rewards: [N] float (any real dtype; computed in float32), N a
             multiple of ``group_size``, groups consecutive.
         group_size: G >= 1 samples per prompt.
         baseline: ``"mean"`` or ``"leave_one_out"``.
-        normalize_std: divide by the group std (+ ``eps``).
+        normalize_std: divide by the group std (+ ``eps``) where that std is > 0.
         eps: added to the std; must be > 0 when ``normalize_std``.
 
     Returns:
@@ -106,14 +115,17 @@ def grpo_advantages(
         b = grouped.mean(dim=1, keepdim=True).expand_as(grouped)
     else:
         b = (grouped.sum(dim=1, keepdim=True) - grouped) / (g - 1)
-    adv = grouped - b
+    # Exactly-constant groups: no rounding residue (see the docstring).
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [N // G, 1]
+    zero = torch.zeros((), dtype=grouped.dtype, device=grouped.device)
+    adv = torch.where(constant, zero, grouped - b)
 
     if normalize_std:
         if g > 1:
-            std = grouped.std(dim=1, correction=1, keepdim=True)
+            std = torch.where(constant, zero, grouped.std(dim=1, correction=1, keepdim=True))
         else:
             std = torch.zeros_like(grouped[:, :1])
-        adv = adv / (std + eps)
+        adv = torch.where(std > 0, adv / (std + eps), adv)
     return adv.reshape(-1)
 
 

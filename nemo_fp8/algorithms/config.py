@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, get_args
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from nemo_fp8.utils.config import StrictConfig
 
@@ -65,33 +65,43 @@ class ClippedPGLossConfig(StrictConfig):
             ``seq-tis`` (see ``importance_sampling_weights``).
         truncated_importance_sampling_ratio: upper bound C (hi), > 0; None: no upper bound
             for ``tis`` / ``seq-tis``.
-        truncated_importance_sampling_ratio_min: lower bound (lo), > 0; ``tis`` / ``seq-tis``
-            clamp weights to ``[lo, C]`` (NeMo-RL), ``icepop`` / ``seq-mask-tis`` mask outside.
+        truncated_importance_sampling_ratio_min: lower bound (lo), > 0, <= C; ``tis`` / ``seq-tis``
+            clamp weights to ``[lo, C]`` (NeMo-RL's ``tis``; None: no lower bound), ``icepop`` /
+            ``seq-mask-tis`` need ``lo < 1 < C`` and mask outside ``[lo, C]``.
         kl_input_clamp_value / kl_output_clamp_value: NeMo-RL's clamps of the k3 input log-ratio
             and output value; None disables.
         allow_fp8_rollout_without_is_correction: run FP8 rollout uncorrected on purpose.
+
+    The three booleans are strict: ``1`` or ``"yes"`` is an error naming the key, not ``True``.
+    Validation runs on construction and on assignment, not in ``model_copy(update=...)``
+    (pydantic skips it there): build a changed copy with
+    ``ClippedPGLossConfig.model_validate({**cfg.model_dump(), **changes})``.
     """
 
     ratio_clip_min: float = Field(0.2, ge=0, lt=1)
     ratio_clip_max: float = Field(0.2, ge=0)
     ratio_clip_c: Optional[float] = Field(None, gt=1)
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
-    token_level_loss: bool = True
-    use_importance_sampling_correction: bool = False
+    token_level_loss: StrictBool = True
+    use_importance_sampling_correction: StrictBool = False
     truncated_importance_sampling_type: TruncatedISType = "tis"
     truncated_importance_sampling_ratio: Optional[float] = Field(2.0, gt=0)
     truncated_importance_sampling_ratio_min: Optional[float] = Field(None, gt=0)
     kl_input_clamp_value: Optional[float] = Field(20.0, gt=0)
     kl_output_clamp_value: Optional[float] = Field(10.0, gt=0)
-    allow_fp8_rollout_without_is_correction: bool = False
+    allow_fp8_rollout_without_is_correction: StrictBool = False
 
     def config_errors(self) -> list[str]:
         t, hi, lo = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
                      self.truncated_importance_sampling_ratio_min)
         errs = []
-        if t in ("icepop", "seq-mask-tis") and (lo is None or hi is None or not lo < 1.0 < hi):
-            errs.append(f"truncated_importance_sampling_ratio_min: type '{t}' needs 0 < ratio_min < 1 < ratio "
-                        f"(got ratio_min={lo}, ratio={hi}; e.g. 0.5 and 2.0)")
+        if t in ("icepop", "seq-mask-tis"):  # a window around 1 (NeMo-RL requires both bounds set)
+            if lo is None or not lo < 1.0:
+                errs.append(f"truncated_importance_sampling_ratio_min: must be set and < 1 for type '{t}' "
+                            f"(got {lo}; e.g. 0.5, or 0.999 for seq-mask-tis)")
+            if hi is None or not hi > 1.0:
+                errs.append(f"truncated_importance_sampling_ratio: must be set and > 1 for type '{t}' "
+                            f"(got {hi}; e.g. 2.0, or 1.002 for seq-mask-tis)")
         elif lo is not None and hi is not None and not lo <= hi:
             errs.append(f"truncated_importance_sampling_ratio_min: {lo} must be <= truncated_importance_sampling_ratio"
                         f"={hi}")

@@ -26,13 +26,25 @@ Key names follow NeMo-RL's ``ClippedPGLossConfig``
 * Decoupled clip range ("clip-higher"): DAPO, Yu et al. 2025,
   https://arxiv.org/abs/2503.14476
 * Dual clip: Ye et al. 2020, https://arxiv.org/abs/1912.09729
-* k3 KL estimator: Schulman 2020, http://joschu.net/blog/kl-approx.html
+* k3 KL estimator: Schulman 2020, http://joschu.net/blog/kl-approx.html; its
+  score-function factor ``exp(logprobs - logprobs.detach())`` as NeMo-RL's
+  ``ClippedPGLossFn`` / ``calculate_kl`` (``nemo_rl/algorithms/utils.py``),
+  after Tang & Munos 2025, https://arxiv.org/abs/2506.09477
 * Truncated importance sampling (TIS): Yao et al. 2025, "Your Efficient RL
   Framework Secretly Brings You Off-Policy RL Training"
 * IcePop token masking: Ling team 2025 (Ring-1T / "IcePop")
 * Sequence-level masked IS ("seq-mask-tis"): "When Speed Kills Stability:
   Demystifying RL Collapse from the Training-Inference Mismatch" (Yao, Liu
   et al. 2025), as implemented in NeMo-RL.
+
+No host syncs: :func:`clipped_pg_loss` and :func:`importance_sampling_weights`
+never read a tensor value on the host (no ``.item()``, ``float(t)``,
+``bool(t)``, ``if t ...:``, ``.tolist()``, boolean-mask indexing), so on a GPU
+a micro-batch's loss is queued without stalling the CPU. Their metrics are
+0-dim float32 tensors on the device; combine them over micro-batches and
+ranks with :class:`nemo_fp8.algorithms.metrics.MetricAccumulator` (one host
+transfer per step). ``tests/algorithms/test_loss.py`` checks this with
+:func:`nemo_fp8.utils.host_sync.count_host_syncs`.
 """
 
 from __future__ import annotations
@@ -42,17 +54,19 @@ import math
 import torch
 
 from nemo_fp8.algorithms.config import TRUNCATED_IS_TYPES, ClippedPGLossConfig  # the YAML section loss_fn
-from nemo_fp8.algorithms.metrics import LOG_RATIO_CLAMP, masked_mean
+from nemo_fp8.algorithms.metrics import LOG_RATIO_CLAMP, LOSS_METRIC_REDUCTIONS, masked_mean
 
 __all__ = [
     "ClippedPGLossConfig",
     "TRUNCATED_IS_TYPES",
+    "LOSS_METRIC_REDUCTIONS",
     "importance_sampling_weights",
     "clipped_pg_loss",
+    "ClippedPGLossFn",
 ]
 
 # --------------------------------------------------------------------------- #
-# helpers
+# helpers (none of them reads a tensor value on the host)
 # --------------------------------------------------------------------------- #
 
 
@@ -73,25 +87,62 @@ def _zero_masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
 
 
-def _resolve_denominator(
-    name: str, given: float | torch.Tensor | None, local_count: int
-) -> float:
-    """Normaliser for a micro-batch sum: ``given`` (global) or this batch's count.
+def _metric(x: torch.Tensor) -> torch.Tensor:
+    """A metric value: 0-dim float32, detached, on ``x``'s device."""
+    return x.detach().reshape(()).to(torch.float32)
 
-    Returns a strictly positive float; when the count is 0 (nothing valid
-    anywhere) returns 1.0 so that a sum of zeros stays 0 instead of 0/0.
+
+def _masked_min_max(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of ``x`` over ``valid`` as 0-dim float32 tensors; both 0 when nothing is valid.
+
+    ``torch.where`` with +inf / -inf sentinels, so no boolean-mask indexing (``x[valid]``
+    needs a ``nonzero``, i.e. a host sync) and no branch on the count.
+    """
+    if x.numel() == 0:  # shape only: no sync
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return zero, zero.clone()
+    x = x.detach().float()
+    inf = torch.tensor(math.inf, dtype=torch.float32, device=x.device)
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    any_valid = valid.any()
+    lo = torch.where(any_valid, torch.where(valid, x, inf).amin(), zero)
+    hi = torch.where(any_valid, torch.where(valid, x, -inf).amax(), zero)
+    return lo, hi
+
+
+def _resolve_denominator(
+    name: str, given: float | torch.Tensor | None, local_count: torch.Tensor
+) -> float | torch.Tensor:
+    """Normaliser of a micro-batch sum: ``given`` (the global batch's count) or this batch's count.
+
+    No host sync: a python number is checked on the host (finite and >= 0, else
+    ``ValueError`` naming ``name``); a tensor (0-dim or one element, on any device; a CPU
+    scalar with CUDA logprobs is fine) and the local count are *not* read. In particular
+    ``given`` is no longer compared with this batch's own count (that needs the count on the
+    host, i.e. a sync per micro-batch): the caller must pass the sum of the micro-batch
+    counts over the global batch (and data-parallel ranks). A count of 0 (nothing valid
+    anywhere) is replaced by 1, so a sum of zeros stays 0 instead of 0/0.
+
+    Returns:
+        a float > 0, or a 0-dim float32 tensor (> 0 whenever ``given`` is >= 0).
+
+    Raises:
+        ValueError: a negative / non-finite python number, or a tensor with more than one
+            element.
+        TypeError: ``given`` neither None, a real number nor a tensor.
     """
     if given is None:
-        denom = float(local_count)
-    else:
-        denom = float(given.item() if isinstance(given, torch.Tensor) else given)
-        if not math.isfinite(denom) or denom < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {given!r}")
-        if denom + 1e-6 < local_count:
-            raise ValueError(
-                f"{name}={denom} is smaller than this batch's own count {local_count}; "
-                "it must be the count over the whole global batch"
-            )
+        return local_count.clamp(min=1).to(torch.float32)
+    if isinstance(given, torch.Tensor):
+        if given.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(given.shape)}")
+        g = given.detach().reshape(()).to(torch.float32)
+        return torch.where(g > 0, g, torch.ones((), dtype=torch.float32, device=g.device))
+    if isinstance(given, bool) or not isinstance(given, (int, float)):
+        raise TypeError(f"{name} must be None, a number or a tensor, got {type(given)}")
+    denom = float(given)
+    if not math.isfinite(denom) or denom < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {given!r}")
     return denom if denom > 0 else 1.0
 
 
@@ -106,32 +157,40 @@ def importance_sampling_weights(
     generation_logprobs: torch.Tensor,
     token_mask: torch.Tensor,
     cfg: ClippedPGLossConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Off-policy correction weights ``pi_train / pi_gen`` (truncated or masked).
 
     The rollout engine (behaviour policy, ``generation_logprobs``) differs
     from the trainer (``prev_logprobs``, same weights but different kernels,
     FP8 quantisation, ...). Per token ``log r_t = clamp(prev_t - gen_t, -20,
     20)`` (``LOG_RATIO_CLAMP``; NeMo-RL instead maps inf to 0) and ``r_t =
-    exp(log r_t)``; valid tokens only:
+    exp(log r_t)``; valid tokens only. With ``C`` =
+    ``truncated_importance_sampling_ratio`` (hi) and ``lo`` =
+    ``truncated_importance_sampling_ratio_min``:
 
-    * ``"tis"`` (Yao et al. 2025): ``w_t = min(r_t, C)``; ``C = None`` means
-      no truncation. "Truncated" tokens: ``r_t > C``.
-    * ``"icepop"`` (Ling team 2025): ``w_t = r_t`` if ``lo <= r_t <= hi``
+    * ``"tis"`` (Yao et al. 2025; bounds as NeMo-RL's ``tis``): ``w_t =
+      clamp(r_t, lo, C)``; ``lo = None``: no lower bound (NeMo-RL: 0),
+      ``C = None``: no upper bound. "Truncated" tokens: ``r_t > C`` or
+      ``r_t < lo`` (NeMo-RL's ``is_oob_ratio``).
+    * ``"icepop"`` (Ling team 2025): ``w_t = r_t`` if ``lo <= r_t <= C``
       else 0 (token masked).
     * ``"seq-mask-tis"`` (NeMo-RL): per sequence the geometric-mean ratio
       ``g = exp(mean_t log r_t)`` over its valid tokens; a sequence with
-      ``g`` outside ``[lo, hi]`` gets weight 0 on all its tokens; a kept
+      ``g`` outside ``[lo, C]`` gets weight 0 on all its tokens; a kept
       sequence keeps the raw, **non-truncated** token weights ``w_t = r_t``
-      (as NeMo-RL: there ``hi`` is the bound on ``g``, typically ~1.002, so
+      (as NeMo-RL: there ``C`` is the bound on ``g``, typically ~1.002, so
       it is not reused as a token cap).
-    * ``"seq-tis"``: one weight per sequence, ``w = min(exp(clamp(sum_t
-      log r_t, -20, 20)), C)``, broadcast to its valid tokens (the
+    * ``"seq-tis"``: one weight per sequence, ``w = clamp(exp(clamp(sum_t
+      log r_t, -20, 20)), lo, C)``, broadcast to its valid tokens (the
       sequence-level IS weight of NeMo-RL's
-      ``sequence_level_importance_ratios``, truncated like TIS).
+      ``sequence_level_importance_ratios``, which goes through the same
+      ``tis`` clamp to ``[lo, C]`` there; same bound conventions as
+      ``"tis"``). "Truncated": every valid token of a clamped sequence.
 
     When ``cfg.use_importance_sampling_correction`` is False the weights are
     1 on valid tokens (the stats then describe those unit weights).
+
+    No host sync (see the module docstring).
 
     Args:
         prev_logprobs: [B, T] float, trainer log-probs before the update.
@@ -141,14 +200,15 @@ def importance_sampling_weights(
 
     Returns:
         weights: [B, T] float32, detached (no grad_fn), 0 outside the mask.
-        stats: python floats, means over valid tokens (sequences for
-            ``is_frac_seqs_masked``, over sequences with >= 1 valid token);
-            all 0.0 when nothing is valid:
+        stats: 0-dim float32 detached tensors on ``prev_logprobs``' device;
+            means over valid tokens (over sequences with >= 1 valid token for
+            ``is_frac_seqs_masked``); all 0 when nothing is valid:
             ``is_weight_mean``, ``is_weight_min``, ``is_weight_max``,
-            ``is_frac_tokens_truncated`` (weight capped at C or zeroed),
-            ``is_frac_tokens_masked`` (weight zeroed by icepop/seq-mask-tis),
-            ``is_frac_seqs_masked`` (sequences whose every valid token was
-            zeroed).
+            ``is_frac_tokens_truncated`` (weight clamped at C or lo, or
+            zeroed), ``is_frac_tokens_masked`` (weight zeroed by
+            icepop/seq-mask-tis), ``is_frac_seqs_masked`` (sequences whose
+            every valid token was zeroed). Reductions across micro-batches:
+            :data:`nemo_fp8.algorithms.metrics.LOSS_METRIC_REDUCTIONS`.
 
     Raises:
         ValueError: shape mismatch.
@@ -170,10 +230,20 @@ def importance_sampling_weights(
         kind = cfg.truncated_importance_sampling_type
         hi = cfg.truncated_importance_sampling_ratio
         lo = cfg.truncated_importance_sampling_ratio_min
-        if kind == "tis":
-            weights = r if hi is None else r.clamp(max=hi)
+        if kind in ("tis", "seq-tis"):
+            if kind == "tis":
+                raw = r  # [B, T]
+            else:
+                seq_log_r = torch.where(valid, log_r, torch.zeros_like(log_r)).sum(dim=-1)
+                raw = torch.exp(seq_log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).unsqueeze(-1)  # [B, 1]
+            out_of_bounds = torch.zeros_like(raw, dtype=torch.bool)
             if hi is not None:
-                truncated = r > hi
+                out_of_bounds = out_of_bounds | (raw > hi)
+            if lo is not None:
+                out_of_bounds = out_of_bounds | (raw < lo)
+            clamped = raw.clamp(min=lo, max=hi) if (lo is not None or hi is not None) else raw
+            weights = clamped.expand_as(r)
+            truncated = out_of_bounds.expand_as(valid)
         elif kind == "icepop":
             keep = (r >= lo) & (r <= hi)
             weights = torch.where(keep, r, torch.zeros_like(r))
@@ -183,13 +253,6 @@ def importance_sampling_weights(
             keep_seq = (g >= lo) & (g <= hi)
             weights = r * keep_seq.unsqueeze(-1).float()
             masked = (~keep_seq).unsqueeze(-1).expand_as(valid)
-        elif kind == "seq-tis":
-            seq_log_r = torch.where(valid, log_r, torch.zeros_like(log_r)).sum(dim=-1)
-            seq_w = torch.exp(seq_log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B]
-            if hi is not None:
-                truncated = (seq_w > hi).unsqueeze(-1).expand_as(valid)
-                seq_w = seq_w.clamp(max=hi)
-            weights = seq_w.unsqueeze(-1).expand_as(r)
         else:  # pragma: no cover - guarded by ClippedPGLossConfig
             raise ValueError(f"unknown truncated_importance_sampling_type {kind!r}")
         masked = masked & valid
@@ -197,22 +260,16 @@ def importance_sampling_weights(
         weights = torch.where(valid, weights, torch.zeros_like(weights))
 
     weights = weights.float().contiguous()
-    n_valid = int(valid.sum().item())
     seq_valid = valid.any(dim=-1)
-    if n_valid > 0:
-        vw = weights[valid]
-        w_min, w_max = vw.min().item(), vw.max().item()
-        seq_all_masked = (masked | ~valid).all(dim=-1) & seq_valid
-    else:
-        w_min = w_max = 0.0
-        seq_all_masked = torch.zeros_like(seq_valid)
+    seq_all_masked = (masked | ~valid).all(dim=-1) & seq_valid
+    w_min, w_max = _masked_min_max(weights, valid)
     stats = {
-        "is_weight_mean": masked_mean(weights, valid).item(),
-        "is_weight_min": float(w_min),
-        "is_weight_max": float(w_max),
-        "is_frac_tokens_truncated": masked_mean(truncated.float(), valid).item(),
-        "is_frac_tokens_masked": masked_mean(masked.float(), valid).item(),
-        "is_frac_seqs_masked": masked_mean(seq_all_masked.float(), seq_valid).item(),
+        "is_weight_mean": _metric(masked_mean(weights, valid)),
+        "is_weight_min": w_min,
+        "is_weight_max": w_max,
+        "is_frac_tokens_truncated": _metric(masked_mean(truncated.float(), valid)),
+        "is_frac_tokens_masked": _metric(masked_mean(masked.float(), valid)),
+        "is_frac_seqs_masked": _metric(masked_mean(seq_all_masked.float(), seq_valid)),
     }
     return weights, stats
 
@@ -232,6 +289,52 @@ def _k3(log_ratio: torch.Tensor, input_clamp: float | None, output_clamp: float 
     return kl
 
 
+def kl_penalty_per_token(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    input_clamp: float | None,
+    output_clamp: float | None,
+) -> torch.Tensor:
+    """Per-token k3 KL(current || reference) penalty with its score-function gradient.
+
+    As NeMo-RL's ``ClippedPGLossFn`` (default ``use_on_policy_kl_approximation=False``)
+    calling ``calculate_kl(..., importance_sampling_weights=w)`` in
+    ``nemo_rl/algorithms/utils.py``: with ``x = reference - logprobs`` and ``w =
+    exp(logprobs - logprobs.detach())`` (``nan``/``inf`` mapped to 0)::
+
+        x_c = clamp(x, -input_clamp, input_clamp)
+        w_c = w where x_c == x, else w.detach()    # a clamped token gets no gradient at all
+        kl  = clamp(w_c * (exp(x_c) - 1 - x_c), -output_clamp, output_clamp)
+
+    ``w`` is exactly 1 in value, so ``kl`` is the k3 estimate (Schulman 2020), but the
+    gradient gains the score-function term of the sampling distribution (the KL samples
+    come from the policy being optimised; Tang & Munos 2025,
+    https://arxiv.org/abs/2506.09477): per token ``d kl / d logprobs = k3(x) + (1 - e^x) =
+    -x = logprobs - reference`` where no clamp is active, 0 where one is. Without ``w`` the
+    gradient of k3 alone, ``1 - e^x``, is not the gradient of KL(current || reference).
+
+    Args:
+        logprobs: [B, T] float32, current log-probs (with grad).
+        reference_logprobs: [B, T] float32, detached.
+        input_clamp, output_clamp: NeMo-RL's ``kl_input_clamp_value`` /
+            ``kl_output_clamp_value``; None disables.
+
+    Returns:
+        [B, T] float32 per-token penalty (not masked).
+    """
+    w = torch.exp(logprobs - logprobs.detach())
+    w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+    x = reference_logprobs - logprobs
+    if input_clamp is not None:
+        x_c = x.clamp(-input_clamp, input_clamp)
+        w = torch.where(x == x_c, w, w.detach())
+        x = x_c
+    kl = w * (torch.exp(x) - 1.0 - x)
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
 def clipped_pg_loss(
     logprobs: torch.Tensor,
     prev_logprobs: torch.Tensor,
@@ -242,7 +345,7 @@ def clipped_pg_loss(
     reference_logprobs: torch.Tensor | None = None,
     global_valid_tokens: float | torch.Tensor | None = None,
     global_valid_seqs: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped policy-gradient loss with IS correction and KL penalty.
 
     Per valid token, with ``A`` the advantage, ``r = exp(logprobs -
@@ -256,10 +359,11 @@ def clipped_pg_loss(
     * IS correction: ``l <- w l`` with ``w`` from
       :func:`importance_sampling_weights` (detached: it scales the gradient,
       never receives one).
-    * KL penalty: ``kl = k3(reference_logprobs - logprobs)`` per token
-      (Schulman 2020; ``exp(x) - 1 - x``, clamped by
-      ``kl_input_clamp_value``/``kl_output_clamp_value``), added as
-      ``beta * agg(kl)``. Not importance weighted.
+    * KL penalty: ``kl`` = :func:`kl_penalty_per_token` (k3 of ``reference -
+      logprobs``, Schulman 2020, times NeMo-RL's score-function factor
+      ``exp(logprobs - logprobs.detach())``: same value, gradient ``logprobs -
+      reference`` per unclamped token), added as ``beta * agg(kl)``. Not
+      importance weighted.
 
     Aggregation ``agg`` (same for the pg and KL terms):
 
@@ -276,6 +380,10 @@ def clipped_pg_loss(
     so ``backward()`` works and yields an all-zero gradient (never NaN): the
     normaliser 0 is replaced by 1 over a sum of zeros.
 
+    No host sync: nothing here reads a tensor value on the host (checked by
+    ``count_host_syncs`` in the tests), so the global counts are not compared
+    with this batch's counts (see ``_resolve_denominator``).
+
     Args:
         logprobs: [B, T] float, current trainer log-probs (with grad).
         prev_logprobs: [B, T] float, trainer log-probs before the update.
@@ -287,30 +395,38 @@ def clipped_pg_loss(
             ``cfg.reference_policy_kl_penalty > 0``; if given with beta = 0
             the KL is only reported.
         global_valid_tokens: number of valid tokens in the global batch
-            (>= this batch's count).
+            (python number or one-element tensor; the sum of the
+            micro-batches' counts).
         global_valid_seqs: number of sequences with >= 1 valid token in the
-            global batch (>= this batch's count).
+            global batch (same forms).
 
     Returns:
-        loss: scalar float32 tensor.
-        metrics (python floats):
-            ``loss``, ``pg_loss``, ``kl_penalty`` -- this batch's
+        loss: 0-dim float32 tensor (with grad).
+        metrics: ``dict[str, Tensor]`` of 0-dim float32 detached tensors on
+            ``logprobs``' device, one per key of
+            :data:`nemo_fp8.algorithms.metrics.LOSS_METRIC_REDUCTIONS`, which
+            says how each combines over micro-batches:
+            ``loss``, ``pg_loss``, ``kl_penalty`` ("sum") -- this batch's
             contribution to the global loss (normalised like the loss, so
             they sum over micro-batches); ``kl_penalty`` is the aggregated
-            k3 KL *before* multiplying by beta (as NeMo-RL reports it), 0.0
-            without ``reference_logprobs``;
+            k3 KL *before* multiplying by beta (as NeMo-RL reports it), 0
+            without ``reference_logprobs``; ``num_valid_tokens``,
+            ``num_valid_seqs`` ("sum") this batch's counts;
             ``clip_fraction`` (valid tokens where the PPO clipped branch
             was strictly larger, i.e. active), ``dual_clip_fraction``,
             ``approx_kl`` (mean k3 with log ratio ``prev - logprobs``: the
-            estimate of KL(current || prev)), ``ratio_mean``, ``ratio_min``,
-            ``ratio_max``, ``num_valid_tokens``, ``num_valid_seqs`` and the
-            IS stats of :func:`importance_sampling_weights` -- these are
-            plain means over this batch's valid tokens (0.0 when none).
+            estimate of KL(current || prev)), ``ratio_mean`` and the
+            token-mean IS stats of :func:`importance_sampling_weights`
+            ("token_mean", plain means over this batch's valid tokens, 0
+            when none); ``ratio_min`` / ``is_weight_min`` ("min"),
+            ``ratio_max`` / ``is_weight_max`` ("max"), 0 when no token is
+            valid; ``is_frac_seqs_masked`` ("seq_mean").
 
     Raises:
+        TypeError: ``cfg`` not a ``ClippedPGLossConfig``, non-tensor inputs.
         ValueError: shape mismatches (naming the tensors and shapes), a
             missing ``reference_logprobs`` with beta > 0, or global counts
-            that are negative or smaller than this batch's.
+            given as negative / non-finite numbers or multi-element tensors.
     """
     if not isinstance(cfg, ClippedPGLossConfig):
         raise TypeError(f"cfg must be a ClippedPGLossConfig, got {type(cfg)}")
@@ -330,7 +446,7 @@ def clipped_pg_loss(
             f"advantages shape {tuple(advantages.shape)} must be [B]={tuple(shape[:1])} "
             f"or [B, T]={tuple(shape)} (logprobs shape)"
         )
-    beta = float(cfg.reference_policy_kl_penalty)
+    beta = float(cfg.reference_policy_kl_penalty)  # a config value: no sync
     if beta > 0 and reference_logprobs is None:
         raise ValueError(
             f"reference_logprobs is required when reference_policy_kl_penalty={beta} > 0"
@@ -338,8 +454,8 @@ def clipped_pg_loss(
 
     valid = token_mask != 0
     seq_valid = valid.any(dim=-1)
-    n_tok = int(valid.sum().item())
-    n_seq = int(seq_valid.sum().item())
+    n_tok = valid.sum()  # 0-dim int64 tensors, never read on the host
+    n_seq = seq_valid.sum()
 
     lp = _zero_masked(logprobs, valid)  # grad flows only at valid positions
     prev = _zero_masked(prev_logprobs.detach(), valid)
@@ -361,11 +477,11 @@ def clipped_pg_loss(
     is_w, is_stats = importance_sampling_weights(prev_logprobs, generation_logprobs, token_mask, cfg)
     pg = torch.where(valid, is_w * pg, torch.zeros_like(pg))
 
-    # KL to the reference policy (k3 with log ratio = reference - current).
+    # KL to the reference policy (k3 of reference - current, with the score-function factor).
     kl_tok = None
     if reference_logprobs is not None:
         ref = _zero_masked(reference_logprobs.detach(), valid)
-        kl_tok = _k3(ref - lp, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
+        kl_tok = kl_penalty_per_token(lp, ref, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
         kl_tok = torch.where(valid, kl_tok, torch.zeros_like(kl_tok))
 
     if cfg.token_level_loss:
@@ -386,46 +502,78 @@ def clipped_pg_loss(
         kl_value = agg(kl_tok)
         loss = pg_loss + beta * kl_value if beta > 0 else pg_loss
     else:
-        kl_value = torch.zeros((), dtype=torch.float32)
+        kl_value = torch.zeros((), dtype=torch.float32, device=logprobs.device)
         loss = pg_loss
 
     with torch.no_grad():
         ratio_d = ratio.detach()
-        if n_tok > 0:
-            vr = ratio_d[valid]
-            r_min, r_max = vr.min().item(), vr.max().item()
-        else:
-            r_min = r_max = 0.0
+        r_min, r_max = _masked_min_max(ratio_d, valid)
         approx_kl = masked_mean(_k3(prev - lp.detach(), None, None), valid)
         metrics = {
-            "loss": loss.detach().item(),
-            "pg_loss": pg_loss.detach().item(),
-            "kl_penalty": kl_value.detach().item(),
-            "clip_fraction": masked_mean(clip_active.float(), valid).item(),
-            "dual_clip_fraction": masked_mean(dual_active.float(), valid).item(),
-            "approx_kl": approx_kl.item(),
-            "ratio_mean": masked_mean(ratio_d, valid).item(),
-            "ratio_min": float(r_min),
-            "ratio_max": float(r_max),
-            "num_valid_tokens": float(n_tok),
-            "num_valid_seqs": float(n_seq),
+            "loss": _metric(loss),
+            "pg_loss": _metric(pg_loss),
+            "kl_penalty": _metric(kl_value),
+            "clip_fraction": _metric(masked_mean(clip_active.float(), valid)),
+            "dual_clip_fraction": _metric(masked_mean(dual_active.float(), valid)),
+            "approx_kl": _metric(approx_kl),
+            "ratio_mean": _metric(masked_mean(ratio_d, valid)),
+            "ratio_min": r_min,
+            "ratio_max": r_max,
+            "num_valid_tokens": _metric(n_tok),
+            "num_valid_seqs": _metric(n_seq),
             **is_stats,
         }
     return loss, metrics
 
 
 class ClippedPGLossFn:
-    """``clipped_pg_loss`` bound to a config, in the ``LossFn`` form policy backends call.
+    """:func:`clipped_pg_loss` bound to a config, in the ``LossFn`` form policy backends call.
 
-    Picklable (crosses into Ray actors). ``__call__(logprobs [B, T], batch, global_valid_tokens,
-    global_valid_seqs)`` reads ``prev_logprobs``, ``generation_logprobs``, ``advantages`` and
-    ``reference_logprobs`` from the ``nemo_fp8.batch.TrainBatch``.
+    Picklable (crosses into Ray actors; holds only the config).
+
+    Attributes:
+        cfg: the :class:`ClippedPGLossConfig`.
+        metric_reductions: :data:`~nemo_fp8.algorithms.metrics.LOSS_METRIC_REDUCTIONS`, how
+            each returned metric combines over micro-batches; pass it to
+            :class:`~nemo_fp8.algorithms.metrics.MetricAccumulator`.
     """
 
     def __init__(self, cfg: ClippedPGLossConfig):
+        if not isinstance(cfg, ClippedPGLossConfig):
+            raise TypeError(f"cfg must be a ClippedPGLossConfig, got {type(cfg)}")
         self.cfg = cfg
 
-    def __call__(self, logprobs: torch.Tensor, batch, global_valid_tokens: float, global_valid_seqs: float):
+    @property
+    def metric_reductions(self) -> dict[str, str]:
+        """Metric name -> "sum" | "token_mean" | "seq_mean" | "min" | "max" (do not mutate)."""
+        return LOSS_METRIC_REDUCTIONS
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        batch,
+        global_valid_tokens: float | torch.Tensor,
+        global_valid_seqs: float | torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch (a ``nemo_fp8.batch.TrainBatch``), no host sync.
+
+        Args:
+            logprobs: [B, T] float32, current log-probs of ``batch`` (with grad).
+            batch: ``TrainBatch`` with ``prev_logprobs``, ``generation_logprobs``,
+                ``advantages`` ([B] or [B, T]), ``token_mask`` and, when beta > 0,
+                ``reference_logprobs``; its tensors are used on ``logprobs``' device
+                (``token_mask`` is moved there, the others are expected there).
+            global_valid_tokens, global_valid_seqs: counts over the whole global batch
+                (python numbers or one-element tensors), see :func:`clipped_pg_loss`.
+
+        Returns:
+            ``(loss, metrics)`` of :func:`clipped_pg_loss`; metrics are 0-dim float32
+            device tensors, to be combined with ``MetricAccumulator(self.metric_reductions)``.
+
+        Raises:
+            ValueError: ``batch.prev_logprobs`` missing, or ``reference_logprobs`` missing
+                with beta > 0; and those of :func:`clipped_pg_loss`.
+        """
         if batch.prev_logprobs is None:
             raise ValueError("ClippedPGLossFn: batch.prev_logprobs is None; run policy.get_logprobs first")
         ref = batch.reference_logprobs if self.cfg.reference_policy_kl_penalty > 0 else None

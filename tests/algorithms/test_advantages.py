@@ -106,3 +106,27 @@ def test_overlong_penalty_default_factor_and_zero_buffer():
 def test_overlong_penalty_errors(args, match):
     with pytest.raises(ValueError, match=match):
         overlong_penalty(*args)
+
+
+@pytest.mark.parametrize("value", [0.3, 0.7, 1 / 3, 5.3, -2.1, 0.0, 1.0, 1e-7, 123456.789])
+@pytest.mark.parametrize("group_size", [2, 3, 5, 7, 16, 33, 64])
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_equal_rewards_give_exactly_zero_advantage(value, group_size, baseline, normalize_std):
+    # float32(0.3) * G summed and divided by G is not float32(0.3): the old code turned that
+    # rounding residue (~1e-8) over a std of the same order into advantages up to 0.48.
+    # group 1 is constant, group 0 is not (its values must still be normalised as usual).
+    varied = torch.arange(group_size, dtype=torch.float32)
+    rewards = torch.cat([varied, torch.full((group_size,), value)])
+    adv = grpo_advantages(rewards, group_size, baseline, normalize_std=normalize_std)
+    assert (adv[group_size:] == 0).all(), adv[group_size:]
+    expected = grpo_advantages(varied, group_size, baseline, normalize_std=normalize_std)
+    torch.testing.assert_close(adv[:group_size], expected)
+    assert adv[:group_size].abs().max() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_equal_rewards_exact_zero_other_dtypes(dtype):
+    rewards = torch.full((12,), 0.3, dtype=dtype)
+    assert (grpo_advantages(rewards, 6, "mean") == 0).all()
+    assert (grpo_advantages(rewards, 4, "leave_one_out") == 0).all()

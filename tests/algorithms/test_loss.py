@@ -1,7 +1,7 @@
 """Hand-computed checks for nemo_fp8.algorithms.loss."""
 
-import dataclasses
 import math
+import pickle
 import warnings
 
 import pytest
@@ -9,11 +9,24 @@ import torch
 
 from nemo_fp8.algorithms.loss import (
     ClippedPGLossConfig,
+    ClippedPGLossFn,
     clipped_pg_loss,
     importance_sampling_weights,
+    kl_penalty_per_token,
 )
+from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS
+from nemo_fp8.batch import TrainBatch
+from nemo_fp8.utils.host_sync import count_host_syncs
 
 LN = math.log
+
+
+def floats(metrics):
+    """Check the metric contract (0-dim float32 detached tensors) and return python floats."""
+    for k, v in metrics.items():
+        assert isinstance(v, torch.Tensor) and v.shape == () and v.dtype == torch.float32, (k, v)
+        assert not v.requires_grad and v.grad_fn is None, k
+    return {k: v.item() for k, v in metrics.items()}
 
 
 def lp_of(*ratios):
@@ -36,7 +49,10 @@ def lp_of(*ratios):
         (dict(ratio_clip_c=0.5), "ratio_clip_c"),
         (dict(reference_policy_kl_penalty=-1.0), "reference_policy_kl_penalty"),
         (dict(token_level_loss="yes"), "token_level_loss"),
+        (dict(token_level_loss=1), "token_level_loss"),
         (dict(use_importance_sampling_correction=1), "use_importance_sampling_correction"),
+        (dict(use_importance_sampling_correction="true"), "use_importance_sampling_correction"),
+        (dict(allow_fp8_rollout_without_is_correction=0), "allow_fp8_rollout_without_is_correction"),
         (dict(truncated_importance_sampling_type="mis"), "truncated_importance_sampling_type"),
         (dict(truncated_importance_sampling_ratio=0.0), "truncated_importance_sampling_ratio"),
         (dict(truncated_importance_sampling_ratio_min=-1.0), "truncated_importance_sampling_ratio_min"),
@@ -51,7 +67,15 @@ def lp_of(*ratios):
                 truncated_importance_sampling_ratio_min=0.5,
                 truncated_importance_sampling_ratio=0.9,
             ),
-            "truncated_importance_sampling_ratio must be > 1",
+            "truncated_importance_sampling_ratio: must be set and > 1",
+        ),
+        (
+            dict(truncated_importance_sampling_ratio_min=2.5, truncated_importance_sampling_ratio=2.0),
+            "truncated_importance_sampling_ratio_min: 2.5 must be <= truncated_importance_sampling_ratio",
+        ),
+        (
+            dict(truncated_importance_sampling_type="seq-tis", truncated_importance_sampling_ratio_min=3.0),
+            "truncated_importance_sampling_ratio_min",
         ),
         (
             dict(truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=None,
@@ -67,14 +91,19 @@ def test_config_validation_names_the_key(kwargs, key):
         ClippedPGLossConfig(**kwargs)
 
 
-def test_valid_configs_and_ignored_min_warns():
-    ClippedPGLossConfig()
-    ClippedPGLossConfig(ratio_clip_max=0.28, ratio_clip_c=3.0, reference_policy_kl_penalty=0.01)
-    ClippedPGLossConfig(truncated_importance_sampling_type="icepop",
-                        truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_ratio=5.0)
-    ClippedPGLossConfig(truncated_importance_sampling_type="seq-tis", truncated_importance_sampling_ratio=None)
-    with pytest.warns(UserWarning, match="truncated_importance_sampling_ratio_min"):
-        ClippedPGLossConfig(truncated_importance_sampling_ratio_min=0.5)
+def test_valid_configs_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ClippedPGLossConfig()
+        ClippedPGLossConfig(ratio_clip_max=0.28, ratio_clip_c=3.0, reference_policy_kl_penalty=0.01)
+        ClippedPGLossConfig(truncated_importance_sampling_type="icepop",
+                            truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_ratio=5.0)
+        ClippedPGLossConfig(truncated_importance_sampling_type="seq-tis", truncated_importance_sampling_ratio=None)
+        # ratio_min is used by tis / seq-tis now (clamp to [min, ratio]), so no "ignored" warning
+        cfg = ClippedPGLossConfig(truncated_importance_sampling_ratio_min=0.5)
+        assert cfg.truncated_importance_sampling_ratio_min == 0.5
+        ClippedPGLossConfig(truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_ratio=None)
+        ClippedPGLossConfig(token_level_loss=False, use_importance_sampling_correction=True)
 
 
 # --------------------------------------------------------------------------- #
@@ -83,21 +112,24 @@ def test_valid_configs_and_ignored_min_warns():
 
 
 def is_cfg(kind="tis", hi=2.0, lo=None):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ClippedPGLossConfig(
-            use_importance_sampling_correction=True,
-            truncated_importance_sampling_type=kind,
-            truncated_importance_sampling_ratio=hi,
-            truncated_importance_sampling_ratio_min=lo,
-        )
+    return ClippedPGLossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type=kind,
+        truncated_importance_sampling_ratio=hi,
+        truncated_importance_sampling_ratio_min=lo,
+    )
+
+
+def is_weights(*args):
+    w, s = importance_sampling_weights(*args)
+    return w, floats(s)
 
 
 def test_tis_1x3_by_hand():
     # prev - gen = ln [3, 0.5, 1] -> weights [min(3, 2), 0.5, 1] = [2, 0.5, 1]
     prev = torch.zeros(1, 3)
     gen = -lp_of(3.0, 0.5, 1.0)
-    w, s = importance_sampling_weights(prev, gen, torch.ones(1, 3), is_cfg("tis", 2.0))
+    w, s = is_weights(prev, gen, torch.ones(1, 3), is_cfg("tis", 2.0))
     torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 1.0]]))
     assert s["is_weight_mean"] == pytest.approx(3.5 / 3)
     assert s["is_weight_min"] == pytest.approx(0.5)
@@ -107,11 +139,42 @@ def test_tis_1x3_by_hand():
     assert s["is_frac_seqs_masked"] == 0.0
 
 
+def test_tis_clamps_to_ratio_min_too():
+    # NeMo-RL's tis clamps to [ratio_min, ratio]: ratios [3, 0.5, 1, 0.2], [0.6, 2] -> [2, 0.6, 1, 0.6]
+    prev = torch.zeros(1, 4)
+    gen = -lp_of(3.0, 0.5, 1.0, 0.2)
+    w, s = is_weights(prev, gen, torch.ones(1, 4), is_cfg("tis", 2.0, 0.6))
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.6, 1.0, 0.6]]))
+    assert s["is_frac_tokens_truncated"] == pytest.approx(3 / 4)  # clamped at either bound
+    assert s["is_weight_min"] == pytest.approx(0.6) and s["is_weight_max"] == pytest.approx(2.0)
+    assert s["is_frac_tokens_masked"] == 0.0
+    # lower bound only (ratio=None): [3, 0.6, 1, 0.6], 2 of 4 clamped
+    w, s = is_weights(prev, gen, torch.ones(1, 4), is_cfg("tis", None, 0.6))
+    torch.testing.assert_close(w, torch.tensor([[3.0, 0.6, 1.0, 0.6]]))
+    assert s["is_frac_tokens_truncated"] == pytest.approx(0.5)
+
+
+def test_seq_tis_clamps_to_ratio_min_too():
+    # sequence ratios: row0 1.5 * 1.2 = 1.8 (kept), row1 0.5 * 0.4 = 0.2 -> 0.5, row2 4 -> 2
+    prev = torch.zeros(3, 2)
+    gen = -torch.tensor([[LN(1.5), LN(1.2)], [LN(0.5), LN(0.4)], [LN(2.0), LN(2.0)]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    gen[2, 1] = 0.0  # row2: only its first token is valid -> ratio 2, not clamped
+    w, s = is_weights(prev, gen, mask, is_cfg("seq-tis", 2.0, 0.5))
+    torch.testing.assert_close(w, torch.tensor([[1.8, 1.8], [0.5, 0.5], [2.0, 0.0]]))
+    assert s["is_frac_tokens_truncated"] == pytest.approx(2 / 5)
+    gen[2, 1] = -LN(2.0)
+    mask[2, 1] = 1.0  # now 4 -> clamped to 2
+    w, s = is_weights(prev, gen, mask, is_cfg("seq-tis", 2.0, 0.5))
+    torch.testing.assert_close(w, torch.tensor([[1.8, 1.8], [0.5, 0.5], [2.0, 2.0]]))
+    assert s["is_frac_tokens_truncated"] == pytest.approx(4 / 6)
+
+
 def test_tis_without_cap_and_mask_zeroes_outside():
     prev = torch.zeros(1, 3)
     gen = torch.tensor([[-LN(3.0), 0.0, -500.0]])  # last token masked, huge ratio there
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    w, s = importance_sampling_weights(prev, gen, mask, is_cfg("tis", None))
+    w, s = is_weights(prev, gen, mask, is_cfg("tis", None))
     torch.testing.assert_close(w, torch.tensor([[3.0, 1.0, 0.0]]))
     assert s["is_weight_max"] == pytest.approx(3.0)
     assert s["is_frac_tokens_truncated"] == 0.0
@@ -122,7 +185,7 @@ def test_icepop_by_hand():
     prev = torch.zeros(1, 4)
     gen = -lp_of(3.0, 0.5, 1.5, 0.4)
     gen[0, 1] = LN(2.0) - 1e-6  # ratio just above 0.5 (avoid float ties at the bound)
-    w, s = importance_sampling_weights(prev, gen, torch.ones(1, 4), is_cfg("icepop", 2.0, 0.5))
+    w, s = is_weights(prev, gen, torch.ones(1, 4), is_cfg("icepop", 2.0, 0.5))
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.5, 1.5, 0.0]]), atol=1e-5, rtol=0)
     assert s["is_frac_tokens_masked"] == pytest.approx(0.5)
     assert s["is_frac_tokens_truncated"] == pytest.approx(0.5)
@@ -136,7 +199,7 @@ def test_seq_mask_tis_by_hand():
     prev = torch.zeros(2, 3)
     gen = -torch.tensor([[LN(3.0), 0.0, 0.0], [LN(4.0), LN(2.0), 7.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    w, s = importance_sampling_weights(prev, gen, mask, is_cfg("seq-mask-tis", 2.0, 0.5))
+    w, s = is_weights(prev, gen, mask, is_cfg("seq-mask-tis", 2.0, 0.5))
     torch.testing.assert_close(w, torch.tensor([[3.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
     assert s["is_frac_tokens_masked"] == pytest.approx(0.5)
     assert s["is_frac_seqs_masked"] == pytest.approx(0.5)
@@ -148,7 +211,7 @@ def test_seq_tis_by_hand():
     prev = torch.zeros(2, 3)
     gen = -torch.tensor([[LN(1.5), LN(1.2), 0.0], [LN(2.0), LN(2.0), 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    w, s = importance_sampling_weights(prev, gen, mask, is_cfg("seq-tis", 2.0))
+    w, s = is_weights(prev, gen, mask, is_cfg("seq-tis", 2.0))
     torch.testing.assert_close(w, torch.tensor([[1.8, 1.8, 0.0], [2.0, 2.0, 0.0]]))
     assert s["is_frac_tokens_truncated"] == pytest.approx(0.5)
     assert s["is_frac_tokens_masked"] == 0.0
@@ -158,7 +221,7 @@ def test_is_off_gives_mask_weights():
     prev = torch.zeros(1, 3)
     gen = -lp_of(3.0, 0.5, 1.0)
     mask = torch.tensor([[1.0, 0.0, 1.0]])
-    w, s = importance_sampling_weights(prev, gen, mask, ClippedPGLossConfig())
+    w, s = is_weights(prev, gen, mask, ClippedPGLossConfig())
     torch.testing.assert_close(w, mask)
     assert s["is_weight_mean"] == 1.0 and s["is_frac_tokens_truncated"] == 0.0
 
@@ -168,13 +231,13 @@ def test_is_off_gives_mask_weights():
 def test_is_weights_have_no_grad(kind, hi, lo):
     prev = torch.randn(2, 4, requires_grad=True)
     gen = torch.randn(2, 4, requires_grad=True)
-    w, _ = importance_sampling_weights(prev, gen, torch.ones(2, 4), is_cfg(kind, hi, lo))
+    w, _ = is_weights(prev, gen, torch.ones(2, 4), is_cfg(kind, hi, lo))
     assert w.grad_fn is None and not w.requires_grad
     assert w.dtype == torch.float32
 
 
 def test_is_weights_empty_mask_stats_are_zero():
-    w, s = importance_sampling_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), is_cfg())
+    w, s = is_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), is_cfg())
     assert w.abs().sum() == 0
     assert all(v == 0.0 for v in s.values())
 
@@ -190,8 +253,10 @@ def run(lp, adv, cfg, prev=None, gen=None, mask=None, **kw):
     gen = prev.clone() if gen is None else gen
     mask = torch.ones_like(lp) if mask is None else mask
     loss, m = clipped_pg_loss(lp, prev, gen, adv, mask, cfg, **kw)
+    assert set(m) == set(LOSS_METRIC_REDUCTIONS)
+    assert all(v.device == lp.device for v in m.values())
     loss.backward()
-    return loss, m, lp.grad
+    return loss, floats(m), lp.grad
 
 
 def test_ppo_clip_hand_case_and_gradient():
@@ -250,19 +315,65 @@ def test_is_weight_scales_loss_and_gradient():
 
 
 def test_kl_penalty_hand_case_and_gradient():
-    # A = 0; ref - lp = [ln 2, 0]: k3 = [2 - 1 - ln 2, 0]; d k3 / d lp = 1 - exp(ref - lp) = [-1, 0]
+    # A = 0; x = ref - lp = [ln 2, 0]: k3 = [2 - 1 - ln 2, 0].
+    # NeMo-RL multiplies k3 by w = exp(lp - lp.detach()) (value 1, dw/dlp = 1), so per token
+    # d(w k3)/dlp = k3 + (1 - e^x) = -x = lp - ref = [-ln 2, 0]  (k3 alone would give 1 - e^x = [-1, 0]).
     lp = torch.zeros(1, 2)
     ref = torch.tensor([[LN(2.0), 0.0]])
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.1)
     loss, m, grad = run(lp, torch.tensor([0.0]), cfg, reference_logprobs=ref)
     k3 = 1.0 - LN(2.0)
-    assert loss.item() == pytest.approx(0.1 * k3 / 2, abs=1e-7)
+    assert loss.item() == pytest.approx(0.1 * k3 / 2, abs=1e-7)  # value unchanged by the factor
     assert m["kl_penalty"] == pytest.approx(k3 / 2, abs=1e-6)
-    torch.testing.assert_close(grad, torch.tensor([[-0.05, 0.0]]))
+    torch.testing.assert_close(grad, torch.tensor([[-0.1 * LN(2.0) / 2, 0.0]]))
     # beta = 0: KL only reported, not in the loss or its gradient
     loss0, m0, grad0 = run(lp, torch.tensor([0.0]), ClippedPGLossConfig(), reference_logprobs=ref)
     assert loss0.item() == 0.0 and m0["kl_penalty"] == pytest.approx(k3 / 2, abs=1e-6)
     assert grad0.abs().sum() == 0
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_kl_gradient_closed_form_against_autograd(token_level):
+    # With A = 0 only the KL term has a gradient: beta * (lp - ref) / N per valid token at token
+    # level (N = valid tokens), beta * (lp - ref) / (n_seq * tokens of its sequence) at sequence level.
+    lp, prev, gen, ref, _, mask = random_batch(B=4, T=5, seed=7)
+    beta = 0.3
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=beta, token_level_loss=token_level,
+                              kl_input_clamp_value=None, kl_output_clamp_value=None)
+    _, _, grad = run(lp, torch.zeros(4), cfg, prev=prev, gen=gen, mask=mask, reference_logprobs=ref)
+    if token_level:
+        norm = mask.sum()
+    else:
+        norm = (mask.sum(-1) > 0).sum() * mask.sum(-1, keepdim=True).clamp(min=1)
+    expected = beta * (lp - ref) * mask / norm
+    torch.testing.assert_close(grad, expected)
+
+
+def test_kl_clamped_tokens_get_no_gradient():
+    # x = ref - lp: token0 x = -3 < -(input clamp 2): k3(-2) = e^-2 + 1 (no grad from k3 nor from the
+    # factor); token1 k3(1.5) = e^1.5 - 2.5 = 1.98 > output clamp 1.5 (clamped: no grad);
+    # token2 x = 0.5 free: grad lp - ref = -0.5.
+    lp = torch.zeros(1, 3, requires_grad=True)
+    ref = torch.tensor([[-3.0, 1.5, 0.5]])
+    kl = kl_penalty_per_token(lp, ref, input_clamp=2.0, output_clamp=1.5)
+    torch.testing.assert_close(kl.detach(), torch.tensor([[math.exp(-2) + 1, 1.5, math.exp(0.5) - 1.5]]))
+    kl.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0, -0.5]]))
+
+
+def test_kl_factor_matches_explicit_score_function_gradient():
+    # The same gradient written out: k3(ref - lp) d/dlp[lp] + d/dlp[k3(ref - lp)] (surrogate
+    # k3.detach() * lp + k3), computed by autograd on an independent expression.
+    torch.manual_seed(1)
+    lp0 = torch.randn(2, 3) * 0.5
+    ref = lp0 + torch.randn(2, 3) * 0.5
+    a = lp0.clone().requires_grad_(True)
+    kl_penalty_per_token(a, ref, None, None).sum().backward()
+    b = lp0.clone().requires_grad_(True)
+    k3 = torch.exp(ref - b) - 1 - (ref - b)
+    (k3.detach() * b + k3).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+    torch.testing.assert_close(a.grad, lp0 - ref)
 
 
 def test_approx_kl_metric():
@@ -416,21 +527,40 @@ def test_shape_errors_name_tensors():
 
 
 def test_global_count_errors():
+    # Python numbers are checked on the host; tensors are not read (no sync), and the global
+    # count is no longer compared with this batch's own count (that needs a sync per micro-batch).
     lp = torch.zeros(2, 4)
     args = (torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 4), ClippedPGLossConfig())
+    seq_cfg = ClippedPGLossConfig(token_level_loss=False)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="global_valid_tokens"):
+            clipped_pg_loss(lp, *args, global_valid_tokens=bad)
+        with pytest.raises(ValueError, match="global_valid_seqs"):
+            clipped_pg_loss(lp, *args[:-1], seq_cfg, global_valid_seqs=bad)
     with pytest.raises(ValueError, match="global_valid_tokens"):
-        clipped_pg_loss(lp, *args, global_valid_tokens=3)
-    with pytest.raises(ValueError, match="global_valid_seqs"):
-        clipped_pg_loss(lp, *args[:-1], ClippedPGLossConfig(token_level_loss=False), global_valid_seqs=1)
-    with pytest.raises(ValueError, match="global_valid_tokens"):
-        clipped_pg_loss(lp, *args, global_valid_tokens=-1.0)
-    # tensors are accepted as global counts
-    loss, _ = clipped_pg_loss(lp, *args, global_valid_tokens=torch.tensor(16.0))
-    assert loss.item() == 0.0
+        clipped_pg_loss(lp, *args, global_valid_tokens=torch.tensor([8.0, 8.0]))
+    with pytest.raises(TypeError, match="global_valid_tokens"):
+        clipped_pg_loss(lp, *args, global_valid_tokens="8")
+    # tensors (0-dim or one element, float or int) are accepted as global counts
+    adv = torch.ones(2)
+    for given in (torch.tensor(16.0), torch.tensor([16]), 16, 16.0):
+        loss, _ = clipped_pg_loss(lp, *args[:2], adv, *args[3:], global_valid_tokens=given)
+        assert loss.item() == pytest.approx(-0.5)  # -8 / 16
+    # a zero count (nothing valid anywhere) is replaced by 1: 0, not nan
+    empty = torch.zeros(2, 4)
+    for given in (0, torch.tensor(0.0)):
+        loss, _ = clipped_pg_loss(lp, *args[:3], empty, args[4], global_valid_tokens=given)
+        assert loss.item() == 0.0
 
 
-def test_config_dataclass_is_replaceable():
-    cfg = dataclasses.replace(ClippedPGLossConfig(), ratio_clip_max=0.28)
+def test_config_copy_and_validation():
+    cfg = ClippedPGLossConfig().model_copy(update={"ratio_clip_max": 0.28})
     assert cfg.ratio_clip_max == 0.28
+    # model_copy(update=...) skips validation (pydantic); model_validate and assignment check
     with pytest.raises(ValueError, match="ratio_clip_c"):
-        dataclasses.replace(cfg, ratio_clip_c=1.0)
+        ClippedPGLossConfig.model_validate({**cfg.model_dump(), "ratio_clip_c": 1.0})
+    with pytest.raises(ValueError, match="ratio_clip_c"):
+        cfg.ratio_clip_c = 1.0
+    with pytest.raises(ValueError, match="token_level_loss"):
+        cfg.token_level_loss = 1
+    assert cfg.ratio_clip_c is None and cfg.token_level_loss is True

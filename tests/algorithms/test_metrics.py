@@ -1,11 +1,21 @@
 """Hand-computed checks for nemo_fp8.algorithms.metrics."""
 
 import math
+import pickle
+import random
 
 import pytest
 import torch
 
-from nemo_fp8.algorithms.metrics import masked_mean, masked_sum, mismatch_metrics
+from nemo_fp8.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn, clipped_pg_loss
+from nemo_fp8.algorithms.metrics import (
+    LOSS_METRIC_REDUCTIONS,
+    REDUCTION_KINDS,
+    MetricAccumulator,
+    masked_mean,
+    masked_sum,
+    mismatch_metrics,
+)
 
 LN2 = math.log(2.0)
 
@@ -129,3 +139,126 @@ def test_mismatch_metrics_shape_error():
         mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="token_mask"):
         mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3))
+
+
+# --------------------------------------------------------------------------- #
+# MetricAccumulator / LOSS_METRIC_REDUCTIONS
+# --------------------------------------------------------------------------- #
+
+RED = {"s": "sum", "tm": "token_mean", "sm": "seq_mean", "lo": "min", "hi": "max",
+       "num_valid_tokens": "sum", "num_valid_seqs": "sum"}
+
+
+def mb(s, tm, sm, lo, hi, ntok, nseq):
+    return {k: torch.tensor(float(v)) for k, v in
+            dict(s=s, tm=tm, sm=sm, lo=lo, hi=hi, num_valid_tokens=ntok, num_valid_seqs=nseq).items()}
+
+
+def test_accumulator_by_hand():
+    acc = MetricAccumulator(RED)
+    acc.add(mb(1.0, 0.5, 1.0, -2.0, 3.0, ntok=2, nseq=1))
+    acc.add(mb(2.0, 0.2, 0.0, -1.0, 9.0, ntok=3, nseq=2))
+    # an all-masked micro-batch: its (arbitrary, even nan/inf) means and min/max are ignored
+    acc.add(mb(0.0, float("nan"), float("inf"), -100.0, 100.0, ntok=0, nseq=0))
+    out = acc.result()
+    assert out == pytest.approx({"s": 3.0, "tm": (0.5 * 2 + 0.2 * 3) / 5, "sm": 1 / 3, "lo": -2.0, "hi": 9.0,
+                                 "num_valid_tokens": 5.0, "num_valid_seqs": 3.0})
+    assert list(out) == list(RED)  # reductions order
+
+
+def test_accumulator_empty_and_zero_weight_give_zero():
+    assert MetricAccumulator(RED).result() == {}
+    acc = MetricAccumulator(RED)
+    acc.add(mb(0.0, 0.7, 0.7, -5.0, 5.0, ntok=0, nseq=0))
+    assert acc.result() == {k: 0.0 for k in RED}
+    # a metric never added is absent; python numbers are accepted
+    acc = MetricAccumulator(RED)
+    acc.add({"s": 1.5})
+    assert acc.result() == {"s": 1.5}
+
+
+def test_accumulator_errors():
+    with pytest.raises(ValueError, match="'x'.*median"):
+        MetricAccumulator({"x": "median"})
+    acc = MetricAccumulator(RED)
+    with pytest.raises(ValueError, match="unknown_metric"):
+        acc.add({"unknown_metric": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="num_valid_tokens"):
+        acc.add({"tm": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="scalar"):
+        acc.add({"s": torch.ones(2)})
+    with pytest.raises(ValueError, match="different reductions"):
+        acc.merge(MetricAccumulator({"s": "sum"}))
+    assert set(REDUCTION_KINDS) == {"sum", "token_mean", "seq_mean", "min", "max"}
+
+
+def _loss_micro_batches(seed=0, n=7):
+    """Per-micro-batch metrics of clipped_pg_loss (every option on) + the full-batch metrics."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3 * n, 6
+    prev = -torch.rand(B, T, generator=g) * 3
+    lp = prev + torch.randn(B, T, generator=g) * 0.3
+    gen = prev + torch.randn(B, T, generator=g) * 0.3
+    ref = prev + torch.randn(B, T, generator=g) * 0.3
+    adv = torch.randn(B, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.4).float()
+    mask[3:6] = 0.0  # one micro-batch with no valid token at all
+    mask[7] = 0.0
+    cfg = ClippedPGLossConfig(ratio_clip_max=0.28, ratio_clip_c=3.0, reference_policy_kl_penalty=0.05,
+                              use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+                              truncated_importance_sampling_ratio=1.3, truncated_importance_sampling_ratio_min=0.8)
+    n_tok, n_seq = mask.sum(), (mask.sum(-1) > 0).sum()
+    parts = []
+    for i in range(n):
+        s = slice(3 * i, 3 * i + 3)
+        _, m = clipped_pg_loss(lp[s], prev[s], gen[s], adv[s], mask[s], cfg, reference_logprobs=ref[s],
+                               global_valid_tokens=n_tok, global_valid_seqs=n_seq)
+        parts.append(m)
+    _, full = clipped_pg_loss(lp, prev, gen, adv, mask, cfg, reference_logprobs=ref)
+    return parts, {k: v.item() for k, v in full.items()}
+
+
+def test_loss_metric_reductions_reproduce_full_batch_metrics():
+    # Every metric, accumulated over micro-batches with LOSS_METRIC_REDUCTIONS, equals the metric
+    # of one call on the whole batch: this checks the reduction kind chosen for each metric.
+    parts, full = _loss_micro_batches()
+    acc = MetricAccumulator(ClippedPGLossFn(ClippedPGLossConfig()).metric_reductions)
+    for m in parts:
+        acc.add(m)
+    out = acc.result()
+    assert set(out) == set(full) == set(LOSS_METRIC_REDUCTIONS)
+    for k in full:
+        assert out[k] == pytest.approx(full[k], rel=1e-5, abs=1e-6), k
+    assert 0 < out["is_frac_seqs_masked"] < 1 and 0 < out["clip_fraction"] < 1  # non-trivial case
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_of_any_split_equals_one_accumulator(seed):
+    parts, _ = _loss_micro_batches(seed=seed)
+    one = MetricAccumulator(LOSS_METRIC_REDUCTIONS)
+    for m in parts:
+        one.add(m)
+    expected = one.result()
+    rng = random.Random(seed)
+    order = list(range(len(parts)))
+    rng.shuffle(order)
+    cuts = sorted(rng.sample(range(1, len(parts)), 3))
+    groups = [order[a:b] for a, b in zip([0] + cuts, cuts + [len(parts)])] + [[]]  # plus an empty rank
+    accs = []
+    for grp in groups:
+        a = MetricAccumulator(LOSS_METRIC_REDUCTIONS)
+        for i in grp:
+            a.add(parts[i])
+        accs.append(pickle.loads(pickle.dumps(a.cpu())))  # as a data-parallel rank would send it
+    merged = accs[-1]
+    for a in accs[:-1]:
+        merged = merged.merge(a)
+    out = merged.result()
+    assert set(out) == set(expected)
+    for k in expected:
+        assert out[k] == pytest.approx(expected[k], rel=1e-12, abs=1e-12), k
+    # merge does not change its operands
+    assert accs[0].result() == accs[0].result()
+    before = accs[1].result()
+    accs[1].merge(accs[2])
+    assert accs[1].result() == before
