@@ -89,13 +89,19 @@ class Workers:
     policy: object
     generation: object
     refitter: RefitController
+    placement_group: object = None
 
     def shutdown(self) -> None:
+        """Shut both groups down and release their placement group."""
         for group in (self.generation, self.policy):
             try:
                 group.shutdown()
             except Exception as e:  # a crashed actor must not hide the error that ended the run
                 logger.warning("shutdown of %s failed: %s", type(group).__name__, e)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
 
 
 def make_weight_sync(cfg: MasterConfig, policy, generation):
@@ -146,7 +152,7 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
         keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0), threads)
     refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8")
-    return Workers(policy, generation, refitter)
+    return Workers(policy, generation, refitter, pg)
 
 
 def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:

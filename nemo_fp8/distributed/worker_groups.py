@@ -29,7 +29,7 @@ import torch
 from nemo_fp8.batch import GenerationOutput, TrainBatch
 from nemo_fp8.distributed.weight_sync import PackedBucket, iter_buckets, pack_bucket, unpack_bucket, weight_stream
 from nemo_fp8.fp8.kv_scales import KvScales
-from nemo_fp8.utils.memory import memory_stats
+from nemo_fp8.utils.memory import MemoryWatch, memory_stats
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,9 @@ def create_placement_group(plan: ClusterPlan, timeout_s: float = 60.0):
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
-        raise RuntimeError(f"ray: the run needs {plan.required()} in {len(plan.bundles)} bundles {plan.bundles}, the "
-                           f"cluster has {ray.cluster_resources()}; raise cluster.num_cpus / GPUs or lower "
+        have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise RuntimeError(f"ray: the run needs {plan.required()} in {len(plan.bundles)} bundles {plan.bundles}; the "
+                           f"cluster has {have} free; raise cluster.num_cpus / GPUs or lower "
                            "policy.data_parallel_size")
     return pg
 
@@ -130,6 +131,14 @@ def _set_threads(torch_threads: Optional[int]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if torch_threads:
         torch.set_num_threads(torch_threads)
+
+
+def _watch_memory(actor, start: bool) -> Optional[dict[str, int]]:
+    if start:
+        actor._memory_watch = MemoryWatch()
+        actor._memory_watch.start()
+        return None
+    return actor._memory_watch.stop()
 
 
 # --------------------------------------------------------------------------- actors
@@ -188,6 +197,10 @@ class PolicyWorker:
         """This process's RSS and its peak (``nemo_fp8.utils.memory``); optionally reset the peak first."""
         return memory_stats(reset_peak)
 
+    def watch_memory(self, start: bool) -> Optional[dict[str, int]]:
+        """``start=True``: begin sampling this process's memory; ``False``: stop, return the peaks."""
+        return _watch_memory(self, start)
+
     def shutdown(self) -> None:
         if self.backend is not None:
             self.backend.shutdown()
@@ -236,6 +249,10 @@ class GenerationWorker:
     def memory_stats(self, reset_peak: bool = False) -> dict[str, int]:
         """This process's RSS and its peak (``nemo_fp8.utils.memory``); optionally reset the peak first."""
         return memory_stats(reset_peak)
+
+    def watch_memory(self, start: bool) -> Optional[dict[str, int]]:
+        """``start=True``: begin sampling this process's memory; ``False``: stop, return the peaks."""
+        return _watch_memory(self, start)
 
     def shutdown(self) -> None:
         self.backend.shutdown()

@@ -145,6 +145,10 @@ class Fp8BlockLinear(nn.Module):
     cast the fp8 buffers too. Move it with `.to(device)` only.
     """
 
+    #: `load_weight` quantizes this many weight elements (whole 128-row blocks) at a time, so a
+    #: refit's temporaries stay a small slice of the weight (256K elements: 1 MiB fp32 each).
+    REFIT_CHUNK_ELEMENTS = 1 << 18
+
     def __init__(
         self,
         in_features: int,
@@ -225,14 +229,19 @@ class Fp8BlockLinear(nn.Module):
             raise ValueError(
                 f"load_weight: got weight of shape {tuple(weight.shape)}, this layer expects {expected}"
             )
-        q, scale_inv = quantize_weight_blockwise(
-            weight.to(self.weight.device),
-            self.weight_block_size,
-            scale_mode=self.weight_scale_mode,
-            name="weight",
-        )
-        self.weight.copy_(q)
-        self.weight_scale_inv.copy_(scale_inv)
+        # Row blocks quantize independently: a few at a time bounds the temporaries of a refit
+        # (abs, scaled copy, fp8 cast) to a slice of the weight; the result is bit-identical.
+        rows = self.weight_block_size[0] * max(1, self.REFIT_CHUNK_ELEMENTS // (self.weight_block_size[0] * self.in_features))
+        for r0 in range(0, self.out_features, rows):
+            q, scale_inv = quantize_weight_blockwise(
+                weight[r0:r0 + rows].to(self.weight.device),
+                self.weight_block_size,
+                scale_mode=self.weight_scale_mode,
+                name="weight",
+            )
+            b0 = r0 // self.weight_block_size[0]
+            self.weight[r0:r0 + rows].copy_(q)
+            self.weight_scale_inv[b0:b0 + scale_inv.shape[0]].copy_(scale_inv)
 
     @torch.no_grad()
     def load_bias(self, bias: torch.Tensor) -> None:

@@ -1,12 +1,16 @@
 """Process memory readings for refit and colocation diagnostics (Linux ``/proc``).
 
 ``peak_rss_bytes`` reads the resident-set high-water mark (``VmHWM``); ``reset_peak_rss`` resets
-it (``/proc/self/clear_refs``, Linux >= 4.0), so the peak of one operation can be measured:
-reset, run it, read. CUDA memory is read with ``torch.cuda.max_memory_allocated`` instead.
+it (``/proc/self/clear_refs``, Linux >= 4.0). ``MemoryWatch`` samples the private (``RssAnon``)
+and shared-memory (``RssShmem``: Ray's object store is mapped there) parts separately, so a
+refit's private copies can be told from object-store pages. CUDA memory is read with
+``torch.cuda.max_memory_allocated`` instead.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 
@@ -41,3 +45,44 @@ def memory_stats(reset_peak: bool = False) -> dict[str, int]:
     if reset_peak:
         reset_peak_rss()
     return {"rss": rss_bytes(), "peak_rss": peak_rss_bytes()}
+
+
+class MemoryWatch:
+    """Peak growth of this process's private and shared resident memory while it runs.
+
+    A thread samples ``RssAnon`` and ``RssShmem`` (``/proc/self/status``) every ``interval_s``
+    between ``start()`` and ``stop()``; ``stop()`` returns ``{"anon_extra": bytes,
+    "shmem_extra": bytes}``, the peaks above the values at ``start()``. Shared pages of a
+    memory-mapped store stay resident once touched, so ``shmem_extra`` is an upper bound of
+    the store memory used.
+    """
+
+    def __init__(self, interval_s: float = 0.0005):
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak_anon = max(self._peak_anon, _status_kb("RssAnon"))
+            self._peak_shmem = max(self._peak_shmem, _status_kb("RssShmem"))
+            time.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._base_anon, self._base_shmem = _status_kb("RssAnon"), _status_kb("RssShmem")
+        self._peak_anon, self._peak_shmem = self._base_anon, self._base_shmem
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample_once()
+        return {"anon_extra": (self._peak_anon - self._base_anon) * 1024,
+                "shmem_extra": (self._peak_shmem - self._base_shmem) * 1024}
+
+    def _sample_once(self) -> None:
+        self._peak_anon = max(self._peak_anon, _status_kb("RssAnon"))
+        self._peak_shmem = max(self._peak_shmem, _status_kb("RssShmem"))

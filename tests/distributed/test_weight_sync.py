@@ -119,7 +119,7 @@ def test_calibrate_kv_scales_measures_post_rope_q_and_real_tokens_only(tiny_cfg,
     cfg = tiny_cfg()
     policy = TorchPolicyBackend(cfg.policy, CPU)
     texts = ["Q: What is 3 + 4?\n", "Q: What is 12 - 30?\n"]
-    samples = [PromptSample(MathExample(t, "0"), t, tok.encode(t, add_special_tokens=False)) for t in texts]
+    samples = [PromptSample(MathExample(t, "0", "test", i), t, tok.encode(t, add_special_tokens=False)) for i, t in enumerate(texts)]
     batch = prompts_batch(samples, tok.pad_token_id)
     scales = policy.calibrate_kv_scales(batch, step=2)
     n = policy.model.config.num_hidden_layers
