@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """GRPO on math problems with FP8 rollout and importance-sampling correction.
 
-    python examples/run_grpo_math.py [--config FILE] [--resume] [key.sub=value ...]
+    python examples/run_grpo_math.py [--config FILE] [--resume | --resume-from step_N] [--overwrite]
+                                     [key.sub=value ...]
 
 With no ``--config`` it runs examples/configs/grpo_math_tiny_fp8.yaml, the embedded CPU default.
+A run owns its logger.log_dir and checkpointing.checkpoint_dir: a fresh run into folders holding
+another run stops (pass --resume, a new folder, or --overwrite), and a second run on the same
+folders stops at once. Exit codes: 0 done, 2 configuration / setup error, 130 Ctrl-C, 143 SIGTERM.
 """
 
 import argparse
@@ -14,26 +18,44 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from nemo_fp8.config import ConfigError, load_config  # noqa: E402
-from nemo_fp8.trainer import run  # noqa: E402
+from nemo_fp8.utils.run_dir import RunSetupError, Terminated, raise_on_sigterm  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_math_tiny_fp8.yaml"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    raise_on_sigterm()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help="continue from this run's newest checkpoint")
+    group.add_argument("--resume-from", metavar="step_N", help="continue from an older checkpoint of this run")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="fresh run into folders holding another run: delete its checkpoints, move its metrics "
+                             "aside")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. grpo.max_num_steps=5")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may come before and after the flags
+    if args.overwrite and (args.resume or args.resume_from):
+        parser.error("--overwrite starts a fresh run; it cannot be combined with --resume / --resume-from")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from nemo_fp8.trainer import run
+
     try:
-        final = run(cfg, resume=args.resume)
+        final = run(cfg, resume=args.resume, resume_from=args.resume_from, overwrite=args.overwrite)
+    except (ConfigError, RunSetupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Terminated:
+        print("terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     acc = final.get("val/accuracy")
     print(f"done: {cfg.grpo.max_num_steps} steps; final validation accuracy "

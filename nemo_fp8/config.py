@@ -38,7 +38,7 @@ __all__ = ["MasterConfig", "ConfigError", "load_config", "validate_config", "con
            "WeightSyncConfig", "SUPPORTED_WEIGHT_BLOCK_SIZE", "ColocationConfig", "GenerationConfig", "VllmConfig",
            "Fp8TrainingConfig", "MegatronConfig", "MegatronOptimizerConfig", "OptimizerConfig", "PolicyConfig",
            "TinyModelConfig", "TokenizerConfig", "EnvConfig", "MathEnvConfig", "CheckpointingConfig", "LoggerConfig",
-           "WandbConfig"]
+           "WandbConfig", "load_yaml_file", "config_diff", "IMMUTABLE_ON_RESUME", "resume_changes"]
 
 
 class ConfigError(ValueError):
@@ -94,7 +94,7 @@ def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> Any:
         raise ConfigError(f"config file not found: {path}")
     if path in seen:
         raise ConfigError(f"config 'defaults' cycle: {' -> '.join(map(str, seen + (path,)))}")
-    node = OmegaConf.load(path)
+    node = load_yaml_file(path)
     base_name = node.pop("defaults", None)
     if base_name is None:
         return node
@@ -165,3 +165,80 @@ def validate_config(data: dict, source: str = "<dict>") -> MasterConfig:
 def config_to_yaml(cfg: MasterConfig) -> str:
     """The fully resolved config as YAML (saved beside logs and checkpoints)."""
     return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json")))
+
+
+# --------------------------------------------------------------------------- resume diffs, YAML errors
+def load_yaml_file(path: Path) -> Any:
+    """``OmegaConf.load(path)``, with a YAML syntax error reported as one line naming file, line, column.
+
+    Raises:
+        ConfigError: the file is not valid YAML.
+    """
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+
+
+# Keys that cannot change when a run is resumed: the model and its precision (the checkpoint's
+# weights and the FP8 recipe), the data and its order (the saved dataloader state), the group
+# size. A key matches when it equals an entry or lies under it.
+IMMUTABLE_ON_RESUME: tuple[str, ...] = (
+    "policy.model_name", "policy.tokenizer.name", "policy.precision", "policy.megatron_cfg",
+    "policy.generation.backend", "policy.generation.vllm_cfg.precision", "policy.generation.vllm_cfg.kv_cache_dtype",
+    "policy.generation.vllm_cfg.num_first_layers_in_bf16", "policy.generation.vllm_cfg.num_last_layers_in_bf16",
+    "policy.generation.vllm_cfg.fp8_ignore_patterns", "policy.generation.vllm_cfg.weight_block_size",
+    "policy.generation.vllm_cfg.pow2_weight_scaling_factors",
+    "policy.generation.vllm_cfg.pow2_activation_scaling_factors",
+    "data.dataset", "data.train_path", "data.max_train_samples", "data.num_synthetic_train",
+    "data.synthetic_max_operand", "data.seed", "data.shuffle",
+    "grpo.num_prompts_per_step", "grpo.num_generations_per_prompt",
+)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flatten(v, key) if isinstance(v, dict) and v else {key: v})
+    return out
+
+
+def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """Every leaf key whose value differs between two config dicts: ``{key: (old, new)}``.
+
+    A key present on one side only is reported with ``None`` on the other side.
+    """
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def resume_changes(old_yaml: str, cfg: MasterConfig, checkpoint_step: int) -> dict[str, tuple[Any, Any]]:
+    """Compare the config saved with a checkpoint to the new one; return the changes that apply.
+
+    Keys under ``IMMUTABLE_ON_RESUME`` and a ``grpo.max_num_steps`` below the checkpoint's step are
+    errors; every other change (learning rate, number of steps, logging, ...) is returned so the
+    caller logs it and applies it.
+
+    Raises:
+        ConfigError: lists every change that cannot apply, with the old and new values.
+    """
+    old = OmegaConf.to_container(OmegaConf.create(old_yaml), resolve=True)
+    diff = config_diff(old, cfg.model_dump(mode="json"))
+    frozen = [k for k in diff if any(k == p or k.startswith(p + ".") for p in IMMUTABLE_ON_RESUME)]
+    errs = [f"  - {k}: {diff[k][0]!r} in the checkpoint, {diff[k][1]!r} now (cannot change when resuming)"
+            for k in frozen]
+    if cfg.grpo.max_num_steps < checkpoint_step:
+        errs.append(f"  - grpo.max_num_steps: {cfg.grpo.max_num_steps} is below the checkpoint's step "
+                    f"{checkpoint_step} (valid: >= {checkpoint_step})")
+    if errs:
+        raise ConfigError("cannot resume with this config:\n" + "\n".join(errs)
+                          + "\nstart a new run (new logger.log_dir / checkpointing.checkpoint_dir) to change them")
+    return {k: v for k, v in diff.items() if k not in frozen}

@@ -30,9 +30,14 @@ logger = logging.getLogger(__name__)
 def ensure_model(cfg: MasterConfig) -> None:
     """Build the tiny model when ``policy.model_name`` is missing and ``tiny_model.build_if_missing``.
 
+    Concurrent runs that need the same missing model take turns on ``<model>.build.lock``: the
+    first builds it, the others wait and then use it.
+
     Raises:
         FileNotFoundError: the model folder is missing and may not be built.
     """
+    import fcntl
+
     path = Path(cfg.policy.model_name)
     if (path / "config.json").is_file():
         return
@@ -43,9 +48,18 @@ def ensure_model(cfg: MasterConfig) -> None:
                                 "it at a local checkpoint")
     from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model
 
-    logger.info("building the tiny model at %s (tools/make_tiny_model.py does the same)", path)
-    build_tiny_model(path, TinyModelSpec(sft_steps=tiny.sft_steps, max_operand=tiny.max_operand, seed=tiny.seed),
-                     device=str(resolve_device(cfg.policy.device)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".build.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is building the tiny model at %s; waiting for it", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "config.json").is_file():  # built by the other process meanwhile
+            return
+        logger.info("building the tiny model at %s (tools/make_tiny_model.py does the same)", path)
+        build_tiny_model(path, TinyModelSpec(sft_steps=tiny.sft_steps, max_operand=tiny.max_operand, seed=tiny.seed),
+                         device=str(resolve_device(cfg.policy.device)))
 
 
 def load_examples(cfg: MasterConfig) -> tuple[list[MathExample], list[MathExample]]:
@@ -155,30 +169,171 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     return Workers(policy, generation, refitter, pg)
 
 
-def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:
-    """Run the GRPO job described by ``cfg``; returns the last step's metrics."""
-    import ray
+@dataclass
+class RunSetup:
+    """What ``prepare_run_dirs`` decided: the run id, the checkpoint to resume (None: step 0), the
+    locks held on the folders, and the config changes a resume applies."""
 
-    from nemo_fp8.rewards import MathRewardScorer
+    run_id: str
+    checkpoint: Path | None
+    start_step: int
+    locks: list
+    changes: dict
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
+
+def prepare_run_dirs(cfg: MasterConfig, config_yaml: str, resume: bool, resume_from: str | None = None,
+                     overwrite: bool = False) -> RunSetup:
+    """Lock the log and checkpoint folders and decide what this run continues.
+
+    Fresh run: refuses folders with another run's checkpoints or metrics (unless ``overwrite``).
+    Resume: picks the newest checkpoint (or ``resume_from``), checks its files, compares its
+    config with ``cfg`` (changes that cannot apply are errors, the others are logged), and moves
+    aside metrics rows that will be written again. A run that was started but never checkpointed
+    restarts from step 0.
+
+    Raises:
+        RunSetupError: folder in use by another run (pid, host), mixing with another run, no
+            checkpoint to resume, corrupt checkpoint (file, what is wrong, the older one to use).
+        ConfigError: the new config changes keys that cannot change on resume.
+    """
+    from nemo_fp8.config import resume_changes
+    from nemo_fp8.utils.checkpoint import verify_checkpoint
+    from nemo_fp8.utils.logger import repair_metrics
+    from nemo_fp8.utils.run_dir import FolderLock, RunSetupError, claim_fresh, new_run_id, read_marker
+
+    log_dir = Path(cfg.logger.log_dir)
+    ckpt_dir = Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.enabled else None
+    resume = resume or resume_from is not None
+    if resume and ckpt_dir is None:
+        raise RunSetupError("--resume needs checkpointing.enabled=true (this config writes no checkpoints)")
+    marker = ((read_marker(ckpt_dir) if ckpt_dir else None) or read_marker(log_dir)) if resume else None
+    run_id = (marker or {}).get("run_id") or new_run_id()
+    folders = [ckpt_dir, log_dir] if ckpt_dir is not None and ckpt_dir.resolve() != log_dir.resolve() else [log_dir]
+    locks: list = []
+    try:
+        for folder in folders:
+            locks.append(FolderLock(folder, run_id).acquire())
+        checkpoint, start_step, changes = None, 0, {}
+        if not resume:
+            claim_fresh(log_dir, ckpt_dir, overwrite)
+            return RunSetup(run_id, None, 0, locks, {})
+        checkpointer = CheckpointManager(ckpt_dir, cfg.checkpointing.keep_last_k)
+        checkpoint = checkpointer.resolve(resume_from) if resume_from else checkpointer.latest()
+        if checkpoint is None:
+            if marker is None:
+                raise RunSetupError(f"--resume: no checkpoint and no run under checkpointing.checkpoint_dir="
+                                    f"{ckpt_dir}; check the folder name, or start without --resume")
+            logger.warning("--resume: run %s wrote no checkpoint yet; restarting it from step 0", run_id)
+        else:
+            state = verify_checkpoint(checkpoint)
+            start_step = int(state["step"])
+            run_id = state.get("run_id") or run_id
+            changes = resume_changes((checkpoint / "config.yaml").read_text(), cfg, start_step)
+            for key, (old, new) in changes.items():
+                logger.warning("--resume: %s changed from %r to %r (applies from step %d)", key, old, new,
+                               start_step + 1)
+        log_owner = (read_marker(log_dir) or {}).get("run_id")
+        if log_owner and log_owner != run_id:
+            raise RunSetupError(f"logger.log_dir={log_dir} belongs to run {log_owner}, but the checkpoint "
+                                f"{checkpoint} to run {run_id}; use that run's log folder")
+        repair_metrics(log_dir / "metrics.jsonl", start_step)
+        return RunSetup(run_id, checkpoint, start_step, locks, changes)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+
+
+class RewardStatsLogger:
+    """Wraps a ``MetricsLogger``: each logged step also gets the reward scorer's counts since the
+    last one (``reward/num_timeouts``, ``reward/num_over_step_budget``, ``reward/num_errors``)."""
+
+    def __init__(self, inner, scorer):
+        self.inner, self.scorer = inner, scorer
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        stats = self.scorer.pop_stats() if hasattr(self.scorer, "pop_stats") else {}
+        self.inner.log(step, {**metrics, **{f"reward/{k}": v for k, v in stats.items()}})
+
+    def close(self):
+        return self.inner.close()
+
+
+def interrupt_hint(cfg: MasterConfig, checkpointer: CheckpointManager, run_id: str) -> str:
+    """What a user can do after an interrupt, accurate for the checkpointing settings."""
+    if not cfg.checkpointing.enabled:
+        return "checkpointing is off (checkpointing.enabled=false): nothing to resume from"
+    mine = [s for s in checkpointer.steps() if checkpointer.run_id_of(s) == run_id]
+    if not mine:
+        return "no checkpoint written yet; --resume restarts this run from step 0"
+    return f"last checkpoint: {checkpointer.root / f'step_{mine[-1]}'}; continue with --resume"
+
+
+def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
+        overwrite: bool = False) -> dict[str, float]:
+    """Run the GRPO job described by ``cfg``; returns the last step's metrics.
+
+    Order: folders locked and checked (``prepare_run_dirs``) -> preflight (data, model path,
+    resources) -> model build -> Ray and actors -> restore -> train.
+
+    Raises:
+        RunSetupError: see ``prepare_run_dirs`` and ``nemo_fp8.preflight.preflight``.
+        ConfigError: a resume changes keys that cannot change.
+        KeyboardInterrupt: Ctrl-C; ``Terminated`` (a KeyboardInterrupt) on SIGTERM.
+    """
+    from nemo_fp8.preflight import preflight
+    from nemo_fp8.utils.run_dir import config_hash, raise_on_sigterm, write_marker
 
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
+    raise_on_sigterm()
+    config_yaml = config_to_yaml(cfg)
+    setup = prepare_run_dirs(cfg, config_yaml, resume, resume_from, overwrite)
+    try:
+        preflight(cfg)
+        resumed = setup.checkpoint is not None or resume or resume_from is not None
+        for folder in {cfg.logger.log_dir, *([cfg.checkpointing.checkpoint_dir] if cfg.checkpointing.enabled else [])}:
+            write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed)
+        logger.info("run %s (config %s)%s", setup.run_id, config_hash(config_yaml),
+                    f", resuming from {setup.checkpoint}" if setup.checkpoint else "")
+        return _run_owned(cfg, setup, config_yaml)
+    finally:
+        setup.release()
+
+
+def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str, float]:
+    """The body of ``run`` once the folders are owned and the preflight passed."""
+    import ray
+
+    from nemo_fp8.distributed.worker_groups import init_ray
+    from nemo_fp8.preflight import check_cluster
+    from nemo_fp8.rewards import MathRewardScorer
+    from nemo_fp8.utils.run_dir import raise_on_sigterm
+
     ensure_model(cfg)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or cfg.policy.model_name)
     train, val = prepare_prompts(cfg, tokenizer)
     dataloader = PromptDataloader(train, cfg.grpo.num_prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    checkpointer = CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_last_k)
-    config_yaml = config_to_yaml(cfg)
-    latest = checkpointer.latest() if resume else None
-    if resume and latest is None:
-        logger.warning("--resume: no checkpoint under %s; starting from step 0", cfg.checkpointing.checkpoint_dir)
+    checkpointer = CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_last_k,
+                                     run_id=setup.run_id)
+    latest = setup.checkpoint
 
-    start_step = 0
-    state = None
+    start_step, state = 0, None
     if latest is not None:
         state = CheckpointManager.load_trainer_state(latest)
         start_step = int(state["step"])
-    workers = start_workers(cfg, tokenizer, version=start_step)
+    try:
+        init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
+        raise_on_sigterm()  # ray.init replaced it with sys.exit
+        check_cluster(cfg)
+        workers = start_workers(cfg, tokenizer, version=start_step)
+    except BaseException:
+        ray.shutdown()
+        raise
     if latest is not None:
         workers.policy.load(latest / "policy")
         dataloader.load_state_dict(state["dataloader"])
@@ -190,13 +345,14 @@ def run(cfg: MasterConfig, resume: bool = False) -> dict[str, float]:
 
     metrics_logger = MetricsLogger(cfg.logger, cfg.model_dump(mode="json"), resume=latest is not None)
     (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
-    scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s)
+    scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
+                              max_seconds_per_step=cfg.env.math.max_seconds_per_step)
     try:
         return grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
-                          metrics_logger, checkpointer, start_step, config_yaml, workers.refitter)
+                          RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
+                          workers.refitter)
     except KeyboardInterrupt:
-        done = checkpointer.latest()
-        logger.warning("interrupted; last checkpoint: %s; continue with --resume", done)
+        logger.warning("interrupted; %s", interrupt_hint(cfg, checkpointer, setup.run_id))
         raise
     finally:
         png = metrics_logger.close()

@@ -50,13 +50,21 @@ def _iter_json_records(path: Path) -> Iterator[tuple[str, dict]]:
         tuple[str, dict]: ``"line N"`` (1-based) or ``"item N"`` (0-based) and the record.
 
     Raises:
-        DatasetFormatError: On invalid JSON or a record that is not an object.
+        DatasetFormatError: On invalid JSON, a byte that is not UTF-8 (names the line) or a
+            record that is not an object.
     """
-    with path.open("r", encoding="utf-8") as f:
+    with path.open("rb") as f:
         text_start = f.read(4096).lstrip()
-    if path.suffix == ".json" and text_start.startswith("["):
+    if path.suffix == ".json" and text_start.startswith(b"["):
+        raw = path.read_bytes()
         try:
-            items = json.loads(path.read_text(encoding="utf-8"))
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line_no = raw.count(b"\n", 0, e.start) + 1
+            raise DatasetFormatError(f"{path}, line {line_no}: not UTF-8 text "
+                                     f"(byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+        try:
+            items = json.loads(text)
         except json.JSONDecodeError as e:
             raise DatasetFormatError(f"{path}: invalid JSON: {e}") from e
         for i, item in enumerate(items):
@@ -64,8 +72,13 @@ def _iter_json_records(path: Path) -> Iterator[tuple[str, dict]]:
                 raise DatasetFormatError(f"{path}, item {i}: expected a JSON object, got {type(item).__name__}")
             yield f"item {i}", item
         return
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw_line in enumerate(f, start=1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetFormatError(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw_line[e.start]:02x} "
+                                         f"at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -83,8 +96,14 @@ def _iter_parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield ``("row N", record)`` (0-based rows) from a Parquet file, batch by batch."""
     import pyarrow.parquet as pq
 
+    import pyarrow as pa
+
+    try:
+        pfile = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetFormatError(f"{path}: not a readable Parquet file ({e})") from None
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    for batch in pfile.iter_batches(batch_size=1024):
         for record in batch.to_pylist():
             yield f"row {row}", record
             row += 1

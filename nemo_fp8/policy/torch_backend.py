@@ -285,7 +285,8 @@ class TorchPolicyBackend:
         torch.save({"optimizer": self.optimizer.state_dict(), "num_updates": self.num_updates}, path / "optimizer.pt")
 
     def load(self, path: str | Path) -> None:
-        """Load what ``save`` wrote (weights in place, then optimizer state).
+        """Load what ``save`` wrote (weights in place, then optimizer state; the learning rate and
+        weight decay stay those of ``cfg.optimizer``, so a resumed run applies changed values).
 
         Raises:
             FileNotFoundError: ``path`` lacks ``model/`` or ``optimizer.pt``.
@@ -306,6 +307,8 @@ class TorchPolicyBackend:
             raise ValueError(f"policy checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
         extra = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(extra["optimizer"])
+        for group in self.optimizer.param_groups:  # the config's values win over the checkpoint's
+            group["lr"], group["weight_decay"] = self.cfg.optimizer.lr, self.cfg.optimizer.weight_decay
         self.num_updates = int(extra["num_updates"])
 
 

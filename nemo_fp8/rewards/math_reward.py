@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from decimal import Decimal, InvalidOperation
@@ -241,8 +242,13 @@ class MathRewardScorer:
     Each (response, ground truth) pair is one ``pebble.ProcessPool`` task with
     ``timeout=timeout_s``; a task past its limit scores 0.0 and pebble kills its worker and starts
     a new one. This works from any thread, unlike math-verify's signal-based timeouts. With
-    ``num_workers=0`` everything is scored inline in the calling process, without a time limit
-    (for debugging).
+    ``num_workers=0`` everything is scored inline in the calling process, without a per-answer
+    time limit (for debugging).
+
+    ``max_seconds_per_step`` bounds one call as a whole: answers still pending when it runs out
+    are cancelled (their workers killed) and score 0.0. Counts of the last call are in
+    ``last_num_timeouts`` / ``last_num_over_budget`` / ``last_num_errors``; running totals since
+    :meth:`pop_stats` in ``pop_stats()``.
 
     The pool is started on the first call; call :meth:`close` (or use ``with``) to stop it.
 
@@ -253,9 +259,11 @@ class MathRewardScorer:
             module-level function). Defaults to :func:`score_response`.
         mp_context (str | None): multiprocessing start method for the workers (``"fork"``,
             ``"spawn"``, ``"forkserver"``); None uses the platform default.
+        max_seconds_per_step (float | None): Seconds allowed per call (None: no limit). Inline
+            scoring (``num_workers=0``) checks it between answers.
 
     Raises:
-        ValueError: Negative ``num_workers`` or non-positive ``timeout_s``.
+        ValueError: Negative ``num_workers``, non-positive ``timeout_s`` or ``max_seconds_per_step``.
     """
 
     def __init__(
@@ -265,11 +273,17 @@ class MathRewardScorer:
         *,
         score_fn: Callable[[str, str], float] = score_response,
         mp_context: str | None = None,
+        max_seconds_per_step: float | None = None,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_seconds_per_step is not None and max_seconds_per_step <= 0:
+            raise ValueError(f"max_seconds_per_step must be > 0 or None, got {max_seconds_per_step}")
+        self.max_seconds_per_step = max_seconds_per_step
+        self.last_num_over_budget = 0
+        self._totals = {"num_timeouts": 0, "num_over_step_budget": 0, "num_errors": 0}
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.score_fn = score_fn
@@ -310,10 +324,21 @@ class MathRewardScorer:
             )
         self.last_num_timeouts = 0
         self.last_num_errors = 0
+        self.last_num_over_budget = 0
         if not responses:
             return []
+        budget = self.max_seconds_per_step
+        deadline = None if budget is None else time.monotonic() + budget
         if self.num_workers == 0:
-            return [float(self.score_fn(r, g)) for r, g in zip(responses, ground_truths)]
+            scores = []
+            for r, g in zip(responses, ground_truths):
+                if deadline is not None and time.monotonic() > deadline:
+                    self.last_num_over_budget += 1
+                    scores.append(0.0)
+                else:
+                    scores.append(float(self.score_fn(r, g)))
+            self._finish(len(responses))
+            return scores
 
         pool = self._get_pool()
         futures = [
@@ -322,10 +347,15 @@ class MathRewardScorer:
         ]
         scores = []
         for future in futures:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                scores.append(float(future.result()))
+                scores.append(float(future.result(timeout=wait)))
             except FuturesTimeoutError:
-                self.last_num_timeouts += 1
+                if future.done():  # pebble's per-answer limit fired
+                    self.last_num_timeouts += 1
+                else:  # the step budget ran out first: stop this answer (pebble kills its worker)
+                    future.cancel()
+                    self.last_num_over_budget += 1
                 scores.append(0.0)
             except Exception as e:  # worker crashed (pebble ProcessExpired) or score_fn raised
                 self.last_num_errors += 1
@@ -339,7 +369,23 @@ class MathRewardScorer:
         if self.last_num_errors:
             logger.warning("math reward: %d of %d answers failed with an error and scored 0.0",
                            self.last_num_errors, len(responses))
+        self._finish(len(responses))
         return scores
+
+    def _finish(self, n: int) -> None:
+        if self.last_num_over_budget:
+            logger.warning("math reward: step budget of %.1f s ran out; %d of %d answers not scored (0.0)",
+                           self.max_seconds_per_step, self.last_num_over_budget, n)
+        self._totals["num_timeouts"] += self.last_num_timeouts
+        self._totals["num_over_step_budget"] += self.last_num_over_budget
+        self._totals["num_errors"] += self.last_num_errors
+
+    def pop_stats(self) -> dict[str, float]:
+        """Counts since the last call to this: ``num_timeouts`` (per-answer limit),
+        ``num_over_step_budget`` (step budget) and ``num_errors``; resets them."""
+        out = {k: float(v) for k, v in self._totals.items()}
+        self._totals = dict.fromkeys(self._totals, 0)
+        return out
 
     def close(self) -> None:
         """Stop the worker processes (safe to call more than once)."""

@@ -1,8 +1,13 @@
 """Step checkpoints: ``<checkpoint_dir>/step_<N>/`` with the policy and the trainer state.
 
 A checkpoint is written to ``step_<N>.tmp`` and renamed when complete, so a crash while saving
-never leaves a half checkpoint that ``--resume`` would pick up. Only the last ``keep_last_k``
-are kept.
+never leaves a half checkpoint that ``--resume`` would pick up. Each checkpoint records the run
+id that wrote it; only the last ``keep_last_k`` of *this run's* checkpoints are kept, so an
+older run's steps are never counted (or deleted) by a newer one.
+
+``verify_checkpoint`` checks a checkpoint's files cheaply (safetensors headers and sizes, the
+optimizer archive's directory, the trainer state) before any actor loads it, and names the file
+and what is wrong.
 """
 
 from __future__ import annotations
@@ -11,20 +16,36 @@ import json
 import logging
 import re
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
+
+from nemo_fp8.utils.run_dir import RunSetupError
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointManager:
-    """Save/find step checkpoints under ``root``; the policy writes into ``<step dir>/policy``."""
+class CheckpointError(RunSetupError):
+    """A checkpoint is missing or corrupt; the message names the file and what is wrong."""
 
-    def __init__(self, root: str | Path, keep_last_k: int = 2):
+
+class CheckpointManager:
+    """Save/find step checkpoints under ``root``; the policy writes into ``<step dir>/policy``.
+
+    Args:
+        root: the checkpoint folder.
+        keep_last_k: how many of this run's checkpoints to keep.
+        run_id: written into each checkpoint's trainer state; pruning only considers checkpoints
+            with this id (None: all checkpoints count, the behaviour before run ids).
+    """
+
+    def __init__(self, root: str | Path, keep_last_k: int = 2, run_id: str | None = None):
         self.root = Path(root)
         self.keep_last_k = keep_last_k
+        self.run_id = run_id
 
     def steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -35,18 +56,41 @@ class CheckpointManager:
         steps = self.steps()
         return self.root / f"step_{steps[-1]}" if steps else None
 
+    def resolve(self, name: str) -> Path:
+        """The checkpoint ``name`` (``step_N``, ``N`` or a path) for ``--resume-from``.
+
+        Raises:
+            CheckpointError: no such checkpoint (lists the ones there are).
+        """
+        p = Path(name)
+        if not p.is_dir():
+            p = self.root / (f"step_{name}" if name.isdigit() else name)
+        if not p.is_dir():
+            have = ", ".join(f"step_{s}" for s in self.steps()) or "none"
+            raise CheckpointError(f"--resume-from {name}: no checkpoint {p} (checkpoints under {self.root}: {have})")
+        return p
+
+    def run_id_of(self, step: int) -> str | None:
+        """The run id recorded in ``step_<step>`` (None: none recorded or unreadable)."""
+        try:
+            return json.loads((self.root / f"step_{step}" / "trainer_state.json").read_text()).get("run_id")
+        except (OSError, ValueError):
+            return None
+
     def save(self, step: int, policy, trainer_state: dict[str, Any], config_yaml: str) -> Path:
-        """Write policy weights + optimizer and ``trainer_state.json`` for ``step``; prune old ones."""
+        """Write policy weights + optimizer and ``trainer_state.json`` for ``step``; prune this run's old ones."""
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         policy.save(tmp / "policy")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        state = {"step": step, **({"run_id": self.run_id} if self.run_id else {}), **trainer_state}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
         (tmp / "config.yaml").write_text(config_yaml)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in self.steps()[: -self.keep_last_k]:
+        mine = [s for s in self.steps() if self.run_id is None or self.run_id_of(s) == self.run_id]
+        for old in mine[: -self.keep_last_k]:
             shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
         logger.info("checkpoint saved: %s", final)
         return final
@@ -62,3 +106,70 @@ class CheckpointManager:
         if not f.is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer_state.json)")
         return json.loads(f.read_text())
+
+
+def _check_safetensors(f: Path) -> str | None:
+    """What is wrong with a safetensors file (None: header parses, the data it declares is there)."""
+    size = f.stat().st_size
+    if size < 8:
+        return f"truncated ({size} bytes, no header)"
+    with f.open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > size - 8:
+            return f"truncated (header of {n} bytes, file has {size})"
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as e:
+            return f"unreadable header ({e})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        return f"truncated (tensors need {8 + n + end} bytes, file has {size})"
+    return None
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check the files of a step checkpoint without loading the weights; return its trainer state.
+
+    Checks ``trainer_state.json`` (JSON with ``step``), ``config.yaml``, every
+    ``policy/model/*.safetensors`` (header and size) and ``policy/optimizer.pt`` (zip directory).
+
+    Raises:
+        CheckpointError: names the file and what is wrong, with the hint to resume from the
+            previous checkpoint (``--resume-from step_M``) when there is one.
+    """
+    path = Path(path)
+    problems: list[str] = []
+    state: dict[str, Any] = {}
+    ts = path / "trainer_state.json"
+    try:
+        state = json.loads(ts.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            problems.append(f"{ts}: no integer 'step'")
+    except FileNotFoundError:
+        problems.append(f"{ts}: missing")
+    except ValueError as e:
+        problems.append(f"{ts}: not valid JSON ({e})")
+    if not (path / "config.yaml").is_file():
+        problems.append(f"{path / 'config.yaml'}: missing")
+    model_files = sorted((path / "policy" / "model").glob("*.safetensors"))
+    if not model_files:
+        problems.append(f"{path / 'policy' / 'model'}: no *.safetensors weights")
+    for f in model_files:
+        if (why := _check_safetensors(f)) is not None:
+            problems.append(f"{f}: {why}")
+    opt = path / "policy" / "optimizer.pt"
+    if not opt.is_file():
+        problems.append(f"{opt}: missing")
+    else:
+        try:
+            with zipfile.ZipFile(opt) as z:
+                z.namelist()
+        except (zipfile.BadZipFile, OSError) as e:
+            problems.append(f"{opt}: truncated or not a torch archive ({e})")
+    if problems:
+        m = _STEP_DIR.match(path.name)
+        older = [s for s in CheckpointManager(path.parent).steps() if m and s < int(m.group(1))]
+        hint = (f"; resume from the previous one with --resume-from step_{older[-1]}" if older
+                else "; there is no older checkpoint to resume from")
+        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(problems) + hint)
+    return state

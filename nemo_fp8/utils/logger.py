@@ -47,6 +47,9 @@ class MetricsLogger:
     """Writes ``metrics.jsonl`` (one object per step), TensorBoard scalars and wandb (if enabled).
 
     ``log(step, metrics)`` takes flat ``group/name`` keys. ``close()`` writes ``curves.png``.
+    ``metrics.jsonl`` is only ever appended to: a fresh run into a folder with another run's
+    metrics is refused before this is built (``utils/run_dir.claim_fresh``), and a resumed run
+    repairs the file first (``repair_metrics``).
     """
 
     def __init__(self, cfg: LoggerConfig, run_config: dict, resume: bool = False):
@@ -54,8 +57,6 @@ class MetricsLogger:
         self.dir = Path(cfg.log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.dir / "metrics.jsonl"
-        if not resume and self.jsonl_path.exists():
-            self.jsonl_path.unlink()
         self._tb = self._wandb = None
         if cfg.tensorboard_enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -102,7 +103,7 @@ def plot_curves(jsonl_path: Path, png_path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in jsonl_path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(jsonl_path)
     panels = [("train/reward_mean", "train reward"), ("val/accuracy", "validation accuracy"),
               ("mismatch/gen_kl_error", "gen_kl_error (KL gen || train)"),
               ("mismatch/token_mult_prob_error", "token_mult_prob_error")]
@@ -120,3 +121,47 @@ def plot_curves(jsonl_path: Path, png_path: Path) -> Path:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return png_path
+
+
+def read_metrics(jsonl_path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a line that does not parse (a partial last line) is skipped."""
+    rows = []
+    for line in Path(jsonl_path).read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def repair_metrics(jsonl_path: Path, resume_step: int) -> int:
+    """Make ``metrics.jsonl`` consistent before a resumed run appends to it; returns rows moved.
+
+    A partial last line (a kill while writing) and the rows a resumed run will write again (steps
+    after ``resume_step``; all rows when it restarts from step 0) are moved, not deleted, to
+    ``metrics.superseded.jsonl`` beside it. The file is rewritten atomically.
+    """
+    jsonl_path = Path(jsonl_path)
+    if not jsonl_path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in jsonl_path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ok = isinstance(row, dict) and resume_step > 0 and int(row.get("step", -1)) <= resume_step
+        except (ValueError, TypeError):
+            ok = False
+        (keep if ok else moved).append(line)
+    if moved:
+        with (jsonl_path.parent / "metrics.superseded.jsonl").open("a") as f:
+            f.write("".join(x + "\n" for x in moved))
+        tmp = jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(jsonl_path)
+        logger.info("metrics: %d row(s) after step %d or unreadable moved to metrics.superseded.jsonl", len(moved),
+                    resume_step)
+    return len(moved)

@@ -1,0 +1,141 @@
+"""Preflight: checks that run before anything expensive (the model build, Ray, the actors).
+
+``preflight(cfg)`` opens the data files and parses their first records, checks the model path,
+and compares the resources the actors will ask Ray for with what the cluster has. Every error
+names the file (and line) or the config key; all problems are reported at once in one
+``PreflightError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from nemo_fp8.config import MasterConfig
+from nemo_fp8.utils.run_dir import RunSetupError
+
+logger = logging.getLogger(__name__)
+
+HEAD_RECORDS = 16  # records parsed per data file by the preflight
+
+
+class PreflightError(RunSetupError):
+    """One or more preflight problems, one per line, each naming a file, line or key."""
+
+
+def check_data(cfg: MasterConfig) -> list[str]:
+    """Open ``data.train_path`` / ``data.val_path`` and parse their first records.
+
+    Returns one line per problem (missing file, wrong extension, not UTF-8, invalid JSON, not
+    Parquet, missing schema keys, no records at all), each naming the key and the file.
+    """
+    from nemo_fp8.data.datasets import load_math_dataset
+
+    d = cfg.data
+    if d.dataset == "synthetic":
+        return []
+    errs = []
+    for key, path in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+        if not path:
+            continue
+        try:
+            head = load_math_dataset(path, schema=d.dataset, limit=HEAD_RECORDS)
+        except FileNotFoundError:
+            errs.append(f"{key}: file not found: {path}")
+            continue
+        except ValueError as e:  # DatasetFormatError is a ValueError; so are bad extensions
+            errs.append(f"{key}: {e}")
+            continue
+        if not head:
+            errs.append(f"{key}: {path} has no records (empty file)")
+    return errs
+
+
+def check_model(cfg: MasterConfig) -> list[str]:
+    """``policy.model_name`` is an HF folder (``config.json``), or may be built there; same for
+    ``policy.tokenizer.name`` when it is a local path."""
+    errs = []
+    path = Path(cfg.policy.model_name)
+    if not (path / "config.json").is_file():
+        if not cfg.policy.tiny_model.build_if_missing:
+            what = "is not a folder" if not path.exists() else "has no config.json"
+            errs.append(f"policy.model_name: {path} {what} (an HF checkpoint folder is needed); set "
+                        "policy.tiny_model.build_if_missing=true to build the tiny model there, or point it at a "
+                        "local checkpoint")
+        else:
+            parent = next((p for p in [path, *path.parents] if p.exists()), Path("."))
+            if not os.access(parent, os.W_OK):
+                errs.append(f"policy.model_name: cannot build the tiny model at {path} ({parent} is not writable)")
+    tok = cfg.policy.tokenizer.name
+    if tok and (tok.startswith((".", "/")) or Path(tok).exists()) and not Path(tok).is_dir():
+        errs.append(f"policy.tokenizer.name: {tok} is not a folder")
+    return errs
+
+
+def required_resources(cfg: MasterConfig) -> dict[str, float]:
+    """Ray resources the run's actors ask for, ``{"CPU": n, "GPU": g}``: the placement plan of
+    ``nemo_fp8.distributed.worker_groups.plan_cluster`` that ``trainer.start_workers`` reserves."""
+    from nemo_fp8.distributed.worker_groups import plan_cluster
+    from nemo_fp8.models.hf import resolve_device
+
+    cuda = resolve_device(cfg.policy.device).type == "cuda"
+    need = plan_cluster(cfg.policy.data_parallel_size, cuda, cfg.policy.generation.colocated.enabled).required()
+    return {"CPU": need.get("CPU", 0.0), "GPU": need.get("GPU", 0.0)}
+
+
+def available_resources(cfg: MasterConfig) -> dict[str, float] | None:
+    """What a local Ray started with ``cluster.num_cpus`` will have (None: joining a cluster, unknown
+    before connecting; ``check_cluster`` compares after ``ray.init``)."""
+    if cfg.cluster.address:
+        return None
+    import torch
+
+    return {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1),
+            "GPU": float(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
+
+
+def compare_resources(need: dict[str, float], have: dict[str, float], cfg: MasterConfig) -> list[str]:
+    """Lines for each resource the actors need more of than the cluster has."""
+    errs = []
+    if need.get("CPU", 0) > have.get("CPU", 0):
+        errs.append(f"cluster.num_cpus: the actors need {need['CPU']:g} CPUs (1 generation + "
+                    f"policy.data_parallel_size={cfg.policy.data_parallel_size} policy) but the cluster has "
+                    f"{have.get('CPU', 0):g}; Ray would wait forever (valid: >= {need['CPU']:g})")
+    if need.get("GPU", 0) > have.get("GPU", 0):
+        errs.append(f"policy.device: the actors need {need['GPU']:g} GPUs but the cluster has {have.get('GPU', 0):g}")
+    return errs
+
+
+def check_resources(cfg: MasterConfig) -> list[str]:
+    have = available_resources(cfg)
+    return [] if have is None else compare_resources(required_resources(cfg), have, cfg)
+
+
+def check_cluster(cfg: MasterConfig) -> None:
+    """After ``ray.init``: the cluster's resources against ``required_resources``.
+
+    Raises:
+        PreflightError: the cluster cannot place the actors.
+    """
+    import ray
+
+    have = {k: float(v) for k, v in ray.cluster_resources().items()}
+    errs = compare_resources(required_resources(cfg), have, cfg)
+    if errs:
+        raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
+
+
+def preflight(cfg: MasterConfig) -> None:
+    """Hardware/engine support, data, model and resources checks, before the model build and Ray.
+
+    Raises:
+        PreflightError: lists every problem, each naming its key and file (and line).
+    """
+    from nemo_fp8.utils.env_check import config_support_errors
+
+    # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
+    errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg)
+    if errs:
+        raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
+    logger.info("preflight: data, model path and resources (%s) ok", required_resources(cfg))
