@@ -25,7 +25,7 @@ logprobs aligned to the token they score).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch

@@ -1,9 +1,10 @@
 """Wiring a validated config into a running GRPO job: setup -> train -> cleanup.
 
-``run(cfg, resume)`` builds the data, the reward, the Ray actors for the policy and the
-generation engine, restores a checkpoint when asked, refits the engine from the policy and
-runs ``nemo_fp8.algorithms.grpo.grpo_train``. The entry point ``examples/run_grpo_math.py``
-only parses arguments and calls it.
+``run(cfg, resume, resume_from, overwrite)`` takes ownership of the run's folders, runs the
+preflight (hardware, data, model path, resources), builds the data and the reward, starts the
+Ray worker groups (policy ranks and the engine) with the refit between them, restores a
+checkpoint when asked and runs ``nemo_fp8.algorithms.grpo.grpo_train``. The entry point
+``examples/run_grpo_math.py`` only parses arguments and calls it.
 """
 
 from __future__ import annotations
@@ -334,20 +335,21 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     except BaseException:
         ray.shutdown()
         raise
-    if latest is not None:
-        workers.policy.load(latest / "policy")
-        dataloader.load_state_dict(state["dataloader"])
-        logger.info("resumed from %s (step %d)", latest, start_step)
-    if workers.refitter.requires_kv_scales:  # FP8 KV: scales for the starting weights, from the first prompts
-        first = train[: cfg.grpo.num_prompts_per_step]
-        workers.refitter.mark_stale(start_step, workers.policy.calibrate_kv_scales(
-            prompts_batch(first, tokenizer.pad_token_id), start_step, cfg.policy.generation.vllm_cfg.kv_scale_margin))
-
-    metrics_logger = MetricsLogger(cfg.logger, cfg.model_dump(mode="json"), resume=latest is not None)
-    (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
-    scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
-                              max_seconds_per_step=cfg.env.math.max_seconds_per_step)
+    metrics_logger = scorer = None
     try:
+        if latest is not None:
+            workers.policy.load(latest / "policy")
+            dataloader.load_state_dict(state["dataloader"])
+            logger.info("resumed from %s (step %d)", latest, start_step)
+        if workers.refitter.requires_kv_scales:  # FP8 KV: scales for the starting weights, from the first prompts
+            first = train[: cfg.grpo.num_prompts_per_step]
+            workers.refitter.mark_stale(start_step, workers.policy.calibrate_kv_scales(
+                prompts_batch(first, tokenizer.pad_token_id), start_step,
+                cfg.policy.generation.vllm_cfg.kv_scale_margin))
+        metrics_logger = MetricsLogger(cfg.logger, cfg.model_dump(mode="json"), resume=latest is not None)
+        (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
+        scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
+                                  max_seconds_per_step=cfg.env.math.max_seconds_per_step)
         return grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
                           RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
                           workers.refitter)
@@ -355,9 +357,11 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         logger.warning("interrupted; %s", interrupt_hint(cfg, checkpointer, setup.run_id))
         raise
     finally:
-        png = metrics_logger.close()
-        if png:
-            logger.info("curves: %s", png)
-        scorer.close()
+        if metrics_logger is not None:
+            png = metrics_logger.close()
+            if png:
+                logger.info("curves: %s", png)
+        if scorer is not None:
+            scorer.close()
         workers.shutdown()
         ray.shutdown()

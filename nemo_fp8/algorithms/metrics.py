@@ -387,11 +387,13 @@ class MetricAccumulator:
     def to(self, device: torch.device | str) -> "MetricAccumulator":
         """A copy with every state on ``device``."""
         out = MetricAccumulator(self.reductions)
-        out._state = {k: v.to(device) for k, v in self._state.items()}
+        if self._state:  # one stacked copy for all metrics: one transfer, not one per metric
+            moved = torch.stack(list(self._state.values())).to(device)
+            out._state = dict(zip(self._state, moved.unbind()))
         return out
 
     def cpu(self) -> "MetricAccumulator":
-        """A copy with every state on the CPU (one device->host copy per metric)."""
+        """A copy with every state on the CPU (one device->host copy for all metrics)."""
         return self.to("cpu")
 
     def result(self) -> dict[str, float]:

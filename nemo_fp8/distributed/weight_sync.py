@@ -158,6 +158,12 @@ class SyncStats:
     max_bucket_bytes: int = 0
     seconds: float = 0.0
 
+    def add_bucket(self, num_tensors: int, nbytes: int) -> None:
+        self.num_buckets += 1
+        self.num_tensors += num_tensors
+        self.bytes += nbytes
+        self.max_bucket_bytes = max(self.max_bucket_bytes, nbytes)
+
     def metrics(self) -> dict[str, float]:
         return {"refit/num_buckets": float(self.num_buckets), "refit/gbytes": self.bytes / 1e9,
                 "refit/max_bucket_mbytes": self.max_bucket_bytes / 2**20,
@@ -194,12 +200,8 @@ class InProcessWeightSync:
         stats = SyncStats(version)
         self.generation.start_weight_update(version)
         for bucket in iter_buckets(weight_stream(self.policy.named_weights(), kv_scales), self.bucket_bytes):
-            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
             self.generation.update_weights(bucket)
-            stats.num_buckets += 1
-            stats.num_tensors += len(bucket)
-            stats.bytes += nbytes
-            stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
+            stats.add_bucket(len(bucket), sum(t.numel() * t.element_size() for _, t in bucket))
         _check_version(self.generation.finish_weight_update(), version, kv_scales)
         stats.seconds = time.perf_counter() - t0
         return stats
@@ -228,12 +230,8 @@ class ObjectStoreWeightSync:
             num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
         for ref in stream:
             # The ref resolves inside the engine actor, straight from the object store.
-            n_tensors, nbytes = ray.get(self.generation_worker.receive_packed_bucket.remote(ref))
+            stats.add_bucket(*ray.get(self.generation_worker.receive_packed_bucket.remote(ref)))
             del ref  # its object can be freed now
-            stats.num_buckets += 1
-            stats.num_tensors += n_tensors
-            stats.bytes += nbytes
-            stats.max_bucket_bytes = max(stats.max_bucket_bytes, nbytes)
         _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
         stats.seconds = time.perf_counter() - t0
         return stats

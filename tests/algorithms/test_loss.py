@@ -1,7 +1,6 @@
 """Hand-computed checks for nemo_fp8.algorithms.loss."""
 
 import math
-import pickle
 import warnings
 
 import pytest
@@ -9,14 +8,11 @@ import torch
 
 from nemo_fp8.algorithms.loss import (
     ClippedPGLossConfig,
-    ClippedPGLossFn,
     clipped_pg_loss,
     importance_sampling_weights,
     kl_penalty_per_token,
 )
 from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS
-from nemo_fp8.batch import TrainBatch
-from nemo_fp8.utils.host_sync import count_host_syncs
 
 LN = math.log
 
