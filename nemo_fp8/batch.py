@@ -148,9 +148,11 @@ class TrainBatch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if getattr(self, f.name) is not None})
 
-    def trimmed(self) -> "TrainBatch":
-        """Drop padding columns past the longest sequence (saves compute on micro-batches)."""
-        width = int((self.prompt_lengths + self.response_lengths).max())
+    def trimmed(self, width: Optional[int] = None) -> "TrainBatch":
+        """Drop padding columns past ``width`` (default: the longest sequence; saves compute on
+        micro-batches). Pass ``width`` when it is known, to avoid reading the lengths here."""
+        if width is None:
+            width = int((self.prompt_lengths + self.response_lengths).max())
         return replace(self, **{f.name: (getattr(self, f.name)[:, :width]
                                          if getattr(self, f.name) is not None and getattr(self, f.name).dim() == 2
                                          else getattr(self, f.name)) for f in fields(self)})

@@ -47,7 +47,9 @@ def main() -> int:
             print(f"error: unknown variant {name!r}; valid: {', '.join(VARIANTS)}", file=sys.stderr)
             return 2
         out = REPO / "logs" / "compare" / name
-        cmd = [sys.executable, str(REPO / "examples" / "run_grpo_math.py"), "--config", args.config, *VARIANTS[name],
+        # --overwrite: each comparison starts its variants afresh (a run refuses another run's folders)
+        cmd = [sys.executable, str(REPO / "examples" / "run_grpo_math.py"), "--overwrite", "--config", args.config,
+               *VARIANTS[name],
                f"logger.log_dir={out}", f"checkpointing.checkpoint_dir={REPO / 'results' / 'compare' / name}",
                *args.overrides]
         print(f"[{name}] {' '.join(cmd[2:])}", flush=True)

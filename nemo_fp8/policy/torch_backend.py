@@ -175,8 +175,10 @@ class TorchPolicyBackend:
             n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for m in range(0, gbs, mbs):
-                mb = gb.select(slice(m, m + mbs)).trimmed().to(self.device)  # moved once, used twice
+            # Micro-batch widths read once per global batch (CPU lengths), not once per micro-batch.
+            widths = (gb.prompt_lengths + gb.response_lengths).reshape(-1, mbs).amax(1).tolist()
+            for m, width in zip(range(0, gbs, mbs), widths):
+                mb = gb.select(slice(m, m + mbs)).trimmed(width).to(self.device)  # moved once, used twice
                 logprobs = self._forward_logprobs(self.model, mb)
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 loss.backward()

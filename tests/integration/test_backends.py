@@ -174,3 +174,27 @@ def test_policy_save_load_round_trip(tiny_cfg, tok, tmp_path):
     torch.testing.assert_close(other.get_logprobs(batch), pol.get_logprobs(batch))
     assert other.num_updates == 1
     assert other.optimizer.state_dict()["state"].keys() == pol.optimizer.state_dict()["state"].keys()
+
+
+def test_train_reads_nothing_per_micro_batch(tiny_cfg, tok):
+    """Host reads (a GPU sync each, on CUDA) in ``train`` barely grow with the number of micro-batches:
+    metrics stay tensors until one reduction per global batch. The one read left per micro-batch is
+    inside the HF model's forward (``transformers.masking_utils._ignore_causal_mask_sdpa`` checks
+    the padding mask); before the change each micro-batch made 34 (measured with the same counter:
+    loss ``.item()``s, mask indexing, metric ``float``s, the width)."""
+    from nemo_fp8.algorithms.loss import ClippedPGLossFn
+    from nemo_fp8.utils.host_sync import count_host_syncs
+
+    counts = {}
+    for mbs in (4, 1):
+        cfg = tiny_cfg("policy.train_global_batch_size=8", f"policy.train_micro_batch_size={mbs}",
+                       "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=1",
+                       "loss_fn.use_importance_sampling_correction=true")
+        pol = TorchPolicyBackend(cfg.policy, CPU)
+        gen = make_generation(cfg, tok, precision="bfloat16")
+        batch = _advantage_batch(pol, gen, tok)
+        with count_host_syncs() as c:
+            pol.train(batch, ClippedPGLossFn(cfg.loss_fn))
+        counts[mbs] = c.count
+    per_micro_batch = (counts[1] - counts[4]) / (8 - 2)
+    assert per_micro_batch <= 1, counts  # the HF forward's own padding-mask check
