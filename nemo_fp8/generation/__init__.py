@@ -1,4 +1,4 @@
-"""Rollout backends: ``torch`` (reference, here) and ``vllm`` (FP8 engine, a later issue)."""
+"""Rollout backends: ``torch`` (reference, here) and ``vllm`` (FP8 engine, ``nemo_fp8.generation.vllm``)."""
 
 from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
 
@@ -9,7 +9,7 @@ def build_generation_backend(backend: str, **kwargs) -> GenerationBackend:
     """Build the backend named by ``policy.generation.backend`` (runs inside its Ray actor).
 
     Raises:
-        NotImplementedError: ``vllm``, which is not part of this build yet.
+        ImportError: ``vllm`` where vLLM is not installed (it exists on the GPU host only).
         ValueError: an unknown name.
     """
     if backend == "torch":
@@ -17,6 +17,13 @@ def build_generation_backend(backend: str, **kwargs) -> GenerationBackend:
 
         return TorchGenerationBackend(**kwargs)
     if backend == "vllm":
-        raise NotImplementedError("policy.generation.backend='vllm': the vLLM FP8 engine is not in this build yet; "
-                                  "valid now: 'torch' (the reference backend, same FP8 numerics)")
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ImportError("policy.generation.backend='vllm' needs vLLM 0.22 (pyproject extra 'vllm', installed on "
+                              "the GPU host); valid without it: 'torch' (the reference backend, same FP8 numerics)") from e
+        from nemo_fp8.generation.vllm.backend import VllmGenerationBackend
+
+        kwargs["colocated"] = kwargs.pop("offload_when_idle", True)  # sleep mode between rollouts
+        return VllmGenerationBackend(**kwargs)
     raise ValueError(f"policy.generation.backend={backend!r}; valid: 'torch', 'vllm'")

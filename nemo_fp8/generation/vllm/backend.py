@@ -1,0 +1,191 @@
+"""``VllmGenerationBackend``: the rollout engine behind ``GenerationBackend``, in FP8 or BF16.
+
+Owns one ``vllm.LLM`` (tensor parallel 1 or 2) started from the model's config with
+``load_format="dummy"``: the first refit brings the real weights (the backend does that itself
+from ``model_name``'s checkpoint when ``load_initial_weights`` is set). Refit:
+``start_weight_update`` -> ``update_weights`` (buckets of HF-named high-precision tensors,
+quantized on the GPU and sent over CUDA IPC; the trainer may call ``send_weights_ipc`` /
+``send_weights_nccl`` from ``refit`` directly instead) -> ``finish_weight_update`` (vLLM's
+layerwise reload, in place). Generation returns ``processed_logprobs``: log-probs of the
+distribution actually sampled (logits / temperature). Sleep/wake (level 1) for colocation.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from nemo_fp8.batch import GenerationOutput
+from nemo_fp8.fp8.kv_scales import is_kv_scale_name
+from nemo_fp8.generation.config import VllmConfig
+from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
+from nemo_fp8.generation.vllm.engine_args import init_fp8
+from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, send_weights_ipc
+
+logger = logging.getLogger(__name__)
+
+
+class VllmGenerationBackend:
+    """See the module docstring.
+
+    Args:
+        model_name: local HF folder (config; weights when ``load_initial_weights``).
+        vllm_cfg: ``policy.generation.vllm_cfg``.
+        pad_token_id, eos_token_id: from the tokenizer.
+        max_total_sequence_length: prompt + response cap (also the engine's ``max_model_len``
+            unless ``vllm_cfg.max_model_len`` is set).
+        colocated: enable sleep mode (trainer on the same GPU).
+        load_initial_weights: refit version 0 from ``model_name``'s safetensors at start.
+        seed: engine seed.
+        engine_overrides: extra ``vllm.LLM`` keyword arguments (tests, benchmarks).
+    """
+
+    def __init__(self, model_name: str, vllm_cfg: VllmConfig, pad_token_id: int, eos_token_id: int,
+                 max_total_sequence_length: int, colocated: bool = True, load_initial_weights: bool = True,
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine_overrides: Optional[dict] = None,
+                 device: Optional[torch.device] = None, batch_size: Optional[int] = None):
+        from vllm import LLM
+
+        self.vllm_cfg = vllm_cfg
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        self.max_total_sequence_length = max_total_sequence_length
+        self.bucket_bytes = bucket_bytes
+        overrides = dict(engine_overrides or {})
+        if vllm_cfg.max_model_len is None:
+            overrides.setdefault("max_model_len", max_total_sequence_length)
+        self.spec = init_fp8(vllm_cfg, model_name, model_name, colocated=colocated, seed=seed, extra=overrides)
+        self.plan = self.spec.refit_plan
+        self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
+        self.llm = LLM(**self.spec.engine_kwargs)
+        self._version = WeightVersion()
+        self._pending: Optional[int] = None
+        self._seen: set[str] = set()
+        self._sent = 0
+        self._asleep = False
+        if load_initial_weights:
+            self.start_weight_update(0)
+            self.update_weights(_iter_checkpoint(model_name))
+            self.finish_weight_update(require_kv_scales=False)
+
+    # ------------------------------------------------------------------ refit
+
+    def start_weight_update(self, version: int) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"start_weight_update({version}): a refit to version {self._pending} is in progress")
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.start_weight_update(is_checkpoint_format=True)
+        self._pending, self._seen, self._sent = version, set(), 0
+
+    def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+        if self._pending is None:
+            raise RuntimeError("update_weights before start_weight_update")
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if self.plan.expected is not None:
+            unknown = [n for n, _ in items if n not in self.plan.expected and not is_kv_scale_name(n)]
+            if unknown:
+                raise KeyError(f"refit: the generation model has no weight {unknown[0]!r} "
+                               f"(e.g. {sorted(self.plan.expected)[:3]})")
+        self._seen.update(n for n, _ in items)
+        self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes)
+
+    def note_sent(self, names: Iterable[str], num_tensors: int) -> None:
+        """Record tensors the trainer sent directly (``send_weights_ipc``/``_nccl``) for the checks."""
+        self._seen.update(names)
+        self._sent += num_tensors
+
+    def finish_weight_update(self, require_kv_scales: bool = True) -> WeightVersion:
+        if self._pending is None:
+            raise RuntimeError("finish_weight_update before start_weight_update")
+        version, self._pending = self._pending, None
+        self.llm.finish_weight_update()
+        missing = sorted(self.plan.expected - self._seen) if self.plan.expected is not None else []
+        if missing:
+            raise RuntimeError(f"refit to version {version}: {len(missing)} weights did not arrive (e.g. {missing[:3]}); "
+                               "the engine would mix two policy versions")
+        got_scales = any(is_kv_scale_name(n) for n in self._seen)
+        if self.kv_fp8 and require_kv_scales and not got_scales:
+            raise RuntimeError(f"refit to version {version}: kv_cache_dtype='fp8' but no KV scales were sent; vLLM "
+                               "would silently keep the previous step's scales")
+        kv = version if got_scales else self._version.kv_scales
+        self._version = WeightVersion(weights=version, kv_scales=kv, num_tensors=self._sent)
+        return self._version
+
+    def weight_version(self) -> WeightVersion:
+        return self._version
+
+    # ------------------------------------------------------------------ generation
+
+    def prepare_for_generation(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def finish_generation(self) -> None:
+        if self.spec.engine_kwargs.get("enable_sleep_mode") and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        from vllm import SamplingParams as VSP
+
+        if not prompt_token_ids:
+            raise ValueError("generate: no prompts")
+        params = []
+        for i, p in enumerate(prompt_token_ids):
+            if not p or len(p) >= self.max_total_sequence_length:
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens; valid: 1 to "
+                                 f"{self.max_total_sequence_length - 1} (max_total_sequence_length - 1)")
+            params.append(VSP(
+                n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0, top_k=0,
+                max_tokens=min(sampling.max_new_tokens, self.max_total_sequence_length - len(p)),
+                seed=None if sampling.greedy else sampling.seed * 1_000_003 + i, logprobs=0, detokenize=False,
+                stop_token_ids=[self.eos_token_id, *sampling.stop_token_ids]))
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        return outputs_to_batch(prompt_token_ids, [o.outputs[0] for o in outs], self.pad_token_id,
+                                {self.eos_token_id, *sampling.stop_token_ids})
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: the engine may be gone already
+                logger.debug("engine shutdown failed", exc_info=True)
+            del llm
+
+
+def outputs_to_batch(prompts: list[list[int]], completions, pad_token_id: int, stop_ids: set[int]) -> GenerationOutput:
+    """vLLM ``CompletionOutput``s -> right-padded ``GenerationOutput`` (logprob aligned to its token)."""
+    b = len(prompts)
+    resp = [list(c.token_ids) for c in completions]
+    total = max(len(p) + len(r) for p, r in zip(prompts, resp))
+    token_ids = torch.full((b, total), pad_token_id, dtype=torch.long)
+    gen_lp = torch.zeros((b, total), dtype=torch.float32)
+    truncated = torch.zeros(b, dtype=torch.bool)
+    for i, (p, r, c) in enumerate(zip(prompts, resp, completions)):
+        n = len(p)
+        token_ids[i, :n] = torch.tensor(p)
+        if r:
+            token_ids[i, n:n + len(r)] = torch.tensor(r)
+            lps = c.logprobs or []
+            gen_lp[i, n:n + len(r)] = torch.tensor([lps[j][tok].logprob for j, tok in enumerate(r)], dtype=torch.float32)
+        truncated[i] = not (r and r[-1] in stop_ids)
+    return GenerationOutput(token_ids, torch.tensor([len(p) for p in prompts]), torch.tensor([len(r) for r in resp]),
+                            gen_lp, truncated).validate()
+
+
+def _iter_checkpoint(model_name: str):
+    from safetensors import safe_open
+
+    files = sorted(Path(model_name).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_name}: no *.safetensors files for the initial refit")
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                yield k, fh.get_tensor(k)

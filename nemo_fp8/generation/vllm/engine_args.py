@@ -1,0 +1,184 @@
+"""``VllmConfig`` -> vLLM engine arguments and environment (pure logic: imports no vLLM).
+
+What the FP8 engine needs, and where each piece comes from:
+
+* ``hf_overrides={"quantization_config": {...}}``: vLLM 0.22 builds every Linear of a BF16
+  model as ``Fp8LinearMethod`` (e4m3 ``weight`` + fp32 ``weight_scale_inv`` per 128x128 block)
+  when the model config carries an FP8 block quantization config. ``ignored_layers`` come from
+  our layer-precision policy (``nemo_fp8.fp8.plan_layer_precision``), so
+  ``num_first/last_layers_in_bf16``, routers, ``lm_head`` and user patterns stay BF16 in the
+  engine exactly as in the torch reference.
+* ``load_format="dummy"``: the engine starts with random weights; the first refit brings the
+  policy's (so no checkpoint is read twice, and FP8 weights are always *our* quantization).
+* ``weight_transfer_config``: ``ipc`` (trainer on the same GPU) or ``nccl`` (elsewhere).
+* ``logprobs_mode="processed_logprobs"``: log-probs of the distribution actually sampled.
+* ``worker_extension_cls``: ``Fp8WorkerExtension``, imported in every worker process before the
+  model is built; importing it applies the patch table (``patches.py``) from the environment.
+* Environment (set before the engine spawns its processes, inherited by them):
+  ``VLLM_USE_DEEP_GEMM`` (``use_deep_gemm``), ``VLLM_USE_DEEP_GEMM_E8M0``
+  (= ``pow2_weight_scaling_factors``: one scale convention end to end), and
+  ``NEMO_FP8_POW2_ACT_SCALES`` (read by the patch that makes vLLM's per-token-group activation
+  quantizer honour ``pow2_activation_scaling_factors``).
+
+Scale-convention rules (``scale_convention_errors``): DeepGEMM with E8M0 requantizes every
+weight to power-of-two scales after loading and casts activation scales to powers of two, so
+``use_deep_gemm`` + ``pow2_weight_scaling_factors`` needs ``pow2_activation_scaling_factors``;
+``pow2_weight_scaling_factors: false`` means fp32 scales everywhere, so E8M0 is switched off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from nemo_fp8.generation.config import VllmConfig
+
+WORKER_EXTENSION_CLS = "nemo_fp8.generation.vllm.worker_extension.Fp8WorkerExtension"
+ENV_POW2_ACT = "NEMO_FP8_POW2_ACT_SCALES"
+ENV_PRECISION = "NEMO_FP8_PRECISION"
+WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
+
+
+@dataclass
+class Fp8EngineSpec:
+    """What ``init_fp8`` returns: ``vllm.LLM(**engine_kwargs)`` after ``os.environ.update(env)``.
+
+    Attributes:
+        engine_kwargs: keyword arguments of ``vllm.LLM`` / ``EngineArgs``.
+        env: environment variables every engine process must see (already applied by
+            ``init_fp8`` unless ``apply_env=False``).
+        fp8_modules: HF names of the Linear modules that run in FP8 (the refit quantizes
+            ``<module>.weight`` of exactly these).
+        ignored_layers: vLLM ``ignored_layers`` (high-precision modules).
+        refit_plan: ``RefitPlan`` (what the refit quantizes, which names a full refit holds).
+    """
+
+    engine_kwargs: dict[str, Any]
+    env: dict[str, str]
+    fp8_modules: list[str] = field(default_factory=list)
+    ignored_layers: list[str] = field(default_factory=list)
+    refit_plan: Any = None
+
+
+def scale_convention_errors(cfg: VllmConfig) -> list[str]:
+    """Mixes of scale conventions the engine would not honour (empty list: consistent)."""
+    errs = []
+    if cfg.precision != "fp8":
+        return errs
+    if cfg.use_deep_gemm and cfg.pow2_weight_scaling_factors and not cfg.pow2_activation_scaling_factors:
+        errs.append("vllm_cfg: use_deep_gemm with pow2_weight_scaling_factors turns on DeepGEMM's E8M0 path, which "
+                    "uses power-of-two activation scales; set pow2_activation_scaling_factors: true (or "
+                    "pow2_weight_scaling_factors: false for fp32 scales everywhere with E8M0 off)")
+    return errs
+
+
+def engine_env(cfg: VllmConfig) -> dict[str, str]:
+    """Environment of every engine process for ``cfg`` (always explicit, never vLLM's defaults)."""
+    env = {
+        "VLLM_USE_DEEP_GEMM": "1" if cfg.use_deep_gemm else "0",
+        # one scale convention end to end: E8M0 (pow2) scales in vLLM iff pow2 in our quantizer
+        "VLLM_USE_DEEP_GEMM_E8M0": "1" if (cfg.use_deep_gemm and cfg.pow2_weight_scaling_factors) else "0",
+        ENV_POW2_ACT: "1" if cfg.pow2_activation_scaling_factors else "0",
+        ENV_PRECISION: cfg.precision,
+        # CUDA IPC handles (rebuild_cuda_tensor args hold torch types) cross LLM.update_weights -> engine core
+        # through vLLM's msgpack encoder, which needs its pickle fallback for them
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    return env
+
+
+def quantization_config(cfg: VllmConfig, ignored_layers: list[str]) -> Optional[dict[str, Any]]:
+    """The ``quantization_config`` override for ``cfg`` (None for bfloat16)."""
+    if cfg.precision != "fp8":
+        return None
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(cfg.weight_block_size),
+        "ignored_layers": list(ignored_layers),
+    }
+
+
+def meta_model(model_config: Any):
+    """An HF model on the meta device (no memory) for ``model_config``: a PretrainedConfig,
+    a dict with ``model_type``, or a local checkpoint folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(model_config, dict):
+        model_config = AutoConfig.for_model(**model_config)
+    elif not isinstance(model_config, PretrainedConfig):
+        model_config = AutoConfig.from_pretrained(str(model_config))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[str] = None, *,
+                      weight_transfer: str = "ipc", colocated: bool = True, seed: int = 0,
+                      load_format: str = "dummy", extra: Optional[dict[str, Any]] = None) -> Fp8EngineSpec:
+    """Pure mapping ``cfg`` -> ``Fp8EngineSpec`` (see the module docstring).
+
+    Raises:
+        ValueError: invalid config (all problems listed at once).
+    """
+    errs = list(cfg.config_errors()) + scale_convention_errors(cfg)
+    if weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
+        errs.append(f"weight_transfer: {weight_transfer!r}; valid: {list(WEIGHT_TRANSFER_BACKENDS)}")
+    if cfg.tensor_parallel_size not in (1, 2, 4, 8):
+        errs.append(f"tensor_parallel_size: {cfg.tensor_parallel_size}; valid: 1, 2, 4, 8")
+    if errs:
+        raise ValueError("vLLM engine config: " + "; ".join(errs))
+    from nemo_fp8.generation.vllm.refit import build_refit_plan
+
+    refit_plan, ignored = build_refit_plan(cfg, model_config)
+    if cfg.precision != "fp8":  # bf16 engine: nothing quantized, no ignored layers
+        refit_plan.fp8_modules, refit_plan.fp8_expert_containers, ignored = set(), set(), []
+    kwargs: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "load_format": load_format,
+        "skip_tokenizer_init": True,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "enforce_eager": cfg.enforce_eager,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION_CLS,
+        "weight_transfer_config": {"backend": weight_transfer},
+        "enable_sleep_mode": bool(colocated),
+        "enable_prefix_caching": False,
+        "seed": seed,
+    }
+    if model_path is not None:
+        kwargs["model"] = str(model_path)
+    if cfg.max_model_len is not None:
+        kwargs["max_model_len"] = cfg.max_model_len
+    qc = quantization_config(cfg, ignored)
+    if qc is not None:
+        kwargs["hf_overrides"] = {"quantization_config": qc}
+    if extra:
+        kwargs.update(extra)
+    return Fp8EngineSpec(kwargs, engine_env(cfg), sorted(refit_plan.fp8_modules), list(ignored), refit_plan)
+
+
+def init_fp8(vllm_cfg: VllmConfig, model_config: Any, model_path: Optional[str] = None, *,
+             apply_env: bool = True, check_patches: bool = True, **kwargs) -> Fp8EngineSpec:
+    """Engine arguments for the FP8 rollout engine, with every engine process prepared.
+
+    Sets the environment (``engine_env``) in this process, which vLLM's engine and worker
+    processes inherit, and - when vLLM is importable - checks the patch table against the
+    installed vLLM (clear error on an untested version). The worker extension applies the
+    patches inside each worker at import. Returns ``Fp8EngineSpec``; build the engine with
+    ``vllm.LLM(**spec.engine_kwargs)``.
+
+    Raises:
+        ValueError: invalid config; RuntimeError: installed vLLM not covered by the patch table.
+    """
+    spec = build_engine_spec(vllm_cfg, model_config, model_path, **kwargs)
+    if apply_env:
+        os.environ.update(spec.env)
+    if check_patches and vllm_cfg.precision == "fp8":
+        from nemo_fp8.generation.vllm import patches
+
+        patches.check_installed_vllm()
+    return spec

@@ -1,0 +1,129 @@
+"""Every place where nemo_fp8 replaces a vLLM function, in one table, with the versions tested.
+
+vLLM's extension points (``hf_overrides`` quantization config, ``worker_extension_cls``,
+``weight_transfer_config``, ``logprobs_mode``, sleep mode) cover the FP8 engine except one
+thing: vLLM picks the activation quantizer's scale format from the GEMM kernel
+(CUTLASS: fp32; DeepGEMM: E8M0 iff ``VLLM_USE_DEEP_GEMM_E8M0``), while our config has its own
+``pow2_activation_scaling_factors``. Patch ``quantfp8_pow2_act`` wraps ``QuantFP8.__init__`` so
+that dynamic per-token-group quantizers use ``use_ue8m0 = NEMO_FP8_POW2_ACT_SCALES``.
+
+``check_installed_vllm()`` runs at start-up (``init_fp8``) and in each worker before a patch
+is applied: an untested vLLM version or a missing target raises RuntimeError naming the patch,
+the version found and the versions tested.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replaced vLLM function.
+
+    Attributes:
+        name: short id (logs and errors).
+        module: dotted module of the target.
+        attr: ``Class.method`` or ``function`` inside ``module``.
+        tested_versions: vLLM versions this patch was tested on (exact ``vllm.__version__``).
+        why: what the original does that we must change.
+        wrap: ``original -> replacement``.
+    """
+
+    name: str
+    module: str
+    attr: str
+    tested_versions: tuple[str, ...]
+    why: str
+    wrap: Callable[[Callable], Callable]
+
+
+def _wrap_quantfp8_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "is_group_quant", False) and not getattr(self, "static", True):
+            self.use_ue8m0 = os.environ.get("NEMO_FP8_POW2_ACT_SCALES", "0") == "1"
+
+    __init__._nemo_fp8_patched = True
+    return __init__
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="quantfp8_pow2_act",
+        module="vllm.model_executor.layers.quantization.input_quant_fp8",
+        attr="QuantFP8.__init__",
+        tested_versions=("0.22.0",),
+        why="vLLM derives the per-token-group activation scale format (use_ue8m0) from the GEMM kernel; "
+            "pow2_activation_scaling_factors must decide it",
+        wrap=_wrap_quantfp8_init,
+    ),
+)
+
+
+def _resolve(patch: Patch):
+    mod = importlib.import_module(patch.module)
+    owner_name, _, leaf = patch.attr.rpartition(".")
+    owner = getattr(mod, owner_name) if owner_name else mod
+    return owner, leaf
+
+
+def check_patch_table(vllm_version: str, patches: tuple[Patch, ...] = PATCHES) -> list[str]:
+    """Problems of the table for ``vllm_version`` (pure: no import): untested versions."""
+    errs = []
+    for p in patches:
+        if vllm_version not in p.tested_versions:
+            errs.append(f"patch {p.name} ({p.module}.{p.attr}) was tested on vLLM {list(p.tested_versions)}, "
+                        f"found {vllm_version}")
+    return errs
+
+
+def check_installed_vllm(patches: tuple[Patch, ...] = PATCHES) -> str:
+    """Check the installed vLLM against the table; returns its version.
+
+    Raises:
+        RuntimeError: untested version or a target that no longer exists (set
+            ``NEMO_FP8_ALLOW_UNTESTED_VLLM=1`` to only warn on the version).
+    """
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    errs = check_patch_table(version, patches)
+    if errs and os.environ.get("NEMO_FP8_ALLOW_UNTESTED_VLLM") == "1":
+        for e in errs:
+            logger.warning("%s (NEMO_FP8_ALLOW_UNTESTED_VLLM=1)", e)
+        errs = []
+    for p in patches:
+        try:
+            owner, leaf = _resolve(p)
+            getattr(owner, leaf)
+        except (ImportError, AttributeError) as e:
+            errs.append(f"patch {p.name}: target {p.module}.{p.attr} not found in vLLM {version} ({e})")
+    if errs:
+        raise RuntimeError("nemo_fp8 vLLM patch table: " + "; ".join(errs)
+                           + ". Install a tested vLLM (pyproject extra 'vllm') or update nemo_fp8/generation/vllm/patches.py")
+    return version
+
+
+def apply_patches(patches: tuple[Patch, ...] = PATCHES) -> list[str]:
+    """Check, then apply every patch once in this process; returns the names applied."""
+    check_installed_vllm(patches)
+    applied = []
+    for p in patches:
+        owner, leaf = _resolve(p)
+        current = getattr(owner, leaf)
+        if getattr(current, "_nemo_fp8_patched", False):
+            continue
+        setattr(owner, leaf, p.wrap(current))
+        applied.append(p.name)
+    if applied:
+        logger.info("nemo_fp8: applied vLLM patches %s", applied)
+    return applied

@@ -1,0 +1,89 @@
+"""Blockwise (128x128) FP8 weight quantization on the GPU, bit-identical to the torch reference.
+
+Neither vLLM nor DeepGEMM ships a kernel for 2-D weight blocks (both have torch-op helpers,
+``per_block_cast_to_fp8``, that make several passes), so this is one Triton pass: each program
+reads one block once, computes its amax, the scale (``fp32``: ``amax / 448`` with IEEE
+division; ``pow2``: the smallest power of two with ``amax / s <= 448``, from the exponent
+bits, exact like ``compute_scale_inv``'s frexp), and writes the e4m3 block (IEEE ``x / s``,
+saturated, round to nearest even) and the fp32 ``scale_inv``. The oracle is
+``nemo_fp8.fp8.quantize.quantize_weight_blockwise`` (GPU test: bit for bit). Without Triton or
+CUDA the reference itself runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nemo_fp8.fp8.quantize import quantize_weight_blockwise
+
+try:  # Triton exists wherever CUDA torch does; keep CPU imports working without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_xm, stride_qm, Nb,
+                            POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        if POW2:
+            bits = amax.to(tl.int32, bitcast=True)
+            e = (bits >> 23) & 0xFF
+            m = bits & 0x7FFFFF
+            # 448 = 1.75 * 2^8: amax / 2^k <= 448  <=>  k >= e - 127 - 8 (+1 if mantissa > 0.75)
+            k = e - 135 + (m > 0x600000).to(tl.int32)
+            k = tl.maximum(k, -126)
+            scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        else:
+            scale = tl.math.div_rn(amax, 448.0)
+            scale = tl.maximum(scale, 1.1754943508222875e-38)
+        scale = tl.where(amax > 0, scale, 1.0)
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rn[None, :], y.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + pid_m * Nb + pid_n, scale)
+
+
+def quantize_blockwise_gpu(weight: torch.Tensor, scale_mode: str = "fp32", block: tuple[int, int] = (128, 128),
+                           check_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight_blockwise`` for 2-D or 3-D (stacked experts) weights, fast on CUDA.
+
+    Args:
+        weight: [M, N] or [E, M, N] bf16/fp16/fp32.
+        scale_mode: "fp32" or "pow2".
+        block: (128, 128) only on the Triton path.
+        check_finite: raise on NaN/Inf (one device sync); the refit leaves it to the sender.
+
+    Returns:
+        (q [.., M, N] e4m3, scale_inv [.., ceil(M/128), ceil(N/128)] fp32).
+    """
+    if scale_mode not in ("fp32", "pow2"):
+        raise ValueError(f"scale_mode must be 'fp32' or 'pow2', got {scale_mode!r}")
+    if weight.dim() == 3:
+        qs = [quantize_blockwise_gpu(w, scale_mode, block, check_finite) for w in weight.unbind(0)]
+        return torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs])
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D or 3-D, got shape {tuple(weight.shape)}")
+    if triton is None or not weight.is_cuda or tuple(block) != (128, 128):
+        return quantize_weight_blockwise(weight, block, scale_mode=scale_mode)
+    if check_finite and not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} has NaN/Inf; cannot compute FP8 scales")
+    x = weight if weight.stride(1) == 1 else weight.contiguous()
+    M, N = x.shape
+    Mb, Nb = math.ceil(M / 128), math.ceil(N / 128)
+    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((Mb, Nb), dtype=torch.float32, device=x.device)
+    _block_quant_kernel[(Mb, Nb)](x, q, s, M, N, x.stride(0), q.stride(0), Nb,
+                                  POW2=scale_mode == "pow2", BM=128, BN=128, num_warps=8)
+    return q, s

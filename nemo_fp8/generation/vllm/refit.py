@@ -1,0 +1,232 @@
+"""Refit of the vLLM FP8 engine: HF-named high-precision tensors -> vLLM checkpoint format.
+
+The trainer (or ``VllmGenerationBackend.update_weights``) hands over ``(HF name, tensor)``;
+``RefitPlan.convert`` turns them into what vLLM's layerwise reload expects from an FP8 block
+checkpoint:
+
+* FP8 Linear ``<m>.weight`` -> ``<m>.weight`` (e4m3) + ``<m>.weight_scale_inv`` (fp32,
+  [ceil(N/128), ceil(K/128)]), quantized on the GPU (``quantize_blockwise_gpu``), so half the
+  bytes of bf16 cross the process boundary;
+* transformers-5 fused MoE experts ``<l>.mlp.experts.gate_up_proj`` [E, 2I, H] /
+  ``down_proj`` [E, H, I] -> per-expert ``<l>.mlp.experts.{e}.{gate,up,down}_proj.weight``
+  (+ scales when the layer is FP8), the names vLLM's FusedMoE loader maps;
+* FP8 KV scales ``model.layers.{i}.self_attn.{q,k,v}_scale`` -> fp32 scalars, unchanged;
+* everything else -> bf16 (the engine's dtype).
+
+Transports (``send_weights``): CUDA IPC when trainer and engine share the GPU (vLLM 0.22
+``IPCWeightTransferEngine.trainer_send_weights`` with a callable ``send_mode`` that calls
+``LLM.update_weights``), NCCL broadcast when not (``NCCLWeightTransferEngine``; the engine side
+is told names/dtypes/shapes first). Both are bracketed by ``start_weight_update`` /
+``finish_weight_update``, which run vLLM's layerwise reload: weights are loaded in place
+(data pointers unchanged, CUDA graphs stay valid).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from nemo_fp8.fp8.kv_scales import is_kv_scale_name
+
+_FUSED_EXPERTS_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@dataclass
+class RefitPlan:
+    """Which HF tensors become FP8 in the engine, and how (pure: no vLLM).
+
+    Attributes:
+        fp8_modules: HF Linear module names in FP8 (``plan_layer_precision().fp8_modules``).
+        fp8_expert_containers: ``...mlp.experts`` containers whose (fused) experts are FP8.
+        scale_mode: "fp32" or "pow2" (``pow2_weight_scaling_factors``).
+        expected: HF names a complete refit must contain (None: not checked).
+        dtype: dtype of high-precision tensors in the engine.
+    """
+
+    fp8_modules: set[str]
+    fp8_expert_containers: set[str] = field(default_factory=set)
+    scale_mode: str = "fp32"
+    expected: Optional[set[str]] = None
+    dtype: torch.dtype = torch.bfloat16
+
+    def is_fp8_weight(self, name: str) -> bool:
+        return name.endswith(".weight") and name[: -len(".weight")] in self.fp8_modules
+
+    def _quant(self, name: str, w: Tensor) -> Iterator[tuple[str, Tensor]]:
+        from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
+
+        q, s = quantize_blockwise_gpu(w, self.scale_mode)
+        yield name, q
+        yield name[: -len("weight")] + "weight_scale_inv", s
+
+    def convert(self, name: str, tensor: Tensor, device: Optional[torch.device] = None) -> Iterator[tuple[str, Tensor]]:
+        """vLLM checkpoint-format tensors for one HF tensor (see the module docstring)."""
+        t = tensor.detach()
+        if device is not None and t.device != device:
+            t = t.to(device, non_blocking=True)
+        if is_kv_scale_name(name):
+            yield name, t.to(torch.float32).reshape(())
+            return
+        m = _FUSED_EXPERTS_RE.match(name)
+        if m is not None and t.dim() == 3:
+            prefix, fp8 = m.group("prefix"), m.group("prefix") in self.fp8_expert_containers
+            if m.group("kind") == "gate_up_proj":
+                inter = t.shape[1] // 2
+                parts = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))
+            else:
+                parts = (("down_proj", slice(None)),)
+            for e in range(t.shape[0]):
+                for proj, rows in parts:
+                    w = t[e, rows]
+                    out = f"{prefix}.{e}.{proj}.weight"
+                    if fp8:
+                        yield from self._quant(out, w)
+                    else:
+                        yield out, w.to(self.dtype).contiguous()
+            return
+        if self.is_fp8_weight(name):
+            yield from self._quant(name, t)
+            return
+        yield name, t.to(self.dtype).contiguous()
+
+    def convert_all(self, named_tensors: Iterable[tuple[str, Tensor]], device: Optional[torch.device] = None
+                    ) -> Iterator[tuple[str, Tensor]]:
+        for name, t in named_tensors:
+            yield from self.convert(name, t, device)
+
+    def converted_meta(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype name, shape) of what ``convert`` yields, without data (NCCL needs it first)."""
+        out = []
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        if is_kv_scale_name(name):
+            return [(name, "float32", [])]
+        m = _FUSED_EXPERTS_RE.match(name)
+        if m is not None and len(shape) == 3:
+            fp8 = m.group("prefix") in self.fp8_expert_containers
+            projs = (("gate_proj", shape[1] // 2), ("up_proj", shape[1] // 2)) if m.group("kind") == "gate_up_proj" \
+                else (("down_proj", shape[1]),)
+            for e in range(shape[0]):
+                for proj, rows in projs:
+                    out += _weight_meta(f"{m.group('prefix')}.{e}.{proj}.weight", [rows, shape[2]], fp8, self.dtype)
+            return out
+        return _weight_meta(name, list(meta.shape), self.is_fp8_weight(name), self.dtype)
+
+
+def _weight_meta(name: str, shape: list[int], fp8: bool, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
+    if not fp8:
+        return [(name, str(dtype).split(".")[-1], shape)]
+    return [(name, "float8_e4m3fn", shape),
+            (name[: -len("weight")] + "weight_scale_inv", "float32", [math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)])]
+
+
+def layer_index(name: str) -> Optional[int]:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def build_refit_plan(vllm_cfg, model_config: Any) -> tuple[RefitPlan, list[str]]:
+    """``RefitPlan`` and vLLM ``ignored_layers`` for ``model_config`` (meta model, no memory).
+
+    Fused MoE experts (transformers 5 ``...mlp.experts`` holding ``gate_up_proj``/``down_proj``
+    parameters, not Linears) follow the layer rules of ``plan_layer_precision``: FP8 unless the
+    layer is in the first/last BF16 layers or ``fp8_ignore_patterns`` matches the container.
+    """
+    from nemo_fp8.fp8.policy import _matches
+    from nemo_fp8.generation.vllm.engine_args import meta_model
+    from nemo_fp8.fp8 import plan_layer_precision
+
+    model = meta_model(model_config)
+    plan = plan_layer_precision(model, vllm_cfg.num_first_layers_in_bf16, vllm_cfg.num_last_layers_in_bf16,
+                                vllm_cfg.fp8_ignore_patterns)
+    ignored = list(plan.vllm_ignored_layers)
+    lo, hi = vllm_cfg.num_first_layers_in_bf16, plan.num_layers - vllm_cfg.num_last_layers_in_bf16
+    containers = set()
+    for pname, _ in model.named_parameters():
+        m = _FUSED_EXPERTS_RE.match(pname)
+        if m is None:
+            continue
+        prefix, idx = m.group("prefix"), layer_index(pname)
+        if idx is not None and lo <= idx < hi and not _matches(prefix, vllm_cfg.fp8_ignore_patterns):
+            containers.add(prefix)
+        elif prefix not in ignored:
+            ignored.insert(-1, prefix)  # keep "lm_head" last
+    expected = set(model.state_dict().keys())
+    if getattr(model.config, "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")
+    scale_mode = "pow2" if vllm_cfg.pow2_weight_scaling_factors else "fp32"
+    return RefitPlan(set(plan.fp8_modules), containers, scale_mode, expected), ignored
+
+
+# ----------------------------------------------------------------------------- transports
+
+
+def _buckets(items: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    bucket, size = [], 0
+    for name, t in items:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None) -> int:
+    """Quantize and send over CUDA IPC, one ``update_fn({"update_info": ...})`` per bucket.
+
+    ``update_fn`` is ``LLM.update_weights`` (or a Ray actor's method calling it). Tensors are
+    converted on ``device`` (default: the current CUDA device) and kept alive until their
+    bucket has been loaded. Returns the number of tensors sent.
+    """
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    n = 0
+    for bucket in _buckets(plan.convert_all(named_tensors, device), bucket_bytes):
+        IPCWeightTransferEngine.trainer_send_weights(
+            iter(bucket), {"send_mode": lambda info: update_fn({"update_info": asdict(info)})})
+        n += len(bucket)
+    return n
+
+
+def send_weights_nccl(named_tensors: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
+                      group: Any, src: int = 0, packed: bool = True) -> int:
+    """Quantize on the trainer's GPU and broadcast over NCCL (trainer not on the engine's GPUs).
+
+    The engine side is told names/dtypes/shapes first (``update_fn`` runs in a thread, as it
+    blocks until the broadcast is received); ``group`` comes from
+    ``NCCLWeightTransferEngine.trainer_init`` after ``LLM.init_weight_transfer_engine``.
+    Returns the number of tensors sent.
+    """
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    meta = [m for name, t in named_tensors for m in plan.converted_meta(name, tuple(t.shape), t.dtype)]
+    info = {"names": [m[0] for m in meta], "dtype_names": [m[1] for m in meta], "shapes": [m[2] for m in meta],
+            "packed": packed}
+    errors: list[BaseException] = []
+
+    def receive():
+        try:
+            update_fn({"update_info": info})
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    th = threading.Thread(target=receive, daemon=True)
+    th.start()
+    device = torch.device("cuda", torch.cuda.current_device())
+    NCCLWeightTransferEngine.trainer_send_weights(plan.convert_all(named_tensors, device),
+                                                  {"group": group, "src": src, "packed": packed})
+    th.join()
+    if errors:
+        raise errors[0]
+    return len(meta)

@@ -1,0 +1,67 @@
+"""Mixed into every vLLM worker (``worker_extension_cls``); importing it applies the patch table.
+
+vLLM imports this module in each worker process before the model is built, so the patches in
+``patches.py`` are in place when the Linear kernels are created. The methods are called by name
+through ``LLM.collective_rpc`` (no insecure serialization needed) by tests and the backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if os.environ.get("NEMO_FP8_PRECISION") == "fp8":
+    from nemo_fp8.generation.vllm.patches import apply_patches
+
+    apply_patches()
+
+
+class Fp8WorkerExtension:
+    def _nf_model(self):
+        return self.model_runner.model
+
+    def nemo_fp8_params(self, names: list[str]) -> dict:
+        """name -> (dtype name, shape, raw bytes) of engine parameters."""
+        params = dict(self._nf_model().named_parameters())
+        out = {}
+        for n in names:
+            t = params[n].data
+            out[n] = (str(t.dtype).split(".")[-1], list(t.shape), t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        return out
+
+    def nemo_fp8_param_info(self) -> dict:
+        """name -> (dtype name, shape, data_ptr) of every parameter."""
+        return {n: (str(p.dtype).split(".")[-1], list(p.shape), p.data_ptr())
+                for n, p in self._nf_model().named_parameters()}
+
+    def nemo_fp8_memory(self) -> dict:
+        torch.cuda.synchronize()
+        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                "free": torch.cuda.mem_get_info()[0]}
+
+    def nemo_fp8_attn_scales(self) -> dict:
+        """layer prefix -> (q, k, v) scales held by each attention layer."""
+        out = {}
+        for name, m in self._nf_model().named_modules():
+            if hasattr(m, "_k_scale") and hasattr(m, "_v_scale"):
+                out[name] = tuple(float(getattr(m, f"_{k}_scale").reshape(-1)[0]) for k in "qkv")
+        return out
+
+    def nemo_fp8_scale_convention(self) -> dict:
+        """Which scale convention is live in this worker (proof for the config's claim)."""
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used, is_deep_gemm_supported
+
+        kernels, act_ue8m0 = set(), set()
+        for m in self._nf_model().modules():
+            qm = getattr(m, "quant_method", None)
+            kern = getattr(qm, "fp8_linear", None)
+            if kern is not None:
+                kernels.add(type(kern).__name__)
+                q = getattr(kern, "quant_fp8", None)
+                if q is not None:
+                    act_ue8m0.add(bool(q.use_ue8m0))
+        return {"deep_gemm": bool(is_deep_gemm_supported()), "e8m0": bool(is_deep_gemm_e8m0_used()),
+                "linear_kernels": sorted(kernels), "act_ue8m0": sorted(act_ue8m0),
+                "env_e8m0": os.environ.get("VLLM_USE_DEEP_GEMM_E8M0"),
+                "env_pow2_act": os.environ.get("NEMO_FP8_POW2_ACT_SCALES")}

@@ -1,0 +1,98 @@
+"""CPU tests of the vLLM backend's pure logic (no vLLM needed): engine args, refit names, patch table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_fp8.generation.config import VllmConfig
+from nemo_fp8.generation.vllm.engine_args import WORKER_EXTENSION_CLS, build_engine_spec, engine_env
+from nemo_fp8.generation.vllm.patches import PATCHES, check_patch_table
+from nemo_fp8.generation.vllm.refit import build_refit_plan
+
+DENSE = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=512, tie_word_embeddings=False)
+MOE = dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+           num_experts_per_tok=2, vocab_size=512, tie_word_embeddings=False)
+
+
+def test_fp8_engine_args():
+    cfg = VllmConfig(precision="fp8", num_first_layers_in_bf16=1, kv_cache_dtype="fp8", max_model_len=1024)
+    spec = build_engine_spec(cfg, DENSE, "/m")
+    kw = spec.engine_kwargs
+    qc = kw["hf_overrides"]["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128] and qc["activation_scheme"] == "dynamic"
+    assert "model.layers.0.self_attn.qkv_proj" in qc["ignored_layers"] and "model.layers.0.mlp.down_proj" in qc["ignored_layers"]
+    assert not any(".layers.1." in n for n in qc["ignored_layers"]) and qc["ignored_layers"][-1] == "lm_head"
+    assert kw["load_format"] == "dummy" and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["kv_cache_dtype"] == "fp8" and kw["worker_extension_cls"] == WORKER_EXTENSION_CLS
+    assert kw["weight_transfer_config"] == {"backend": "ipc"} and kw["max_model_len"] == 1024 and kw["model"] == "/m"
+    assert "model.layers.1.self_attn.q_proj" in spec.fp8_modules and "model.layers.0.self_attn.q_proj" not in spec.fp8_modules
+
+
+def test_bf16_engine_has_no_quantization():
+    spec = build_engine_spec(VllmConfig(), DENSE)
+    assert "hf_overrides" not in spec.engine_kwargs and spec.fp8_modules == [] and spec.ignored_layers == []
+
+
+def test_scale_convention_env_and_refusal():
+    assert engine_env(VllmConfig(precision="fp8"))["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    env = engine_env(VllmConfig(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True,
+                                pow2_activation_scaling_factors=True))
+    assert env["VLLM_USE_DEEP_GEMM"] == "1" and env["VLLM_USE_DEEP_GEMM_E8M0"] == "1" and env["NEMO_FP8_POW2_ACT_SCALES"] == "1"
+    assert engine_env(VllmConfig(precision="fp8", use_deep_gemm=True))["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    with pytest.raises(ValueError, match="pow2_activation_scaling_factors"):
+        build_engine_spec(VllmConfig(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True), DENSE)
+    with pytest.raises(ValueError, match="weight_transfer"):
+        build_engine_spec(VllmConfig(precision="fp8"), DENSE, weight_transfer="tcp")
+
+
+def test_refit_plan_dense_names_and_quantization():
+    plan, _ = build_refit_plan(VllmConfig(precision="fp8", num_last_layers_in_bf16=1), DENSE)
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    out = dict(plan.convert("model.layers.0.self_attn.q_proj.weight", w))
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert out["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (2, 2)
+    assert list(plan.convert("model.layers.3.self_attn.q_proj.weight", w))[0][1].dtype == torch.bfloat16
+    assert list(plan.convert("model.layers.0.input_layernorm.weight", torch.ones(256)))[0][1].dtype == torch.bfloat16
+    (n, s), = plan.convert("model.layers.2.self_attn.k_scale", torch.tensor(0.5))
+    assert n == "model.layers.2.self_attn.k_scale" and s.dtype == torch.float32 and s.dim() == 0
+    assert "lm_head.weight" in plan.expected and "model.embed_tokens.weight" in plan.expected
+    meta = plan.converted_meta("model.layers.0.self_attn.q_proj.weight", (256, 256), torch.bfloat16)
+    assert meta == [("model.layers.0.self_attn.q_proj.weight", "float8_e4m3fn", [256, 256]),
+                    ("model.layers.0.self_attn.q_proj.weight_scale_inv", "float32", [2, 2])]
+
+
+def test_refit_plan_moe_splits_fused_experts():
+    plan, ignored = build_refit_plan(VllmConfig(precision="fp8", num_first_layers_in_bf16=1), MOE)
+    assert plan.fp8_expert_containers == {"model.layers.1.mlp.experts", "model.layers.2.mlp.experts"}
+    assert "model.layers.0.mlp.experts" in ignored and ignored[-1] == "lm_head"
+    gu = torch.randn(4, 256, 256, dtype=torch.bfloat16)
+    out = dict(plan.convert("model.layers.1.mlp.experts.gate_up_proj", gu))
+    assert torch.equal(out["model.layers.1.mlp.experts.3.up_proj.weight"].float(),
+                       dict(plan.convert("model.layers.1.mlp.experts.gate_up_proj", gu))[
+                           "model.layers.1.mlp.experts.3.up_proj.weight"].float())
+    assert out["model.layers.1.mlp.experts.0.gate_proj.weight"].shape == (128, 256)
+    assert out["model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"].shape == (1, 2)
+    bf = dict(plan.convert("model.layers.0.mlp.experts.down_proj", torch.randn(4, 256, 128, dtype=torch.bfloat16)))
+    assert set(bf) == {f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)}
+    meta = plan.converted_meta("model.layers.1.mlp.experts.gate_up_proj", (4, 256, 256), torch.bfloat16)
+    assert len(meta) == 16 and [m[0] for m in meta] == list(out)
+
+
+def test_patch_table_is_versioned():
+    assert PATCHES and all(p.tested_versions for p in PATCHES)
+    assert check_patch_table("0.22.0") == []
+    errs = check_patch_table("0.23.1")
+    assert errs and "0.22.0" in errs[0] and "0.23.1" in errs[0]
+
+
+def test_package_import_does_not_import_vllm():
+    import sys
+
+    import nemo_fp8
+
+    assert callable(nemo_fp8.init_fp8)
+    import nemo_fp8.generation.vllm  # noqa: F401
+    assert "vllm" not in sys.modules or sys.modules["vllm"] is not None

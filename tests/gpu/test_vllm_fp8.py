@@ -1,0 +1,229 @@
+"""vLLM FP8 rollout engine on the GPU host (``pytest -m gpu tests/gpu``; skipped without CUDA).
+
+Random-weight Qwen3-shaped models (dims multiples of 128 so every Linear is FP8-eligible), no
+tokenizer (``skip_tokenizer_init``). CUTLASS kernels (``use_deep_gemm: false``) keep engine
+start-up short; the DeepGEMM path is exercised by ``tools/bench_rollout.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+vllm = pytest.importorskip("vllm")
+
+from nemo_fp8.fp8 import quantize_weight_blockwise  # noqa: E402
+from nemo_fp8.generation.config import VllmConfig  # noqa: E402
+from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
+
+EOS = 1
+MAX_LEN = 384
+
+
+def _save_qwen3(path, moe=False, seed=0):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                  vocab_size=4096, max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=EOS, pad_token_id=0)
+    cfg = Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                         decoder_sparse_step=1, **common) if moe else Qwen3Config(intermediate_size=3072, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(str(path))
+    return path
+
+
+def _perturbed(state, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + 0.02 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in state.items()}
+
+
+def _prompts(n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 4096, (int(torch.randint(8, 48, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def _hf_state(path):
+    from nemo_fp8.generation.vllm.backend import _iter_checkpoint
+
+    return dict(_iter_checkpoint(str(path)))
+
+
+def _engine(path, **cfg):
+    from nemo_fp8.generation.vllm.backend import VllmGenerationBackend
+
+    vcfg = VllmConfig(precision="fp8", gpu_memory_utilization=0.2, **cfg)
+    return VllmGenerationBackend(str(path), vcfg, pad_token_id=0, eos_token_id=EOS, max_total_sequence_length=MAX_LEN,
+                                 colocated=True, engine_overrides={"max_num_seqs": 64})
+
+
+def _engine_params(backend, names):
+    raw = backend.llm.collective_rpc("nemo_fp8_params", args=(names,))[0]
+    dtypes = {"float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    return {n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtypes[d]).reshape(s) for n, (d, s, b) in raw.items()}
+
+
+def _refit(backend, state, version):
+    backend.start_weight_update(version)
+    backend.update_weights(state.items())
+    return backend.finish_weight_update(require_kv_scales=False)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return _save_qwen3(tmp_path_factory.mktemp("m") / "qwen3")
+
+
+@pytest.fixture(scope="module")
+def dense_engine(dense_dir):
+    os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
+    be = _engine(dense_dir, num_last_layers_in_bf16=1)
+    yield be
+    be.shutdown()
+    gc.collect()
+
+
+def test_gpu_quantizer_matches_reference_bit_for_bit():
+    from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
+
+    for shape in [(1024, 1024), (3072, 1024), (4096 + 64, 1000), (129, 257)]:
+        for mode in ("fp32", "pow2"):
+            w = (torch.randn(shape, device="cuda") * torch.rand(shape[0], 1, device="cuda") * 3).to(torch.bfloat16)
+            w[:7, :5] = 0  # a partly-zero block
+            q, s = quantize_blockwise_gpu(w, mode)
+            qr, sr = quantize_weight_blockwise(w, (128, 128), scale_mode=mode)
+            assert torch.equal(s, sr), (shape, mode)
+            assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), (shape, mode)
+
+
+def test_refit_is_bit_exact_and_bf16_layers_stay_bf16(dense_engine, dense_dir):
+    state = _hf_state(dense_dir)
+    got = _engine_params(dense_engine, [
+        "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.weight_scale_inv",
+        "model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight_scale_inv",
+        "model.layers.3.mlp.down_proj.weight", "model.layers.3.self_attn.qkv_proj.weight"])
+    qs = [quantize_weight_blockwise(state[f"model.layers.0.self_attn.{p}_proj.weight"].cuda(), scale_mode="fp32")
+          for p in "qkv"]
+    assert torch.equal(got["model.layers.0.self_attn.qkv_proj.weight"].view(torch.uint8),
+                       torch.cat([q for q, _ in qs]).view(torch.uint8).cpu())
+    assert torch.equal(got["model.layers.0.self_attn.qkv_proj.weight_scale_inv"], torch.cat([s for _, s in qs]).cpu())
+    q, s = quantize_weight_blockwise(state["model.layers.1.mlp.down_proj.weight"].cuda(), scale_mode="fp32")
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8).cpu())
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight_scale_inv"], s.cpu())
+    # num_last_layers_in_bf16=1: layer 3 is bf16 in the engine, bit for bit the HF weights
+    assert got["model.layers.3.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["model.layers.3.mlp.down_proj.weight"], state["model.layers.3.mlp.down_proj.weight"])
+
+
+def test_scale_convention_live_fp32(dense_engine):
+    conv = dense_engine.llm.collective_rpc("nemo_fp8_scale_convention")[0]
+    print("scale convention:", conv)
+    assert conv["e8m0"] is False and conv["act_ue8m0"] == [False]
+
+
+@torch.no_grad()
+def _score(model, out):
+    """Teacher-forced log-probs of each response token of ``out`` under ``model`` ([B, T], 0 elsewhere)."""
+    ids = out.token_ids.cuda()
+    mask = (torch.arange(ids.shape[1])[None] < (out.prompt_lengths + out.response_lengths)[:, None]).long().cuda()
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    lp = torch.zeros(ids.shape, dtype=torch.float32, device="cuda")
+    lp[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return (lp * out.token_mask.cuda()).cpu()
+
+
+@pytest.mark.xfail(reason="open (issue 7): on the H200 vLLM FP8 differed from the torch FP8 reference by mean "
+                          "|dlogprob| 0.146 vs 0.259 for FP8 itself, over the 0.5x bound; cause not found yet",
+                   strict=False)
+def test_vllm_fp8_matches_torch_reference_fp8(dense_engine, dense_dir):
+    from nemo_fp8.generation.torch_backend import TorchGenerationBackend
+
+    prompts = _prompts(32)
+    sp = SamplingParams(max_new_tokens=48, greedy=True)
+    a = dense_engine.generate(prompts, sp)
+    m = a.token_mask.bool()
+    ref = TorchGenerationBackend(str(dense_dir), VllmConfig(precision="fp8", num_last_layers_in_bf16=1),
+                                 torch.device("cuda"), pad_token_id=0, eos_token_id=EOS,
+                                 max_total_sequence_length=MAX_LEN, batch_size=64)
+    b = ref.generate(prompts, sp)
+    lp_fp8 = _score(ref.model, a)
+    del ref
+    ref16 = TorchGenerationBackend(str(dense_dir), VllmConfig(precision="bfloat16"), torch.device("cuda"), pad_token_id=0,
+                                   eos_token_id=EOS, max_total_sequence_length=MAX_LEN, batch_size=64)
+    lp_bf16 = _score(ref16.model, a)
+    del ref16
+    torch.cuda.empty_cache()
+    d_engine = (a.generation_logprobs - lp_fp8)[m].abs()  # vLLM FP8 vs torch FP8, same contexts
+    d_fp8 = (lp_bf16 - lp_fp8)[m].abs()  # what FP8 itself changes (torch BF16 vs torch FP8)
+    same_tok = sum(int((a.token_ids[i] == b.token_ids[i]).all()) for i in range(len(prompts)))
+    first = []
+    for i, p in enumerate(prompts):
+        n = len(p)
+        k = min(int(a.response_lengths[i]), int(b.response_lengths[i]))
+        first.append(int((a.token_ids[i, n:n + k] == b.token_ids[i, n:n + k]).long().cumprod(0).sum()))
+    print(f"vllm-fp8 vs torch-fp8 (teacher forced on vLLM's tokens, {int(m.sum())} tokens): logprob |diff| max "
+          f"{d_engine.max():.4f} mean {d_engine.mean():.4f}; torch-bf16 vs torch-fp8: max {d_fp8.max():.4f} mean "
+          f"{d_fp8.mean():.4f}; greedy: {same_tok}/32 sequences identical, mean common prefix "
+          f"{sum(first) / len(first):.1f}/48")
+    # Same FP8 weights (bit-exact test) and the same activation quantization; the engine differs from the torch
+    # reference only in kernels (GEMM accumulation order, attention, bf16 rounding of outputs). That must be well
+    # below what FP8 quantization itself changes, measured on the same tokens.
+    assert d_engine.mean() < 0.5 * d_fp8.mean()
+    assert sum(first) / len(first) >= 2
+
+
+def test_two_refits_outputs_follow_the_second(dense_engine, dense_dir):
+    state = _hf_state(dense_dir)
+    prompts, sp = _prompts(16, seed=1), SamplingParams(max_new_tokens=24, greedy=True)
+    out_a = dense_engine.generate(prompts, sp)
+    state_b = _perturbed(state, 7)
+    v = _refit(dense_engine, state_b, 1)
+    assert v.weights == 1
+    out_b = dense_engine.generate(prompts, sp)
+    changed = sum(not torch.equal(out_a.token_ids[i], out_b.token_ids[i]) for i in range(16))
+    got = _engine_params(dense_engine, ["model.layers.1.mlp.down_proj.weight"])
+    q, _ = quantize_weight_blockwise(state_b["model.layers.1.mlp.down_proj.weight"].cuda(), scale_mode="fp32")
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8).cpu())
+    _refit(dense_engine, state, 2)
+    out_a2 = dense_engine.generate(prompts, sp)
+    print(f"second refit changed {changed}/16 outputs; back to the first weights: "
+          f"{sum(torch.equal(out_a.token_ids[i], out_a2.token_ids[i]) for i in range(16))}/16 identical")
+    assert changed >= 12
+    assert torch.equal(out_a.token_ids, out_a2.token_ids)
+    assert torch.allclose(out_a.generation_logprobs, out_a2.generation_logprobs, atol=1e-5)
+
+
+def test_memory_and_pointers_stable_over_20_refits_and_sleep(dense_engine, dense_dir):
+    state = {k: v.cuda() for k, v in _hf_state(dense_dir).items()}
+    _refit(dense_engine, state, 10)
+    mem0 = dense_engine.llm.collective_rpc("nemo_fp8_memory")[0]
+    ptr0 = {n: p for n, (_, _, p) in dense_engine.llm.collective_rpc("nemo_fp8_param_info")[0].items()}
+    for i in range(19):
+        _refit(dense_engine, state, 11 + i)
+    mem1 = dense_engine.llm.collective_rpc("nemo_fp8_memory")[0]
+    ptr1 = {n: p for n, (_, _, p) in dense_engine.llm.collective_rpc("nemo_fp8_param_info")[0].items()}
+    print("engine memory after refit 1:", mem0, "after 20:", mem1)
+    assert mem1["allocated"] == mem0["allocated"]
+    assert ptr0 == ptr1
+    prompts, sp = _prompts(8, seed=2), SamplingParams(max_new_tokens=16, greedy=True)
+    before = dense_engine.generate(prompts, sp)
+    dense_engine.finish_generation()  # sleep (level 1)
+    dense_engine.prepare_for_generation()  # wake
+    after = dense_engine.generate(prompts, sp)
+    assert torch.equal(before.token_ids, after.token_ids)
+    ptr2 = {n: p for n, (_, _, p) in dense_engine.llm.collective_rpc("nemo_fp8_param_info")[0].items()}
+    assert ptr2 == ptr0
+
+
+def test_sampled_logprobs_are_processed(dense_engine):
+    prompts = _prompts(8, seed=3)
+    out = dense_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.7, seed=5))
+    again = dense_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.7, seed=5))
+    assert torch.equal(out.token_ids, again.token_ids)
+    m = out.token_mask.bool()
+    assert (out.generation_logprobs[m] <= 0).all() and (out.generation_logprobs[~m] == 0).all()
