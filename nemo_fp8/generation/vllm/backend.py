@@ -59,6 +59,8 @@ class VllmGenerationBackend:
             overrides.setdefault("max_model_len", max_total_sequence_length)
         self.spec = init_fp8(vllm_cfg, model_name, model_name, colocated=colocated, seed=seed, extra=overrides)
         self.plan = self.spec.refit_plan
+        # A tied lm_head is the embedding in vLLM: the trainer's state dict still lists it; skip it.
+        self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
         self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
         self.llm = LLM(**self.spec.engine_kwargs)
         self._version = WeightVersion()
@@ -84,7 +86,8 @@ class VllmGenerationBackend:
     def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
         if self._pending is None:
             raise RuntimeError("update_weights before start_weight_update")
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        items = [(n, t) for n, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+                 if n not in self._tied]
         if self.plan.expected is not None:
             unknown = [n for n, _ in items if n not in self.plan.expected and not is_kv_scale_name(n)]
             if unknown:
@@ -177,6 +180,13 @@ def outputs_to_batch(prompts: list[list[int]], completions, pad_token_id: int, s
         truncated[i] = not (r and r[-1] in stop_ids)
     return GenerationOutput(token_ids, torch.tensor([len(p) for p in prompts]), torch.tensor([len(r) for r in resp]),
                             gen_lp, truncated).validate()
+
+
+def _tie_word_embeddings(model_name: str) -> bool:
+    import json
+
+    cfg = json.loads((Path(model_name) / "config.json").read_text())
+    return bool(cfg.get("tie_word_embeddings", False))
 
 
 def _iter_checkpoint(model_name: str):

@@ -2,10 +2,10 @@
 
 Neither vLLM nor DeepGEMM ships a kernel for 2-D weight blocks (both have torch-op helpers,
 ``per_block_cast_to_fp8``, that make several passes), so this is one Triton pass: each program
-reads one block once, computes its amax, the scale (``fp32``: ``amax / 448`` with IEEE
-division; ``pow2``: the smallest power of two with ``amax / s <= 448``, from the exponent
-bits, exact like ``compute_scale_inv``'s frexp), and writes the e4m3 block (IEEE ``x / s``,
-saturated, round to nearest even) and the fp32 ``scale_inv``. The oracle is
+reads one block once, computes its amax (floored at 1e-4), the scale (``fp32``:
+``amax * fp32(1/448)``; ``pow2``: that rounded up to a power of two from its exponent bits,
+exact like ``ceil_pow2``), and writes the e4m3 block (``x * fp32(1/s)``, saturated, round to
+nearest even) and the fp32 ``scale_inv``: the arithmetic of vLLM's ``per_block_cast_to_fp8``. The oracle is
 ``nemo_fp8.fp8.quantize.quantize_weight_blockwise`` (GPU test: bit for bit). Without Triton or
 CUDA the reference itself runs.
 """
@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _block_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_xm, stride_qm, Nb,
+    def _block_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, stride_xm, stride_qm, Nb, RCP_FP8_MAX,
                             POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -36,20 +36,16 @@ if triton is not None:
         rn = pid_n * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        # Same arithmetic as quantize_weight_blockwise (vLLM/DeepGEMM per_block_cast_to_fp8):
+        # amax floored at 1e-4, sf = amax * fp32(1/448), pow2: sf rounded up to 2^k exactly,
+        # q = x * fp32(1/sf) rounded to nearest even.
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-4)
+        scale = amax * RCP_FP8_MAX
         if POW2:
-            bits = amax.to(tl.int32, bitcast=True)
-            e = (bits >> 23) & 0xFF
-            m = bits & 0x7FFFFF
-            # 448 = 1.75 * 2^8: amax / 2^k <= 448  <=>  k >= e - 127 - 8 (+1 if mantissa > 0.75)
-            k = e - 135 + (m > 0x600000).to(tl.int32)
-            k = tl.maximum(k, -126)
-            scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
-        else:
-            scale = tl.math.div_rn(amax, 448.0)
-            scale = tl.maximum(scale, 1.1754943508222875e-38)
-        scale = tl.where(amax > 0, scale, 1.0)
-        y = tl.math.div_rn(x, scale)
+            bits = scale.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            scale = (e << 23).to(tl.float32, bitcast=True)
+        y = x * tl.math.div_rn(1.0, scale)
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rn[None, :], y.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + pid_m * Nb + pid_n, scale)
@@ -84,6 +80,7 @@ def quantize_blockwise_gpu(weight: torch.Tensor, scale_mode: str = "fp32", block
     Mb, Nb = math.ceil(M / 128), math.ceil(N / 128)
     q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((Mb, Nb), dtype=torch.float32, device=x.device)
-    _block_quant_kernel[(Mb, Nb)](x, q, s, M, N, x.stride(0), q.stride(0), Nb,
+    rcp = float(torch.tensor(1.0 / 448.0, dtype=torch.float32))  # fp32(1/448), as the reference
+    _block_quant_kernel[(Mb, Nb)](x, q, s, M, N, x.stride(0), q.stride(0), Nb, rcp,
                                   POW2=scale_mode == "pow2", BM=128, BN=128, num_warps=8)
     return q, s
