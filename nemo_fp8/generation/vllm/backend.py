@@ -67,7 +67,7 @@ class VllmGenerationBackend:
         self._pending: Optional[int] = None
         self._seen: set[str] = set()
         self._sent = 0
-        self._asleep = False
+        self._asleep_tags: set[str] = set()  # what sleep(level=1) released and no wake_up restored yet
         if load_initial_weights:
             self.start_weight_update(0)
             self.update_weights(_iter_checkpoint(model_name))
@@ -78,8 +78,9 @@ class VllmGenerationBackend:
     def start_weight_update(self, version: int) -> None:
         if self._pending is not None:
             raise RuntimeError(f"start_weight_update({version}): a refit to version {self._pending} is in progress")
-        if self._asleep:
+        if "weights" in self._asleep_tags:  # a refit needs the weights back, not the KV cache yet
             self.llm.wake_up(tags=["weights"])
+            self._asleep_tags.discard("weights")
         self.llm.start_weight_update(is_checkpoint_format=True)
         self._pending, self._seen, self._sent = version, set(), 0
 
@@ -124,14 +125,14 @@ class VllmGenerationBackend:
     # ------------------------------------------------------------------ generation
 
     def prepare_for_generation(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        if self._asleep_tags:  # wake only what is still asleep: waking a tag twice fails in cumem
+            self.llm.wake_up(tags=sorted(self._asleep_tags))
+            self._asleep_tags.clear()
 
     def finish_generation(self) -> None:
-        if self.spec.engine_kwargs.get("enable_sleep_mode") and not self._asleep:
+        if self.spec.engine_kwargs.get("enable_sleep_mode") and not self._asleep_tags:
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep_tags = {"weights", "kv_cache"}
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         from vllm import SamplingParams as VSP
