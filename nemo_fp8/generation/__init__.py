@@ -17,11 +17,11 @@ def build_generation_backend(backend: str, **kwargs) -> GenerationBackend:
 
         return TorchGenerationBackend(**kwargs)
     if backend == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:  # vLLM itself is imported only inside generation/vllm/
             raise ImportError("policy.generation.backend='vllm' needs vLLM 0.22 (pyproject extra 'vllm', installed on "
-                              "the GPU host); valid without it: 'torch' (the reference backend, same FP8 numerics)") from e
+                              "the GPU host); valid without it: 'torch' (the reference backend, same FP8 numerics)")
         from nemo_fp8.generation.vllm.backend import VllmGenerationBackend
 
         kwargs["colocated"] = kwargs.pop("offload_when_idle", True)  # sleep mode between rollouts
