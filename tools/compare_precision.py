@@ -22,6 +22,8 @@ VARIANTS = {
     "fp8": ["policy.generation.vllm_cfg.precision=fp8", "loss_fn.use_importance_sampling_correction=false",
             "loss_fn.allow_fp8_rollout_without_is_correction=true"],
     "fp8+tis": ["policy.generation.vllm_cfg.precision=fp8", "loss_fn.use_importance_sampling_correction=true"],
+    "fp8kv+tis": ["policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+                  "loss_fn.use_importance_sampling_correction=true"],
 }
 
 

@@ -15,7 +15,9 @@ calibration batch did not see; ``margin = 1`` maps the observed amax exactly to 
 Names follow vLLM's checkpoint format for FP8 attention scales:
 ``model.layers.{i}.self_attn.{q,k,v}_scale`` (fp32 scalars), which vLLM 0.22 loads into
 ``Attention._q_scale`` / ``_k_scale`` / ``_v_scale`` during a (layerwise) weight reload.
-Pure torch; imports no engine.
+``fake_quantize_static`` is what the engine does to q, k and v with those scales; the torch
+reference engine applies it in attention (``nemo_fp8.models.hf.fp8_kv_attention``) so CPU runs
+see the same mismatch. Pure torch; imports no engine.
 """
 
 from __future__ import annotations
@@ -27,11 +29,30 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from nemo_fp8.fp8.formats import E4M3
+from nemo_fp8.fp8.formats import E4M3, cast_to_fp8
 
 KV_SCALE_NAME = "model.layers.{layer}.self_attn.{kind}_scale"
 _KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_scale$")
 AMAX_EPS = 1e-12  # an all-zero tensor still gets a positive scale
+
+
+def fake_quantize_static(x: Tensor, scale: Tensor) -> Tensor:
+    """``x`` through e4m3 with one static per-tensor scale and back: ``fp8(x / scale) * scale``.
+
+    What an FP8 KV cache (and FlashAttention 3's FP8 q) does to attention inputs in vLLM:
+    ``x / scale`` in fp32, saturated to +-448 and rounded to nearest even (vLLM's
+    ``scaled_convert`` with ``__NV_SATFINITE``), dequantized with the same scale. Idempotent for
+    a fixed scale, so re-quantizing cached values is harmless.
+
+    Args:
+        x: any float tensor (e.g. [B, H, T, D] keys), any device.
+        scale: 0-dim or 1-element float32 tensor, > 0.
+
+    Returns:
+        Tensor of x's shape and dtype.
+    """
+    s = scale.to(device=x.device, dtype=torch.float32).reshape(())
+    return (cast_to_fp8(x.float() / s).float() * s).to(x.dtype)
 
 
 def is_kv_scale_name(name: str) -> bool:

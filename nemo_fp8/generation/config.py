@@ -65,7 +65,4 @@ class GenerationConfig(StrictConfig):
         if self.top_p != 1.0 or self.top_k is not None:
             errs.append("top_p/top_k: must be 1.0/null; the trainer's log-probs cannot reproduce a truncated sampling "
                         "distribution, so IS correction would be wrong")
-        if self.vllm_cfg.kv_cache_dtype == "fp8" and self.backend != "vllm":
-            errs.append("vllm_cfg.kv_cache_dtype: 'fp8' is implemented by the vllm backend only "
-                        f"(policy.generation.backend is '{self.backend}'; valid here: 'auto')")
         return errs

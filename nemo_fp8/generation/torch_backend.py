@@ -5,7 +5,9 @@ FP8-eligible Linear (``nemo_fp8.fp8.plan_layer_precision``) by ``Fp8BlockLinear`
 128x128 weight blocks and 1x128 activation groups, the numerics of vLLM's block-scaled FP8
 kernels, with weights quantized at every refit (``update_weights``, bucket by bucket). Runs on
 CPU, or CUDA when there is one, with the same code; slow, and meant to pin down numerics, not to
-serve. FP8 KV scales sent with the weights are kept with their version (``kv_scales``).
+serve. FP8 KV scales sent with the weights are kept with their version (``kv_scales``); with
+``kv_cache_dtype: fp8`` attention runs on q, k, v quantized to e4m3 with those static per-layer
+scales, as vLLM's FP8 KV cache with FlashAttention 3 does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.fp8 import Fp8BlockLinear, LayerPrecisionPlan, plan_layer_precision
 from nemo_fp8.fp8.kv_scales import is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
-from nemo_fp8.models.hf import load_causal_lm
+from nemo_fp8.models.hf import enable_fp8_kv_attention, load_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class TorchGenerationBackend:
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.offload_when_idle = offload_when_idle
         self.kv_scales: dict[str, Tensor] | None = None  # {'q'|'k'|'v': [num_layers] fp32}, from the refit
+        # FP8 KV cache: attention runs on q/k/v through e4m3 with these static per-layer scales.
+        self._kv_modules = enable_fp8_kv_attention(self.model) if vllm_cfg.kv_cache_dtype == "fp8" else None
         self._version = WeightVersion()
         self._pending: dict | None = None
         self._asleep = False
@@ -161,6 +165,8 @@ class TorchGenerationBackend:
             self.kv_scales = {kind: torch.tensor([pending["kv"][(i, kind)] for i in range(self.num_layers)])
                               for kind in "qkv"}
             kv_step = pending["version"]
+            for i, module in enumerate(self._kv_modules or []):
+                module.fp8_kv_scales = torch.stack([self.kv_scales[k][i] for k in "qkv"]).to(self.device)
         self._version = WeightVersion(pending["version"], kv_step, len(pending["seen"]) + len(pending["kv"]))
         return self._version
 
@@ -201,6 +207,9 @@ class TorchGenerationBackend:
             raise RuntimeError("generate: a weight update is in progress (finish_weight_update first)")
         if self._asleep:
             raise RuntimeError("generate: the engine is asleep (call prepare_for_generation first)")
+        if self._kv_modules is not None and self.kv_scales is None:
+            raise RuntimeError("generate: kv_cache_dtype='fp8' but no KV scales were ever loaded; they arrive with the "
+                               "refit (the policy's calibrate_kv_scales), never default to 1.0")
         if not prompt_token_ids:
             raise ValueError("generate: no prompts")
         for i, p in enumerate(prompt_token_ids):

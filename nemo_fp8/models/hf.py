@@ -106,19 +106,61 @@ def record_qkv_amax(model: nn.Module, attention_mask: Tensor, amax: Tensor) -> I
     Raises:
         ValueError: an attention module without ``layer_idx``.
     """
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(_CALIBRATION_ATTN, _qkv_amax_attention)
-    AttentionMaskInterface.register(_CALIBRATION_ATTN, sdpa_mask)
-    attn_modules = [m for n, m in model.named_modules() if n.endswith("self_attn")]
-    if not attn_modules or any(getattr(m, "layer_idx", None) is None for m in attn_modules):
-        raise ValueError(f"record_qkv_amax: {type(model).__name__} has attention modules without layer_idx")
     previous = model.config._attn_implementation
+    _use_attention(model, _CALIBRATION_ATTN, _qkv_amax_attention)
     _calibration_state.update(token_mask=attention_mask.bool(), amax=amax)
-    model.set_attn_implementation(_CALIBRATION_ATTN)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
         _calibration_state.clear()
+
+
+_FP8_KV_ATTN = "nemo_fp8_fp8_kv"
+
+
+def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA on q, k, v passed through e4m3 with the layer's static scales (an FP8 KV cache)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from nemo_fp8.fp8.kv_scales import fake_quantize_static
+
+    scales = getattr(module, "fp8_kv_scales", None)  # [3] float32: q, k, v
+    if scales is None:
+        raise RuntimeError(f"FP8 KV cache: attention layer {module.layer_idx} has no q/k/v scales; they arrive with "
+                           "the refit (calibrate_kv_scales), never defaults")
+    query, key, value = (fake_quantize_static(x, scales[i]) for i, x in enumerate((query, key, value)))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def enable_fp8_kv_attention(model: nn.Module) -> list[nn.Module]:
+    """Make ``model``'s attention run on FP8-quantized q, k, v (static per-layer scales).
+
+    Each attention module then needs ``fp8_kv_scales`` ([3] float32: q, k, v scales) before a
+    forward; without them the forward raises (no silent scale = 1). Returns the attention
+    modules, indexed by ``layer_idx``.
+
+    Raises:
+        ValueError: an attention module without ``layer_idx``.
+    """
+    return _use_attention(model, _FP8_KV_ATTN, _fp8_kv_attention)
+
+
+def _use_attention(model: nn.Module, name: str, fn) -> list[nn.Module]:
+    """Register ``fn`` as HF attention implementation ``name`` (SDPA masks) and switch ``model`` to it.
+
+    Returns the attention modules sorted by ``layer_idx``.
+
+    Raises:
+        ValueError: an attention module without ``layer_idx`` (the functions index layers by it).
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    modules = [m for n, m in model.named_modules() if n.endswith("self_attn")]
+    if not modules or any(getattr(m, "layer_idx", None) is None for m in modules):
+        raise ValueError(f"{type(model).__name__} has attention modules without layer_idx; {name} needs them")
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
+    return sorted(modules, key=lambda m: m.layer_idx)

@@ -6,8 +6,9 @@ import torch
 from nemo_fp8.distributed.weight_sync import (InProcessWeightSync, iter_buckets, pack_bucket, unpack_bucket,
                                               weight_stream)
 from nemo_fp8.fp8 import Fp8BlockLinear
-from nemo_fp8.fp8.kv_scales import KvScales, is_kv_scale_name, parse_kv_scale_name
+from nemo_fp8.fp8.kv_scales import KvScales, fake_quantize_static, is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.fp8.quantize import quantize_weight_blockwise
+from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
@@ -139,3 +140,43 @@ def test_calibrate_kv_scales_measures_post_rope_q_and_real_tokens_only(tiny_cfg,
     single = [policy.calibrate_kv_scales(prompts_batch([s], tok.pad_token_id), step=2) for s in samples]
     for kind in ("q_amax", "k_amax", "v_amax"):
         torch.testing.assert_close(getattr(scales, kind), torch.maximum(*(getattr(x, kind) for x in single)))
+
+
+def test_fake_quantize_static_is_e4m3_with_saturation():
+    scale = torch.tensor(0.5)
+    x = torch.tensor([0.0, 0.5 * 1.0625, 0.5 * 1.1, 300.0, -1e6], dtype=torch.bfloat16)
+    y = fake_quantize_static(x, scale)
+    assert y.dtype == torch.bfloat16
+    # e4m3 near 1: 1.0, 1.125 (3 mantissa bits). 1.0625 is the midpoint: to even (1.0); 1.1 -> 1.125.
+    assert y[0] == 0 and y[1] == 0.5 and y[2] == 0.5 * 1.125
+    assert y[3] == 224.0 and y[4] == -224.0  # saturated at 448 * scale
+    assert torch.equal(fake_quantize_static(y, scale), y)  # idempotent: re-quantizing the cache is harmless
+
+
+def test_torch_engine_fp8_kv_cache_needs_scales_and_uses_them(tiny_cfg, tok):
+    cfg = tiny_cfg()
+    policy = TorchPolicyBackend(cfg.policy, CPU)
+    plain = _engine(cfg, tok, "fp8")
+    vc = cfg.policy.generation.vllm_cfg.model_copy(update={"kv_cache_dtype": "fp8"})
+    kv = TorchGenerationBackend(cfg.policy.model_name, vc, CPU, tok.pad_token_id, tok.eos_token_id,
+                                cfg.policy.max_total_sequence_length, batch_size=8)
+    prompts = [tok.encode(f"Q: What is {i} + 7?\n", add_special_tokens=False) for i in range(8)]
+    sampling = SamplingParams(max_new_tokens=8, greedy=True)
+    with pytest.raises(RuntimeError, match="no KV scales"):
+        kv.generate(prompts, sampling)  # never a silent scale of 1.0
+    from nemo_fp8.algorithms.grpo import prompts_batch
+    from nemo_fp8.data import MathExample, PromptSample
+
+    samples = [PromptSample(MathExample(str(i), "0", "test", i), str(i), p) for i, p in enumerate(prompts)]
+    scales = policy.calibrate_kv_scales(prompts_batch(samples, tok.pad_token_id), step=0)
+    for engine in (plain, kv):
+        InProcessWeightSync(policy, engine, 2**20).sync(version=0, kv_scales=scales)
+    a, b = plain.generate(prompts, sampling), kv.generate(prompts, sampling)
+    m = a.token_mask.bool() & b.token_mask.bool()
+    diff = (a.generation_logprobs - b.generation_logprobs)[m].abs()
+    assert 0 < diff.mean() < 0.1, diff.mean()  # FP8 q/k/v change the numbers, a little
+    # A tiny scale saturates everything: the outputs must change a lot, so the scales are really used.
+    tiny = KvScales.from_amax(*(torch.full((kv.num_layers,), 1e-3),) * 3, step=1)
+    InProcessWeightSync(policy, kv, 2**20).sync(version=1, kv_scales=tiny)
+    c = kv.generate(prompts, sampling)
+    assert not torch.equal(c.token_ids, b.token_ids)

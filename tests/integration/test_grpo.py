@@ -94,3 +94,27 @@ def test_prompt_batches_follow_the_dataloader_order(tiny_cfg):
     a = [[s.prompt for s in b] for b in itertools.islice(PromptDataloader(train, 4, seed=0), 3)]
     b = [[s.prompt for s in b] for b in itertools.islice(PromptDataloader(train, 4, seed=0), 3)]
     assert a == b
+
+
+def test_fp8_kv_cache_scales_follow_every_step(tiny_cfg):
+    """FP8 KV cache: scales measured after each training step ride the refit; stale ones stop the rollout."""
+    from nemo_fp8.algorithms.grpo import prompts_batch
+
+    cfg = tiny_cfg(*SMALL, "policy.generation.vllm_cfg.kv_cache_dtype=fp8")
+    tok, loader, policy, gen, _ = setup(cfg)
+    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, 2**20), requires_kv_scales=True)
+    batches = iter(loader)
+    first = next(iter(PromptDataloader(prepare_prompts(cfg, tok)[0], 4, seed=0)))
+    refitter.mark_stale(0, policy.calibrate_kv_scales(prompts_batch(first, tok.pad_token_id), step=0))
+    reward = lambda r, a: [float(len(x) % 2 == 0) for x in r]  # noqa: E731
+    m1 = grpo_step(1, batches, policy, gen, reward, tok, cfg, Timer(), refitter)
+    assert {"kv_scales/q_scale_max", "kv_scales/k_scale_min", "kv_scales/v_scale_max"} <= m1.keys()
+    assert gen.weight_version().kv_scales == 0 and refitter.kv_scales.step == 1
+    step1_scales = refitter.kv_scales
+    grpo_step(2, batches, policy, gen, reward, tok, cfg, Timer(), refitter)  # refits weights + step-1 scales first
+    assert gen.weight_version().kv_scales == 1
+    torch.testing.assert_close(gen.kv_scales["k"], step1_scales.k_scale)
+    assert not torch.equal(step1_scales.k_scale, refitter.kv_scales.k_scale)  # the scales follow the weights
+    refitter.mark_stale(3)  # weights changed, no scales measured on them: refused, never stale scales
+    with pytest.raises(RuntimeError, match="needs scales measured on these weights"):
+        refitter.refit_if_stale(Timer())
