@@ -29,7 +29,7 @@ import torch
 from nemo_fp8.batch import GenerationOutput, TrainBatch
 from nemo_fp8.distributed.weight_sync import PackedBucket, iter_buckets, pack_bucket, unpack_bucket, weight_stream
 from nemo_fp8.fp8.kv_scales import KvScales
-from nemo_fp8.utils.memory import MemoryWatch, memory_stats
+from nemo_fp8.utils.memory import MemoryWatch
 
 logger = logging.getLogger(__name__)
 
@@ -133,17 +133,21 @@ def _set_threads(torch_threads: Optional[int]) -> None:
         torch.set_num_threads(torch_threads)
 
 
-def _watch_memory(actor, start: bool) -> Optional[dict[str, int]]:
-    if start:
-        actor._memory_watch = MemoryWatch()
-        actor._memory_watch.start()
-        return None
-    return actor._memory_watch.stop()
+class _MemoryProbe:
+    """Mixed into both actors: sample this process's memory around an operation (refit diagnostics)."""
+
+    def watch_memory(self, start: bool) -> Optional[dict[str, int]]:
+        """``start=True``: begin sampling (``nemo_fp8.utils.memory.MemoryWatch``); ``False``: stop, return the peaks."""
+        if start:
+            self._memory_watch = MemoryWatch()
+            self._memory_watch.start()
+            return None
+        return self._memory_watch.stop()
 
 
 # --------------------------------------------------------------------------- actors
 @ray.remote
-class PolicyWorker:
+class PolicyWorker(_MemoryProbe):
     """One data-parallel rank of the policy: a ``PolicyBackend`` in its own process."""
 
     def __init__(self, torch_threads: Optional[int] = None):
@@ -193,21 +197,13 @@ class PolicyWorker:
     def load(self, path: str) -> None:
         self.backend.load(path)
 
-    def memory_stats(self, reset_peak: bool = False) -> dict[str, int]:
-        """This process's RSS and its peak (``nemo_fp8.utils.memory``); optionally reset the peak first."""
-        return memory_stats(reset_peak)
-
-    def watch_memory(self, start: bool) -> Optional[dict[str, int]]:
-        """``start=True``: begin sampling this process's memory; ``False``: stop, return the peaks."""
-        return _watch_memory(self, start)
-
     def shutdown(self) -> None:
         if self.backend is not None:
             self.backend.shutdown()
 
 
 @ray.remote
-class GenerationWorker:
+class GenerationWorker(_MemoryProbe):
     """The rollout engine: a ``GenerationBackend`` in its own process."""
 
     def __init__(self, backend_kwargs: dict, torch_threads: Optional[int] = None):
@@ -245,14 +241,6 @@ class GenerationWorker:
 
     def finish_generation(self) -> None:
         self.backend.finish_generation()
-
-    def memory_stats(self, reset_peak: bool = False) -> dict[str, int]:
-        """This process's RSS and its peak (``nemo_fp8.utils.memory``); optionally reset the peak first."""
-        return memory_stats(reset_peak)
-
-    def watch_memory(self, start: bool) -> Optional[dict[str, int]]:
-        """``start=True``: begin sampling this process's memory; ``False``: stop, return the peaks."""
-        return _watch_memory(self, start)
 
     def shutdown(self) -> None:
         self.backend.shutdown()

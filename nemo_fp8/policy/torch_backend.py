@@ -240,8 +240,11 @@ class TorchPolicyBackend:
 
     # ----------------------------------------------------------------------- weights and lifecycle
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, detached tensor) for every weight, in ``state_dict`` order (no copies)."""
-        self.prepare_for_training()
+        """(HF name, detached tensor) for every weight, in ``state_dict`` order (no copies).
+
+        Streams from wherever the weights are: it runs between ``offload_before_refit`` and
+        ``offload_after_refit`` and must not bring the offloaded optimizer state back.
+        """
         for name, t in self.model.state_dict().items():
             if t.is_floating_point() and not name.endswith("inv_freq"):
                 yield name, t.detach()

@@ -1,9 +1,8 @@
 """Process memory readings for refit and colocation diagnostics (Linux ``/proc``).
 
-``peak_rss_bytes`` reads the resident-set high-water mark (``VmHWM``); ``reset_peak_rss`` resets
-it (``/proc/self/clear_refs``, Linux >= 4.0). ``MemoryWatch`` samples the private (``RssAnon``)
-and shared-memory (``RssShmem``: Ray's object store is mapped there) parts separately, so a
-refit's private copies can be told from object-store pages. CUDA memory is read with
+``MemoryWatch`` samples the private (``RssAnon``) and shared-memory (``RssShmem``: Ray's object
+store is mapped there) parts separately, so a refit's private copies can be told from
+object-store pages. CUDA memory is read with
 ``torch.cuda.max_memory_allocated`` instead.
 """
 
@@ -19,32 +18,6 @@ def _status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field} (not Linux?)")
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process, bytes."""
-    return _status_kb("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-    """Resident-set high-water mark of this process since start or the last ``reset_peak_rss``, bytes."""
-    return _status_kb("VmHWM") * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset the high-water mark to the current RSS; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def memory_stats(reset_peak: bool = False) -> dict[str, int]:
-    """``{"rss": bytes, "peak_rss": bytes}`` of this process; ``reset_peak`` first resets the peak."""
-    if reset_peak:
-        reset_peak_rss()
-    return {"rss": rss_bytes(), "peak_rss": peak_rss_bytes()}
 
 
 class MemoryWatch:
@@ -64,8 +37,7 @@ class MemoryWatch:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self._peak_anon = max(self._peak_anon, _status_kb("RssAnon"))
-            self._peak_shmem = max(self._peak_shmem, _status_kb("RssShmem"))
+            self._sample_once()
             time.sleep(self.interval_s)
 
     def start(self) -> None:
