@@ -74,19 +74,17 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) 
 
 
 _CALIBRATION_ATTN = "nemo_fp8_qkv_amax"
-_calibration_state: dict = {}
 
 
 def _qkv_amax_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA that first records the amax of q, k, v over real tokens ([B, H, T, D] each)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    state = _calibration_state
-    valid = state["token_mask"]  # [B, T] bool, True on real tokens
+    valid, out = module.qkv_amax_record  # [B, T] bool (True on real tokens), [3, num_layers] float32
     for row, x in enumerate((query, key, value)):
         per_token = x.detach().abs().amax(dim=(1, 3)).float()  # [B, T]
         amax = torch.where(valid[:, -per_token.shape[1]:], per_token, torch.zeros_like(per_token)).amax()
-        state["amax"][row, module.layer_idx] = torch.maximum(state["amax"][row, module.layer_idx], amax)
+        out[row, module.layer_idx] = torch.maximum(out[row, module.layer_idx], amax)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -107,13 +105,15 @@ def record_qkv_amax(model: nn.Module, attention_mask: Tensor, amax: Tensor) -> I
         ValueError: an attention module without ``layer_idx``.
     """
     previous = model.config._attn_implementation
-    _use_attention(model, _CALIBRATION_ATTN, _qkv_amax_attention)
-    _calibration_state.update(token_mask=attention_mask.bool(), amax=amax)
+    modules = _use_attention(model, _CALIBRATION_ATTN, _qkv_amax_attention)
+    for m in modules:  # read by _qkv_amax_attention, like fp8_kv_scales by _fp8_kv_attention
+        m.qkv_amax_record = (attention_mask.bool(), amax)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
-        _calibration_state.clear()
+        for m in modules:
+            del m.qkv_amax_record
 
 
 _FP8_KV_ATTN = "nemo_fp8_fp8_kv"
