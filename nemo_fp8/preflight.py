@@ -80,7 +80,7 @@ def required_resources(cfg: MasterConfig) -> dict[str, float]:
     from nemo_fp8.models.hf import resolve_device
 
     cuda = resolve_device(cfg.policy.device).type == "cuda"
-    need = plan_cluster(cfg.policy.data_parallel_size, cuda, cfg.policy.generation.colocated.enabled).required()
+    need = plan_cluster(cfg.policy.world_size, cuda, cfg.policy.generation.colocated.enabled).required()
     return {"CPU": need.get("CPU", 0.0), "GPU": need.get("GPU", 0.0)}
 
 

@@ -132,7 +132,7 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     bucket_bytes = int(ws.bucket_size_mb * 2**20)
     remote = isinstance(policy, PolicyGroup) and isinstance(generation, GenerationGroup)
     if remote and ws.method in ("auto", "object_store"):
-        return ObjectStoreWeightSync(policy.weight_source, generation.worker, bucket_bytes)
+        return ObjectStoreWeightSync(policy.weight_source, generation.worker, bucket_bytes, peers=policy.weight_peers)
     if not remote and ws.method in ("auto", "in_process"):
         return InProcessWeightSync(policy, generation, bucket_bytes)
     raise ValueError(f"policy.weight_sync.method={ws.method!r} does not fit backends that run "
@@ -153,7 +153,7 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
     gen_cfg = cfg.policy.generation
     colocated = gen_cfg.colocated.enabled
-    plan = plan_cluster(cfg.policy.data_parallel_size, device.type == "cuda", colocated)
+    plan = plan_cluster(cfg.policy.world_size, device.type == "cuda", colocated)
     pg = create_placement_group(plan)
     # Engine and trainer take turns (never run at once); data-parallel ranks train side by side.
     threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.policy.data_parallel_size)
@@ -164,7 +164,8 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
         batch_size=cfg.policy.generation_batch_size, offload_when_idle=colocated), threads)
     policy = PolicyGroup.start(pg, plan, dict(
         megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device, temperature=gen_cfg.temperature,
-        keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0), threads)
+        keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed), threads,
+        tp_size=cfg.policy.tensor_parallel_size)
     refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8")
     return Workers(policy, generation, refitter, pg)

@@ -30,7 +30,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -211,13 +211,16 @@ class ObjectStoreWeightSync:
     """Ray actors: packed buckets stream policy rank 0 -> object store -> engine actor.
 
     Args:
-        policy_worker: the policy's rank-0 actor (``PolicyWorker``), which holds a full replica.
+        policy_worker: the policy's rank-0 actor (``PolicyWorker``), which sends a full replica.
         generation_worker: the engine's actor (``GenerationWorker``).
         bucket_bytes: bucket size in bytes.
+        peers: policy actors that must take part in the export without sending (the other
+            tensor-parallel ranks of a Megatron replica: the export gathers their shards).
     """
 
-    def __init__(self, policy_worker, generation_worker, bucket_bytes: int):
+    def __init__(self, policy_worker, generation_worker, bucket_bytes: int, peers: Sequence = ()):
         self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
+        self.peers = list(peers)
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         import ray
@@ -225,6 +228,7 @@ class ObjectStoreWeightSync:
         t0 = time.perf_counter()
         stats = SyncStats(version)
         ray.get(self.generation_worker.start_weight_update.remote(version))
+        draining = [p.drain_weights.remote() for p in self.peers]
         # One bucket is packed ahead while the engine loads the previous one (back-pressure 1).
         stream = self.policy_worker.packed_weight_buckets.options(
             num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
@@ -232,6 +236,7 @@ class ObjectStoreWeightSync:
             # The ref resolves inside the engine actor, straight from the object store.
             stats.add_bucket(*ray.get(self.generation_worker.receive_packed_bucket.remote(ref)))
             del ref  # its object can be freed now
+        ray.get(draining)
         _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
         stats.seconds = time.perf_counter() - t0
         return stats

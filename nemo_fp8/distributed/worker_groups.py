@@ -79,7 +79,8 @@ class ClusterPlan:
 
 
 def plan_cluster(dp_size: int, use_gpu: bool, colocated: bool) -> ClusterPlan:
-    """The placement plan described in the module docstring.
+    """The placement plan described in the module docstring; ``dp_size`` is the number of policy
+    ranks (``policy.world_size``: data parallel x Megatron tensor parallel).
 
     Raises:
         ValueError: ``dp_size < 1``.
@@ -148,7 +149,8 @@ class _MemoryProbe:
 # --------------------------------------------------------------------------- actors
 @ray.remote
 class PolicyWorker(_MemoryProbe):
-    """One data-parallel rank of the policy: a ``PolicyBackend`` in its own process."""
+    """One rank of the policy (data-parallel, or tensor-parallel with Megatron): a ``PolicyBackend``
+    in its own process."""
 
     def __init__(self, torch_threads: Optional[int] = None):
         _set_threads(torch_threads)
@@ -161,10 +163,10 @@ class PolicyWorker(_MemoryProbe):
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, backend_kwargs: dict, dp_rank: int, dp_size: int, dist_init_method: Optional[str]) -> bool:
+    def setup(self, backend_kwargs: dict, rank: int, world_size: int, dist_init_method: Optional[str]) -> bool:
         from nemo_fp8.policy import build_policy_backend
 
-        self.backend = build_policy_backend(**backend_kwargs, dp_rank=dp_rank, dp_size=dp_size,
+        self.backend = build_policy_backend(**backend_kwargs, rank=rank, world_size=world_size,
                                             dist_init_method=dist_init_method)
         return True
 
@@ -181,6 +183,10 @@ class PolicyWorker(_MemoryProbe):
         """Streaming generator: the refit's tensors, packed one bucket at a time."""
         for bucket in iter_buckets(weight_stream(self.backend.named_weights(), kv_scales), bucket_bytes):
             yield pack_bucket(bucket)
+
+    def drain_weights(self) -> int:
+        """Take part in an export another rank sends (Megatron tensor-parallel gathers)."""
+        return self.backend.drain_weights()
 
     def prepare_for_training(self) -> None:
         self.backend.prepare_for_training()
@@ -274,42 +280,65 @@ def train_shard_indices(size: int, global_batch_size: int, dp_size: int, rank: i
 
 
 class PolicyGroup:
-    """``PolicyBackend`` over ``dp_size`` ``PolicyWorker`` ranks (see the module docstring)."""
+    """``PolicyBackend`` over ``dp_size x tp_size`` ``PolicyWorker`` ranks (see the module docstring).
 
-    def __init__(self, workers: list, global_batch_size: int):
-        self.workers, self.global_batch_size = workers, global_batch_size
+    Ranks follow megatron-core's order (tensor-parallel ranks neighbours): rank ``r`` is
+    tensor-parallel rank ``r % tp_size`` of data-parallel rank ``r // tp_size``. The ranks of one
+    data-parallel group get the same rows; results are read from its tensor-parallel rank 0.
+    """
+
+    def __init__(self, workers: list, global_batch_size: int, tp_size: int = 1):
+        if len(workers) % tp_size:
+            raise ValueError(f"PolicyGroup: {len(workers)} ranks is not a multiple of tensor_model_parallel_size={tp_size}")
+        self.workers, self.global_batch_size, self.tp_size = workers, global_batch_size, tp_size
+        self.dp_size = len(workers) // tp_size
 
     @classmethod
-    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int]) -> "PolicyGroup":
+    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
+              tp_size: int = 1) -> "PolicyGroup":
         """Start the ranks on their bundles and build the backends (errors surface here)."""
         workers = [PolicyWorker.options(**_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
-        dp = len(workers)
-        init = ray.get(workers[0].rendezvous_address.remote()) if dp > 1 else None
-        ray.get([w.setup.remote(backend_kwargs, r, dp, init) for r, w in enumerate(workers)])
-        logger.info("policy: %d data-parallel rank(s) ready", dp)
-        return cls(workers, backend_kwargs["cfg"].train_global_batch_size)
+        world = len(workers)
+        init = ray.get(workers[0].rendezvous_address.remote()) if world > 1 else None
+        ray.get([w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(workers)])
+        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", world, world // tp_size, tp_size)
+        return cls(workers, backend_kwargs["cfg"].train_global_batch_size, tp_size)
 
     @property
     def weight_source(self):
-        """The rank-0 actor, which streams the weights for the refit (all ranks hold the same)."""
+        """The rank-0 actor, which streams the weights for the refit (a full replica)."""
         return self.workers[0]
 
+    @property
+    def weight_peers(self) -> list:
+        """The other tensor-parallel ranks of replica 0: they join the export (``drain_weights``)."""
+        return self.workers[1:self.tp_size]
+
+    def _per_rank(self, shards: list[TrainBatch]) -> list[TrainBatch]:
+        """Data-parallel shards -> one per rank (each tensor-parallel rank gets its group's)."""
+        return [shards[r // self.tp_size] for r in range(len(self.workers))]
+
+    def _first_of_groups(self, outs: list) -> list:
+        return outs[::self.tp_size]
+
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        parts = shard_rows(batch.size, len(self.workers))
-        outs = ray.get([w.get_logprobs.remote(batch.select(s), reference) for w, s in zip(self.workers, parts)])
-        return torch.cat(outs)
+        shards = self._per_rank([batch.select(s) for s in shard_rows(batch.size, self.dp_size)])
+        outs = ray.get([w.get_logprobs.remote(s, reference) for w, s in zip(self.workers, shards)])
+        return torch.cat(self._first_of_groups(outs))
 
     def train(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
         from nemo_fp8.policy.torch_backend import reduce_train_results
 
-        dp = len(self.workers)
-        shards = [batch.select(train_shard_indices(batch.size, self.global_batch_size, dp, r)) for r in range(dp)]
-        return reduce_train_results(ray.get([w.train_shard.remote(s, loss_fn) for w, s in zip(self.workers, shards)]))
+        dp = self.dp_size
+        shards = self._per_rank([batch.select(train_shard_indices(batch.size, self.global_batch_size, dp, r))
+                                 for r in range(dp)])
+        outs = ray.get([w.train_shard.remote(s, loss_fn) for w, s in zip(self.workers, shards)])
+        return reduce_train_results(self._first_of_groups(outs))
 
     def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
-        parts = shard_rows(batch.size, len(self.workers))
-        return ray.get([w.calibrate_kv_scales.remote(batch.select(s), step, margin)
-                        for w, s in zip(self.workers, parts)])[0]  # amax already max-reduced across ranks
+        shards = self._per_rank([batch.select(s) for s in shard_rows(batch.size, self.dp_size)])
+        return ray.get([w.calibrate_kv_scales.remote(s, step, margin)
+                        for w, s in zip(self.workers, shards)])[0]  # amax already max-reduced across ranks
 
     def prepare_for_training(self) -> None:
         ray.get([w.prepare_for_training.remote() for w in self.workers])
@@ -321,7 +350,7 @@ class PolicyGroup:
         ray.get([w.offload_after_refit.remote() for w in self.workers])
 
     def save(self, path) -> None:
-        ray.get(self.workers[0].save.remote(str(path)))  # ranks hold identical replicas
+        ray.get([w.save.remote(str(path)) for w in self.workers])  # rank 0 writes; Megatron ranks write shards
 
     def load(self, path) -> None:
         ray.get([w.load.remote(str(path)) for w in self.workers])

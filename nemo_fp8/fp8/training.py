@@ -65,12 +65,17 @@ class Fp8TrainingRecipe:
         fp8_recipe: "tensorwise" (TE Float8CurrentScaling) or "blockwise"
             (TE Float8BlockScaling, 1x128 activations/grads, 128x128 weights).
 
+        pow2_block_scales: blockwise only: power-of-two scales (TE's default) or fp32 scales
+            (TE with ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``); the project ties it to
+            ``pow2_weight_scaling_factors`` so rollout and training share one convention.
+
     Raises:
         ValueError: on an unknown value; the message lists the valid ones.
     """
 
     fp8: Literal["e4m3", "hybrid"] = "e4m3"
     fp8_recipe: Literal["tensorwise", "blockwise"] = "blockwise"
+    pow2_block_scales: bool = True
 
     def __post_init__(self):
         if self.fp8 not in FP8_MODES:
@@ -90,8 +95,9 @@ class Fp8TrainingRecipe:
 
     @property
     def scale_mode(self) -> ScaleMode:
-        """fp32 scales for tensorwise (TE current scaling), pow2 for blockwise (TE default)."""
-        return "pow2" if self.fp8_recipe == "blockwise" else "fp32"
+        """fp32 scales for tensorwise (TE current scaling); blockwise: pow2 (TE default) unless
+        ``pow2_block_scales`` is false."""
+        return "pow2" if self.fp8_recipe == "blockwise" and self.pow2_block_scales else "fp32"
 
 
 def _qdq_groups(x: torch.Tensor, fmt: Fp8Format, scale_mode: ScaleMode) -> torch.Tensor:

@@ -41,9 +41,15 @@ class MegatronOptimizerConfig(StrictConfig):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    clip_grad: float = Field(1.0, gt=0)
+    clip_grad: Optional[float] = Field(None, gt=0)  # None: policy.max_grad_norm
+    initial_loss_scale: float = Field(2.0**32, gt=0)  # fp16 dynamic loss scaling
     use_distributed_optimizer: bool = True
     use_precision_aware_optimizer: bool = False
+
+    def config_errors(self) -> list[str]:
+        if self.bf16 and self.fp16:
+            return ["bf16 and fp16 are both true; pick one (fp16 trains with dynamic loss scaling)"]
+        return []
 
 
 class MegatronConfig(StrictConfig):
@@ -58,10 +64,26 @@ class MegatronConfig(StrictConfig):
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
 
     def config_errors(self) -> list[str]:
-        if not (self.fp8_cfg.fp8_param and not self.enabled):
-            return []
-        return ["fp8_cfg.fp8_param: FP8 parameters need the megatron backend (policy.megatron_cfg.enabled=true); "
-                 "the torch backend emulates activations/weights only"]
+        errs = []
+        if self.fp8_cfg.fp8_param and not self.enabled:
+            errs.append("fp8_cfg.fp8_param: FP8 parameters need the megatron backend (policy.megatron_cfg.enabled=true); "
+                        "the torch backend emulates activations/weights only")
+        if self.optimizer.fp16 and not self.enabled:
+            errs.append("optimizer.fp16: FP16 training with loss scaling needs the megatron backend "
+                        "(policy.megatron_cfg.enabled=true)")
+        for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+            if getattr(self, key) != 1:
+                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
+                            "parallelism and data parallelism are)")
+        if self.fp8_cfg.fp8_param and self.enabled:
+            errs.append("fp8_cfg.fp8_param: true is not supported by this build: with the host stack (TransformerEngine "
+                        "2.11, megatron-core 0.18.2, no APEX, so gradient_accumulation_fusion off) FP8 primary weights "
+                        "gave NaN gradients in the first backward (tests/gpu/test_megatron_policy.py); valid: false "
+                        "(FP8 compute, BF16 weights)")
+        if self.tensor_model_parallel_size > 1 and not self.enabled:
+            errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
+                        "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")
+        return errs
 
 
 class OptimizerConfig(StrictConfig):
@@ -106,6 +128,16 @@ class PolicyConfig(StrictConfig):
     megatron_cfg: MegatronConfig = MegatronConfig()
     generation: GenerationConfig = GenerationConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Megatron tensor parallelism (1 with the torch backend)."""
+        return self.megatron_cfg.tensor_model_parallel_size if self.megatron_cfg.enabled else 1
+
+    @property
+    def world_size(self) -> int:
+        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size``."""
+        return self.data_parallel_size * self.tensor_parallel_size
 
     def config_errors(self) -> list[str]:
         gbs, mbs, dp = self.train_global_batch_size, self.train_micro_batch_size, self.data_parallel_size

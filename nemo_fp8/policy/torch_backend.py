@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.policy.config import Fp8TrainingConfig, PolicyConfig
+from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_precision
 from nemo_fp8.fp8.kv_scales import KvScales
@@ -35,11 +35,20 @@ from nemo_fp8.policy.interfaces import LossFn
 logger = logging.getLogger(__name__)
 
 
-def enable_fp8_training(model: nn.Module, fp8_cfg: Fp8TrainingConfig) -> list[str]:
-    """Replace the FP8-eligible Linears of ``model`` by TE-recipe emulations; return their names."""
-    recipe = Fp8TrainingRecipe(fp8=fp8_cfg.fp8, fp8_recipe=fp8_cfg.fp8_recipe)
-    names = apply_fp8_training(model, plan_layer_precision(model).fp8_modules, recipe)
-    logger.info("fp8 training (%s, %s): %d Linear modules emulated", fp8_cfg.fp8, fp8_cfg.fp8_recipe, len(names))
+def enable_fp8_training(model: nn.Module, cfg: PolicyConfig) -> list[str]:
+    """Replace the FP8-eligible Linears of ``model`` by TE-recipe emulations; return their names.
+
+    The layers kept in BF16 and the blockwise scale convention are the rollout's
+    (``policy.generation.vllm_cfg.num_{first,last}_layers_in_bf16``,
+    ``pow2_weight_scaling_factors``), as in the megatron backend (``policy/megatron/settings.py``).
+    """
+    fp8_cfg, vcfg = cfg.megatron_cfg.fp8_cfg, cfg.generation.vllm_cfg
+    recipe = Fp8TrainingRecipe(fp8=fp8_cfg.fp8, fp8_recipe=fp8_cfg.fp8_recipe,
+                               pow2_block_scales=vcfg.pow2_weight_scaling_factors)
+    plan = plan_layer_precision(model, vcfg.num_first_layers_in_bf16, vcfg.num_last_layers_in_bf16)
+    names = apply_fp8_training(model, plan.fp8_modules, recipe)
+    logger.info("fp8 training (%s, %s, %s scales): %d Linear modules emulated", fp8_cfg.fp8, fp8_cfg.fp8_recipe,
+                recipe.scale_mode, len(names))
     return names
 
 
@@ -98,7 +107,7 @@ class TorchPolicyBackend:
                                                  init_method=dist_init_method, rank=dp_rank, world_size=dp_size)
         self.model = load_causal_lm(cfg.model_name, DTYPES[cfg.precision], device)
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if keep_reference else None
-        self.fp8_modules = enable_fp8_training(self.model, cfg.megatron_cfg.fp8_cfg) \
+        self.fp8_modules = enable_fp8_training(self.model, cfg) \
             if cfg.megatron_cfg.fp8_cfg.enabled else []
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay,
@@ -282,7 +291,10 @@ class TorchPolicyBackend:
         self.model = self.reference = None  # type: ignore[assignment]
 
     def save(self, path: str | Path) -> None:
-        """Save model (HF ``save_pretrained``, safetensors) and optimizer state under ``path``."""
+        """Save model (HF ``save_pretrained``, safetensors) and optimizer state under ``path``
+        (data-parallel rank 0 writes; the replicas are identical)."""
+        if self.dp_rank != 0:
+            return
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.prepare_for_training()

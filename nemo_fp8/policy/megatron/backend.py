@@ -1,0 +1,476 @@
+"""Policy backend ``megatron``: Megatron-core + TransformerEngine FP8 training, built by Megatron-Bridge.
+
+One instance is one rank of ``world_size = data_parallel_size x tensor_model_parallel_size``
+(megatron-core's rank order ``tp-cp-ep-dp-pp``: tensor-parallel ranks are neighbours). Each rank
+is a Ray actor on one GPU (``nemo_fp8.distributed.worker_groups``); the ranks of one
+data-parallel group see the same rows.
+
+Build (the path seen working on the GPU host, ``../shared/gpu-host/README.md``):
+``AutoBridge.from_hf_pretrained(<local HF checkpoint>)`` -> ``to_megatron_provider()`` -> our
+``settings.provider_overrides`` (parallelism, dtype, the FP8 recipe) -> ``finalize()`` ->
+``provide_distributed_model`` (TE layer spec, mcore DDP) -> ``get_megatron_optimizer``
+(fp32 master weights, optionally distributed) -> ``OptimizerParamScheduler``.
+
+FP8: megatron-core enters TE's ``fp8_autocast`` per decoder layer with the recipe of
+``get_fp8_recipe`` (``megatron/core/fp8_utils.py``), and leaves the first / last
+``num_layers_at_{start,end}_in_bf16`` layers outside it; we only set the config. Sequences are
+right padded to the recipe's multiple (``settings.sequence_pad_multiple``).
+
+Log-probs: ``vocab_parallel_token_logprobs`` on the vocab-parallel logits, chunked, so no
+full-vocabulary fp32 logits exist for the batch; loss and metrics through the same
+``LossFn`` and ``MetricAccumulator`` as the torch backend.
+
+Refit: ``named_weights`` streams Megatron-Bridge's ``export_hf_weights`` (HF names, tensor-
+parallel shards gathered; every tensor-parallel rank must iterate it, see ``drain_weights``).
+Colocated with the engine, ``offload_before_refit`` moves gradients and optimizer state to host
+memory and ``offload_after_refit`` the weights too (mcore's ``offload_to_cpu`` on the DDP
+buffers, as NeMo-RL's megatron worker does).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nemo_fp8.algorithms.metrics import MetricAccumulator
+from nemo_fp8.batch import TrainBatch
+from nemo_fp8.fp8.kv_scales import KvScales
+from nemo_fp8.policy.config import PolicyConfig
+from nemo_fp8.policy.interfaces import LossFn
+from nemo_fp8.policy.megatron import settings
+from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_token_logprobs
+from nemo_fp8.policy.torch_backend import ShardTrainResult, reduce_train_results
+
+logger = logging.getLogger(__name__)
+
+
+def check_recipe_supported(cfg: PolicyConfig) -> None:
+    """Ask TransformerEngine whether this GPU and library can run the configured FP8 recipe.
+
+    Raises:
+        RuntimeError: FP8 (or blockwise FP8: Hopper or newer, cuBLAS >= 12.9) is not available,
+            with TE's reason and what to use instead.
+    """
+    f = cfg.megatron_cfg.fp8_cfg
+    if not f.enabled:
+        return
+    from transformer_engine.pytorch.quantization import is_fp8_available, is_fp8_block_scaling_available
+
+    ok, why = is_fp8_available(return_reason=True)
+    if not ok:
+        raise RuntimeError(f"policy.megatron_cfg.fp8_cfg.enabled: TransformerEngine cannot run FP8 here ({why}); "
+                           "set policy.megatron_cfg.fp8_cfg.enabled=false (BF16 training)")
+    if f.fp8_recipe == "blockwise":
+        ok, why = is_fp8_block_scaling_available(return_reason=True)
+        if not ok:
+            raise RuntimeError(f"policy.megatron_cfg.fp8_cfg.fp8_recipe=blockwise: TransformerEngine cannot run it "
+                               f"here ({why}; it needs Hopper or newer and cuBLAS >= 12.9); use fp8_recipe=tensorwise")
+
+
+def _free_port_address() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _unwrap(model):
+    """DDP(Float16Module(GPTModel)) -> GPTModel."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class MegatronPolicyBackend:
+    """``PolicyBackend`` on Megatron-core + TransformerEngine (see the module docstring).
+
+    Args:
+        cfg: the ``policy`` section (``megatron_cfg`` holds parallelism, optimizer and fp8_cfg).
+        device: must be a CUDA device (the rank's GPU).
+        temperature: the generation temperature (logits are divided by it).
+        keep_reference: keep a frozen copy of the initial model for the KL penalty.
+        rank, world_size: this rank and ``data_parallel_size x tensor_model_parallel_size``.
+        dist_init_method: ``tcp://host:port`` of rank 0 (None with one rank: a local port).
+        seed: megatron-core's model-parallel RNG seed.
+        load_weights: False builds the model from ``cfg.model_name``'s ``config.json`` with random
+            weights (benchmarks: no checkpoint to write, like vLLM's ``load_format="dummy"``).
+
+    Raises:
+        RuntimeError: no CUDA device; the FP8 recipe cannot run here (``check_recipe_supported``);
+            TransformerEngine already imported with the other block-scaling convention.
+        ValueError: ``world_size`` is not ``data_parallel_size x tensor_model_parallel_size``.
+    """
+
+    def __init__(self, cfg: PolicyConfig, device: torch.device, temperature: float = 1.0,
+                 keep_reference: bool = False, rank: int = 0, world_size: int = 1,
+                 dist_init_method: Optional[str] = None, seed: int = 1234, load_weights: bool = True):
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise RuntimeError("policy.megatron_cfg.enabled=true needs a CUDA GPU (megatron-core + TransformerEngine); "
+                               "on CPU use the torch reference backend (policy.megatron_cfg.enabled=false)")
+        m = cfg.megatron_cfg
+        tp = m.tensor_model_parallel_size
+        if world_size != cfg.data_parallel_size * tp:
+            raise ValueError(f"megatron: {world_size} ranks, but policy.data_parallel_size={cfg.data_parallel_size} x "
+                             f"policy.megatron_cfg.tensor_model_parallel_size={tp} = {cfg.data_parallel_size * tp}")
+        self.cfg, self.temperature, self.rank, self.world_size = cfg, temperature, rank, world_size
+        os.environ.update(settings.block_scaling_env(cfg))  # read by TE at import: before any TE import
+        self.device = torch.device("cuda", 0 if device.index is None else device.index)  # Ray: the visible GPU
+        torch.cuda.set_device(self.device)
+        check_recipe_supported(cfg)
+        self._check_block_scaling_convention()
+
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method=dist_init_method or _free_port_address(), rank=rank,
+                                    world_size=world_size, device_id=self.device)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        model_parallel_cuda_manual_seed(seed)
+        self.tp_size, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), cfg.data_parallel_size
+        self.pad_multiple = settings.sequence_pad_multiple(cfg)
+
+        self.bridge, self.model, self.reference = self._build(keep_reference, load_weights)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.num_updates = 0
+        self._offloaded: set[str] = set()
+        logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
+                    rank, world_size, self.tp_rank, self.dp_rank,
+                    m.fp8_cfg.fp8 if m.fp8_cfg.enabled else None, m.fp8_cfg.fp8_recipe if m.fp8_cfg.enabled else None,
+                    m.fp8_cfg.fp8_param, settings.bf16_layer_counts(cfg))
+
+    # ----------------------------------------------------------------------- build
+    def _check_block_scaling_convention(self) -> None:
+        if not (self.cfg.megatron_cfg.fp8_cfg.enabled and self.cfg.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"):
+            return
+        from transformer_engine.common.recipe import Float8BlockScaling
+
+        want_fp32 = settings.block_scaling_env(self.cfg)["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "1"
+        if Float8BlockScaling.use_f32_scales != want_fp32:
+            raise RuntimeError("TransformerEngine was imported in this process before the megatron backend set "
+                               f"NVTE_FP8_BLOCK_SCALING_FP32_SCALES={int(want_fp32)} (policy.generation.vllm_cfg."
+                               "pow2_weight_scaling_factors); start the backend in a fresh process")
+
+    def _build(self, keep_reference: bool, load_weights: bool):
+        from megatron.bridge import AutoBridge
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        dtype = settings.train_dtype(self.cfg)
+        if load_weights:
+            bridge = AutoBridge.from_hf_pretrained(self.cfg.model_name, torch_dtype=dtype)
+        else:
+            from transformers import AutoConfig
+
+            bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(self.cfg.model_name))
+        provider = bridge.to_megatron_provider(load_weights=load_weights)
+        for key, value in settings.provider_overrides(self.cfg).items():
+            setattr(provider, key, value)
+        provider.finalize()
+        ddp = DistributedDataParallelConfig(**settings.ddp_config_kwargs(self.cfg))
+        model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True)[0]
+        reference = None
+        if keep_reference:  # a second copy, frozen, without DDP (the HF weights load again)
+            reference = provider.provide_distributed_model(wrap_with_ddp=False)[0].eval().requires_grad_(False)
+        return bridge, model, reference
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        optimizer = get_megatron_optimizer(OptimizerConfig(**settings.optimizer_config_kwargs(self.cfg)), [self.model])
+        return optimizer, OptimizerParamScheduler(optimizer, **settings.scheduler_kwargs(self.cfg))
+
+    # ----------------------------------------------------------------------- forward
+    def _forward_logprobs(self, model, mb: TrainBatch) -> Tensor:
+        """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses."""
+        ids = mb.token_ids
+        b, t = ids.shape
+        padded = -(-t // self.pad_multiple) * self.pad_multiple
+        ids_p = torch.nn.functional.pad(ids, (0, padded - t), value=0)  # right pad: causal, no effect on t' < t
+        pos = torch.arange(padded, device=ids.device).expand(b, padded)
+        logits = model(input_ids=ids_p, position_ids=pos, attention_mask=None)  # [B, T_pad, V / tp]
+        lp = vocab_parallel_token_logprobs(logits, ids_p, self.temperature, vocab_start=self.tp_rank * logits.shape[-1],
+                                           group=self.tp_group, chunk_size=DEFAULT_CHUNK_SIZE)
+        return lp[:, :t] * mb.token_mask
+
+    @torch.no_grad()
+    def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
+        """[B, T] float32 (CPU) log-probs of ``batch``'s responses; 0 elsewhere.
+
+        Raises:
+            ValueError: ``reference=True`` without a reference model.
+        """
+        self.prepare_for_training()
+        model = self.reference if reference else self.model
+        if model is None:
+            raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
+        model.eval()
+        out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
+        step = self.cfg.logprob_batch_size
+        for i in range(0, batch.size, step):
+            mb = batch.select(slice(i, i + step)).trimmed().to(self.device)
+            out[i:i + step, : mb.token_ids.shape[1]] = self._forward_logprobs(model, mb).cpu()
+        return out
+
+    # ----------------------------------------------------------------------- training
+    def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step per ``train_global_batch_size`` rows (single data-parallel rank)."""
+        return reduce_train_results([self.train_shard(batch, loss_fn)])
+
+    def train_shard(self, batch: TrainBatch, loss_fn: LossFn) -> ShardTrainResult:
+        """This rank's part of ``train`` (its data-parallel group's rows of every global batch).
+
+        Each micro-batch's loss is normalised by its global batch's valid token / sequence counts
+        (summed over data-parallel ranks); megatron-core sums gradients across ranks
+        (``calculate_per_token_loss``), so the update equals one rank's on the whole batch. fp16
+        scales the loss (``optimizer.scale_loss``); a step skipped for overflow is logged and
+        reported as ``grad_norm`` NaN.
+
+        Raises:
+            ValueError: the batch fails validation or is not a multiple of the per-rank global batch.
+            FloatingPointError: a non-finite gradient norm in bf16 / fp32 training.
+        """
+        batch.validate()
+        self.prepare_for_training()
+        gbs, mbs = self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size
+        if batch.size % gbs != 0:
+            raise ValueError(f"train: batch of {batch.size} rows is not a multiple of policy.train_global_batch_size"
+                             f" / data_parallel_size = {gbs}")
+        self.model.train()
+        result = ShardTrainResult([], [])
+        for g in range(0, batch.size, gbs):
+            gb = batch.select(slice(g, g + gbs))
+            mask = gb.token_mask
+            counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(self.device)  # [tokens, seqs]
+            if self.dp_size > 1:
+                dist.all_reduce(counts, group=self.dp_group)
+            n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            acc = MetricAccumulator(loss_fn.metric_reductions)
+            widths = (gb.prompt_lengths + gb.response_lengths).reshape(-1, mbs).amax(1).tolist()
+            for m, width in zip(range(0, gbs, mbs), widths):
+                mb = gb.select(slice(m, m + mbs)).trimmed(width).to(self.device)
+                loss, metrics = loss_fn(self._forward_logprobs(self.model, mb), mb, n_tokens, n_seqs)
+                self.optimizer.scale_loss(loss).backward()
+                acc.add(metrics)
+            self.model.finish_grad_sync()
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=1)
+                self.num_updates += 1
+                grad_norm = float(grad_norm)
+                if not math.isfinite(grad_norm):
+                    raise FloatingPointError(f"train: non-finite gradient norm {grad_norm} at update {self.num_updates}")
+            else:  # fp16 overflow: megatron-core lowered the loss scale and skipped the update
+                logger.warning("train: update skipped (fp16 overflow); loss scale now %s",
+                               float(self.optimizer.get_loss_scale()))
+                grad_norm = float("nan")
+            result.accumulators.append(acc.cpu())
+            result.grad_norms.append(grad_norm)
+        return result
+
+    # ----------------------------------------------------------------------- FP8 KV calibration
+    @torch.no_grad()
+    def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
+        """Per-layer amax of q, k, v over ``batch``'s real tokens -> e4m3 KV scales.
+
+        q and k are read where attention consumes them: the inputs of each layer's
+        ``core_attention`` (after q/k layernorm and RoPE), ``[S, B, heads / tp, head_dim]``.
+        The amax is the max over tensor-parallel ranks (each holds some heads) and
+        data-parallel ranks.
+        """
+        self.prepare_for_training()
+        gpt = _unwrap(self.model)
+        layers = list(gpt.decoder.layers)
+        amax = torch.zeros(3, int(gpt.config.num_layers), dtype=torch.float32, device=self.device)  # [q|k|v, L]
+        valid: dict[str, Tensor] = {}
+
+        def hook_for(layer_idx: int):
+            def hook(_module, args):
+                real = valid["mask"]  # [S, B] bool
+                for row, x in enumerate(args[:3]):
+                    per_token = x.detach().abs().amax(dim=(2, 3)).float()  # [S, B]
+                    a = torch.where(real[: per_token.shape[0]], per_token, torch.zeros_like(per_token)).amax()
+                    amax[row, layer_idx] = torch.maximum(amax[row, layer_idx], a)
+            return hook
+
+        handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook_for(layer.layer_number - 1))
+                   for layer in layers]
+        self.model.eval()
+        try:
+            step_rows = self.cfg.logprob_batch_size
+            for i in range(0, batch.size, step_rows):
+                mb = batch.select(slice(i, i + step_rows)).trimmed().to(self.device)
+                t = mb.token_ids.shape[1]
+                padded = -(-t // self.pad_multiple) * self.pad_multiple
+                lengths = mb.prompt_lengths + mb.response_lengths
+                valid["mask"] = (torch.arange(padded, device=self.device)[:, None] < lengths[None, :])  # [S, B]
+                ids = torch.nn.functional.pad(mb.token_ids, (0, padded - t), value=0)
+                pos = torch.arange(padded, device=self.device).expand(ids.shape[0], padded)
+                self.model(input_ids=ids, position_ids=pos, attention_mask=None)
+        finally:
+            for h in handles:
+                h.remove()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # every rank: tensor- and data-parallel
+        return KvScales.from_amax(amax[0], amax[1], amax[2], step=step, margin=margin)
+
+    # ----------------------------------------------------------------------- weights and lifecycle
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) for every weight: Megatron-Bridge's ``export_hf_weights``, streamed.
+
+        Every tensor-parallel rank must iterate it at the same time (it gathers shards);
+        the non-sending ranks call ``drain_weights``. Streams from wherever the weights are.
+        """
+        for name, tensor in self.bridge.export_hf_weights([self.model], cpu=False, show_progress=False):
+            yield name, tensor
+
+    def drain_weights(self) -> int:
+        """Take part in an export that another rank sends (the gathers need every rank); returns the count."""
+        return sum(1 for _ in self.named_weights())
+
+    def _move_ddp_buffers(self, to_cpu: bool, params: bool, grads: bool) -> None:
+        for buffers in (self.model.buffers, self.model.expert_parallel_buffers):
+            for buf in buffers:
+                if to_cpu:
+                    buf.offload_to_cpu(move_params=params, move_grads=grads)
+                else:
+                    buf.reload_from_cpu(move_params=params, move_grads=grads)
+
+    def _move_optimizer_state(self, device: str) -> None:
+        """Adam moments (and any other per-parameter state) to ``device``."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for s in opt._get_state().values():
+                for k, v in s.items():
+                    if torch.is_tensor(v):
+                        s[k] = v.to(device)
+
+    def prepare_for_training(self) -> None:
+        """Bring back whatever ``offload_*`` moved to host memory."""
+        if not self._offloaded:
+            return
+        self._move_ddp_buffers(False, params="model" in self._offloaded, grads=True)
+        if self.reference is not None and "model" in self._offloaded:
+            self.reference.to(self.device)
+        self._move_optimizer_state("cuda")
+        self._offloaded.clear()
+
+    def offload_before_refit(self) -> None:
+        """Gradients and optimizer state to host memory (the weights stay for the export)."""
+        if "optimizer" in self._offloaded:
+            return
+        self._move_ddp_buffers(True, params=False, grads=True)
+        self._move_optimizer_state("cpu")
+        for module in self.model.modules():  # TE's cached FP8 weight copies
+            if hasattr(module, "_fp8_workspaces"):
+                module._fp8_workspaces.clear()
+        self._offloaded.add("optimizer")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def offload_after_refit(self) -> None:
+        """The weights to host memory too, so a colocated engine can wake."""
+        if "model" in self._offloaded:
+            return
+        self.offload_before_refit()
+        self._move_ddp_buffers(True, params=True, grads=False)
+        if self.reference is not None:
+            self.reference.to("cpu")
+        self._offloaded.add("model")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # ----------------------------------------------------------------------- checkpoints
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        model_sd = self.model.module.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
+            model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
+
+    def save(self, path: str | Path) -> None:
+        """Every rank: model + optimizer with megatron-core's distributed checkpoint under
+        ``path/megatron``, the weights as an HF checkpoint under ``path/model`` (safetensors, for
+        evaluation, vLLM and the checkpoint check) and the step counters in ``path/optimizer.pt``."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.prepare_for_training()
+        (path / "megatron").mkdir(exist_ok=True)
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path / "megatron"))
+        self._save_hf(path / "model")
+        if self.rank == 0:
+            torch.save({"num_updates": self.num_updates}, path / "optimizer.pt")
+        dist.barrier()
+
+    def _save_hf(self, path: Path, shard_bytes: int = 4 << 30) -> None:
+        """The weights as an HF checkpoint (safetensors shards + the source's config and tokenizer
+        files): every rank iterates the export (it gathers shards), rank 0 writes. Bridge's own
+        ``save_hf_pretrained`` imports ModelOpt, which the stack does not carry."""
+        import json
+        import shutil
+
+        from safetensors.torch import save_file
+
+        shards: list[dict[str, Tensor]] = [{}]
+        size = 0
+        for name, t in self.named_weights():
+            if self.rank != 0:
+                continue
+            if size and size + t.numel() * t.element_size() > shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t.detach().to("cpu", copy=True).contiguous()
+            size += t.numel() * t.element_size()
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            index = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(path / fname), metadata={"format": "pt"})
+                index.update({n: fname for n in shard})
+            (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+            src = Path(self.cfg.model_name)
+            for f in src.glob("*"):
+                if f.is_file() and (f.suffix in (".json", ".jinja", ".txt", ".model")) and "safetensors" not in f.name:
+                    shutil.copy2(f, path / f.name)
+
+    def load(self, path: str | Path) -> None:
+        """Load what ``save`` wrote (learning rate and weight decay stay those of the config).
+
+        Raises:
+            FileNotFoundError: ``path`` lacks ``megatron/`` or ``optimizer.pt``.
+        """
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        if not (path / "megatron").is_dir() or not (path / "optimizer.pt").is_file():
+            raise FileNotFoundError(f"policy checkpoint {path} needs megatron/ (megatron-core distributed checkpoint) "
+                                    "and optimizer.pt; it was not written by the megatron backend")
+        self.prepare_for_training()
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path / "megatron"))
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.num_updates = int(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)["num_updates"])
+        self.scheduler.step(increment=0)  # the config's (constant) learning rate and weight decay, not the checkpoint's
+
+    def shutdown(self) -> None:
+        """Leave the process groups and drop the model."""
+        from megatron.core import parallel_state
+
+        self.model = self.reference = self.optimizer = None  # type: ignore[assignment]
+        gc.collect()
+        if parallel_state.is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

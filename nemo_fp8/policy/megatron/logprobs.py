@@ -1,0 +1,128 @@
+"""Per-token log-probs from vocab-parallel logits, chunked, without full-vocabulary fp32 logits.
+
+Megatron's output layer gives each tensor-parallel rank a slice of the vocabulary:
+``logits_local`` ``[B, T, V / tp]`` in bf16 holds columns ``[vocab_start, vocab_start + V / tp)``.
+A token's log-prob under ``softmax(logits / temperature)`` needs the max, the sum of exponentials
+and the target's logit over the whole vocabulary, so each is reduced across the tensor-parallel
+group (max, sum, sum), the way Megatron's ``vocab_parallel_cross_entropy`` and NeMo-RL's
+``DistributedLogprob`` do. Here the work runs ``chunk_size`` positions at a time: forward keeps
+only the bf16 logits (already alive) and one fp32 ``[B, T]`` log-sum-exp; backward recomputes
+each chunk's softmax, so the peak extra memory is one chunk in fp32, not ``B * T * V / tp * 4``
+bytes (32 GiB for 2 x 4096 tokens of a 151,936-word vocabulary if kept whole). NeMo-RL's
+``ChunkedDistributedLogprob`` does the same.
+
+Gradient (per position, ``z = logits / temperature``, target ``y``)::
+
+    d logp_y / d logits_j = (1[j == y] - softmax(z)_j) / temperature
+
+Pure torch; runs on CPU (with or without a process group) so tests pin down what the GPU does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_CHUNK_SIZE = 1024  # positions per chunk (rows of B * T)
+
+
+def _all_reduce(t: Tensor, op, group) -> Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _chunk_stats(z: Tensor, targets: Tensor, vocab_start: int, group) -> tuple[Tensor, Tensor]:
+    """(log-sum-exp, target logit) over the full vocabulary for one chunk.
+
+    z: [N, V_local] float32 (already divided by the temperature); targets: [N] int64 global ids.
+    """
+    m = z.amax(-1)  # [N]
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    sumexp = (z - m[:, None]).exp().sum(-1)  # [N]
+    _all_reduce(sumexp, dist.ReduceOp.SUM, group)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < z.shape[-1])
+    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1) * mine  # [N]
+    _all_reduce(picked, dist.ReduceOp.SUM, group)
+    return m + sumexp.log(), picked
+
+
+class ChunkedVocabParallelLogprobs(torch.autograd.Function):
+    """logp[n] = z[n, y_n] - logsumexp_j z[n, j], z = logits / temperature, vocab split across ranks.
+
+    forward(logits [N, V_local] (any float dtype), targets [N] int64, vocab_start, temperature,
+    group, chunk_size) -> [N] float32. See the module docstring for memory and the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_start: int, temperature: float,
+                group: Optional[dist.ProcessGroup], chunk_size: int) -> Tensor:
+        n = logits.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk_size):
+            z = logits[s:s + chunk_size].float() / temperature  # [c, V_local] fp32, one chunk
+            lse[s:s + chunk_size], picked = _chunk_stats(z, targets[s:s + chunk_size], vocab_start, group)
+            out[s:s + chunk_size] = picked - lse[s:s + chunk_size]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.vocab_start, ctx.temperature, ctx.chunk_size = vocab_start, temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        t, vs = ctx.temperature, ctx.vocab_start
+        grad = torch.empty_like(logits)
+        v_local = logits.shape[-1]
+        for s in range(0, logits.shape[0], ctx.chunk_size):
+            e = s + ctx.chunk_size
+            g = grad_out[s:e].float()  # [c]
+            p = (logits[s:e].float() / t - lse[s:e, None]).exp()  # [c, V_local] softmax
+            gz = -p * g[:, None]
+            local = targets[s:e] - vs
+            mine = (local >= 0) & (local < v_local)
+            rows = torch.nonzero(mine).squeeze(-1)
+            gz[rows, local[rows]] += g[rows]
+            grad[s:e] = (gz / t).to(grad.dtype)
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0,
+                                  vocab_start: int = 0, group: Optional[dist.ProcessGroup] = None,
+                                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """Log-prob of each token aligned to the token, from (vocab-parallel) logits.
+
+    Same result as ``nemo_fp8.models.hf.token_logprobs`` (and the same gradient), without
+    building full-vocabulary fp32 logits for the batch.
+
+    Args:
+        logits: [B, T, V_local] (bf16 / fp16 / fp32), this rank's vocabulary columns
+            ``[vocab_start, vocab_start + V_local)``; ``V_local = V`` without tensor parallelism.
+        token_ids: [B, T] int64 global token ids.
+        temperature: > 0, the sampler's temperature (logits are divided by it).
+        vocab_start: first global vocabulary id held by this rank.
+        group: the tensor-parallel process group (None: the whole vocabulary is here).
+        chunk_size: positions per chunk (trades memory for kernel launches).
+
+    Returns:
+        [B, T] float32; column t = log p(token_t | tokens_<t); column 0 is 0.
+
+    Raises:
+        ValueError: shapes that do not match, or ``temperature <= 0`` / ``chunk_size < 1``.
+    """
+    if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be [B, T, V_local] and token_ids [B, T]; got {tuple(logits.shape)} "
+                         f"and {tuple(token_ids.shape)}")
+    if temperature <= 0 or chunk_size < 1:
+        raise ValueError(f"temperature must be > 0 and chunk_size >= 1, got {temperature}, {chunk_size}")
+    b, t, v = logits.shape
+    # Position t-1 predicts token t. Every position is scored (the last against token 0, then
+    # dropped) so the logits are viewed, not copied.
+    targets = torch.cat([token_ids[:, 1:], torch.zeros_like(token_ids[:, :1])], dim=1).reshape(-1)  # [B*T]
+    picked = ChunkedVocabParallelLogprobs.apply(logits.reshape(b * t, v), targets, vocab_start, float(temperature),
+                                                group, chunk_size).view(b, t)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked[:, :-1]], dim=1)  # [B, T]

@@ -1,0 +1,95 @@
+"""Our policy config -> megatron-core settings (pure mapping, CPU) and the config checks around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_fp8.distributed.worker_groups import PolicyGroup
+from nemo_fp8.policy.config import PolicyConfig
+from nemo_fp8.policy.megatron import settings
+from pydantic import ValidationError
+
+
+def _cfg(**megatron):
+    fp8 = megatron.pop("fp8_cfg", {})
+    vllm = megatron.pop("vllm_cfg", {})
+    top = megatron.pop("top", {})
+    return PolicyConfig(model_name="m", **top, megatron_cfg={"enabled": True, **megatron, "fp8_cfg": fp8},
+                        generation={"vllm_cfg": vllm})
+
+
+def test_fp8_recipe_and_bf16_layers_come_from_one_source():
+    cfg = _cfg(fp8_cfg=dict(enabled=True, fp8="hybrid", fp8_recipe="tensorwise"),
+               vllm_cfg=dict(precision="fp8", num_first_layers_in_bf16=1, num_last_layers_in_bf16=2))
+    o = settings.provider_overrides(cfg)
+    assert (o["fp8"], o["fp8_recipe"], o["fp8_param"]) == ("hybrid", "tensorwise", False)
+    assert o["first_last_layers_bf16"] is True
+    assert (o["num_layers_at_start_in_bf16"], o["num_layers_at_end_in_bf16"]) == (1, 2)
+    assert o["calculate_per_token_loss"] is True and o["gradient_accumulation_fusion"] is False
+    no_keep = settings.provider_overrides(_cfg(fp8_cfg=dict(enabled=True)))
+    assert no_keep["first_last_layers_bf16"] is False
+    off = settings.provider_overrides(_cfg())
+    assert off["fp8"] is None and off["fp8_param"] is False and "fp8_recipe" not in off
+
+
+def test_dtypes_bf16_fp16_fp32():
+    assert settings.train_dtype(_cfg()) == torch.bfloat16
+    fp16 = _cfg(optimizer=dict(bf16=False, fp16=True))
+    assert settings.train_dtype(fp16) == torch.float16
+    o = settings.provider_overrides(fp16)
+    assert (o["fp16"], o["bf16"], o["params_dtype"]) == (True, False, torch.float16)
+    opt = settings.optimizer_config_kwargs(fp16)
+    assert (opt["fp16"], opt["bf16"], opt["loss_scale"]) == (True, False, None)  # None: dynamic loss scaling
+    fp32 = _cfg(top=dict(precision="float32"), optimizer=dict(bf16=False))
+    assert settings.train_dtype(fp32) == torch.float32
+
+
+def test_gradients_are_summed_across_ranks_and_clip_defaults_to_max_grad_norm():
+    cfg = _cfg(top=dict(max_grad_norm=0.5))
+    ddp = settings.ddp_config_kwargs(cfg)
+    assert ddp["average_in_collective"] is False and ddp["grad_reduce_in_fp32"] is True
+    assert settings.optimizer_config_kwargs(cfg)["clip_grad"] == 0.5
+    assert settings.optimizer_config_kwargs(_cfg(optimizer=dict(clip_grad=2.0)))["clip_grad"] == 2.0
+    with pytest.raises((ValidationError, ValueError), match="fp8_param: true is not supported"):
+        _cfg(fp8_cfg=dict(enabled=True, fp8_param=True))  # NaN gradients on the host stack
+    sched = settings.scheduler_kwargs(cfg)
+    assert sched["lr_decay_style"] == "constant" and sched["init_lr"] == sched["max_lr"] == cfg.megatron_cfg.optimizer.lr
+
+
+@pytest.mark.parametrize("recipe, tp, sp, want", [
+    (None, 1, False, 1), ("tensorwise", 1, False, 16), ("blockwise", 1, False, 128),
+    ("blockwise", 2, True, 256), ("tensorwise", 2, False, 16), (None, 2, True, 2)])
+def test_sequence_padding_follows_the_recipe(recipe, tp, sp, want):
+    fp8 = dict(enabled=True, fp8_recipe=recipe) if recipe else {}
+    cfg = _cfg(fp8_cfg=fp8, tensor_model_parallel_size=tp, sequence_parallel=sp)
+    assert settings.sequence_pad_multiple(cfg) == want
+
+
+def test_block_scale_convention_follows_pow2_weight_scaling_factors():
+    assert settings.block_scaling_env(_cfg(vllm_cfg=dict(pow2_weight_scaling_factors=True))) == \
+        {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+    assert settings.block_scaling_env(_cfg(vllm_cfg=dict(pow2_weight_scaling_factors=False))) == \
+        {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+
+
+def test_world_size_and_config_errors():
+    assert _cfg(tensor_model_parallel_size=2, top=dict(data_parallel_size=4)).world_size == 8
+    assert PolicyConfig(model_name="m", data_parallel_size=2,
+                        megatron_cfg={"tensor_model_parallel_size": 1}).world_size == 2
+    for bad, key in [(dict(megatron_cfg={"optimizer": {"fp16": True, "bf16": False}}), "fp16"),
+                     (dict(megatron_cfg={"enabled": True, "pipeline_model_parallel_size": 2}),
+                      "pipeline_model_parallel_size"),
+                     (dict(megatron_cfg={"tensor_model_parallel_size": 2}), "tensor_model_parallel_size"),
+                     (dict(megatron_cfg={"enabled": True, "optimizer": {"fp16": True}}), "bf16 and fp16")]:
+        with pytest.raises((ValidationError, ValueError), match=key):
+            PolicyConfig(model_name="m", **bad)
+
+
+def test_policy_group_gives_tensor_parallel_ranks_their_groups_rows():
+    group = PolicyGroup(workers=["r0", "r1", "r2", "r3"], global_batch_size=4, tp_size=2)
+    assert group.dp_size == 2 and group.weight_peers == ["r1"]
+    assert group._per_rank(["shard0", "shard1"]) == ["shard0", "shard0", "shard1", "shard1"]
+    assert group._first_of_groups(["a", "b", "c", "d"]) == ["a", "c"]
+    with pytest.raises(ValueError, match="multiple"):
+        PolicyGroup(workers=["r0", "r1", "r2"], global_batch_size=4, tp_size=2)

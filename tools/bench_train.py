@@ -1,0 +1,217 @@
+"""Training benchmark: BF16 vs TransformerEngine FP8 recipes through the megatron policy backend.
+
+One run prints one table. Each (shape, recipe) runs in its own subprocess (clean GPU memory, and
+TE reads its block-scaling convention at import) on a random-weight model built by
+Megatron-Bridge from a Qwen3-8B- or Qwen3-30B-A3B-shaped config cut to a few layers:
+
+    python tools/bench_train.py --shapes dense,moe --recipes bf16,e4m3-tensorwise,hybrid-tensorwise,e4m3-blockwise \
+        --batch 2 --seq-len 4096 --steps 5 --warmup 2
+
+Columns, per step of ``batch x seq_len`` tokens (one micro-batch, the whole global batch):
+
+* ``raw f+b``: megatron-core alone: ``GPTModel(input_ids, position_ids, labels=...)`` with its own
+  vocab-parallel cross entropy, ``.mean().backward()`` (what ``../shared/gpu-host/README.md``
+  measured: BF16 218.2 ms, e4m3 tensorwise 173.3 ms, blockwise 185.2 ms on the dense slice);
+* ``ours f+b``: our backend's forward + backward: chunked vocab-parallel log-probs and the GRPO
+  loss (``ClippedPGLossFn``), no optimizer; ``ours/raw`` is its ratio to ``raw f+b``;
+* ``step``: a full training step of the backend (``train``: forward, backward, gradient sync,
+  distributed-optimizer step); ``tok/s`` = tokens / step; ``vs bf16`` = tok/s ratio to BF16 of
+  the same shape;
+* ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child.
+
+Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {
+    "dense": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
+                  num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6,
+                  torch_dtype="bfloat16"),
+    "moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                decoder_sparse_step=1, max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6,
+                torch_dtype="bfloat16"),
+}
+
+
+def write_config(kind: str, root: Path) -> Path:
+    from transformers import AutoConfig
+
+    d = root / kind
+    d.mkdir(parents=True, exist_ok=True)
+    AutoConfig.for_model(**SHAPES[kind]).save_pretrained(str(d))
+    return d
+
+
+def parse_recipe(name: str) -> dict | None:
+    """``bf16`` -> None; ``e4m3-blockwise+param`` -> fp8_cfg keys.
+
+    Raises:
+        ValueError: an unknown recipe name (lists the valid parts).
+    """
+    if name == "bf16":
+        return None
+    base, _, extra = name.partition("+")
+    fp8, _, recipe = base.partition("-")
+    if fp8 not in ("e4m3", "hybrid") or recipe not in ("tensorwise", "blockwise") or extra not in ("", "param"):
+        raise ValueError(f"--recipes: {name!r} is not bf16 or {{e4m3,hybrid}}-{{tensorwise,blockwise}}[+param]")
+    return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param")
+
+
+def _timed(fn, steps: int, warmup: int) -> float:
+    """Median seconds of ``fn`` over ``steps`` runs after ``warmup`` (CUDA-synchronised)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def run_child(a) -> dict:
+    """Child: one (shape, recipe); prints one JSON line."""
+    import torch
+
+    from nemo_fp8.algorithms.config import ClippedPGLossConfig
+    from nemo_fp8.algorithms.loss import ClippedPGLossFn
+    from nemo_fp8.batch import TrainBatch
+    from nemo_fp8.policy.config import PolicyConfig
+    from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend, _unwrap
+
+    fp8 = parse_recipe(a.recipe) or {"enabled": False}
+    cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda", train_global_batch_size=a.batch,
+                       train_micro_batch_size=a.batch, logprob_batch_size=a.batch,
+                       max_total_sequence_length=a.seq_len, megatron_cfg={"enabled": True, "fp8_cfg": fp8},
+                       generation={"vllm_cfg": {"precision": "fp8"}})
+    t0 = time.perf_counter()
+    be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
+    build_s = time.perf_counter() - t0
+    vocab = SHAPES[a.shape]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (a.batch, a.seq_len), generator=g)
+    batch = TrainBatch(token_ids=ids, prompt_lengths=torch.ones(a.batch, dtype=torch.long),
+                       response_lengths=torch.full((a.batch,), a.seq_len - 1, dtype=torch.long),
+                       advantages=torch.where(torch.arange(a.batch) % 2 == 0, 1.0, -1.0),
+                       generation_logprobs=torch.zeros(a.batch, a.seq_len))
+    batch.prev_logprobs = be.get_logprobs(batch)
+    batch.generation_logprobs = batch.prev_logprobs.clone()
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
+    model, dev = be.model, be.device
+    ids_d = ids.to(dev)
+    pos = torch.arange(a.seq_len, device=dev).expand(a.batch, a.seq_len)
+    labels = torch.roll(ids_d, -1, dims=1)
+    mb = batch.to(dev)
+    n_tok = torch.tensor(float(batch.token_mask.sum()), device=dev)
+    n_seq = torch.tensor(float(a.batch), device=dev)
+    model.train()
+
+    def raw():
+        model.zero_grad_buffer()
+        model(input_ids=ids_d, position_ids=pos, attention_mask=None, labels=labels).float().mean().backward()
+
+    def ours():
+        model.zero_grad_buffer()
+        loss, _ = loss_fn(be._forward_logprobs(model, mb), mb, n_tok, n_seq)
+        loss.backward()
+
+    raw_s = _timed(raw, a.steps, a.warmup)
+    ours_s = _timed(ours, a.steps, a.warmup)
+    step_s = _timed(lambda: be.train(batch, loss_fn), a.steps, a.warmup)
+    out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, step_ms=step_s * 1e3,
+               tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
+               params_b=sum(p.numel() for p in _unwrap(model).parameters()) / 1e9)
+    be.shutdown()
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    base = {r["shape"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
+    head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'step ms':>8} " \
+           f"{'tok/s':>8} {'vs bf16':>8} {'raw vs bf16':>11} {'peak GiB':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:6} {r['recipe']:22} failed: {r['error']}")
+            continue
+        b = base.get(r["shape"])
+        tps = r["tokens"] / r["step_ms"] * 1e3
+        vs = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
+        raw_vs = f"{b['raw_ms'] / r['raw_ms']:.3f}" if b else "-"
+        print(f"{r['shape']:6} {r['recipe']:22} {r['raw_ms']:10.1f} {r['ours_ms']:11.1f} {r['ours_ms'] / r['raw_ms']:8.3f} "
+              f"{r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {raw_vs:>11} {r['peak_gib']:8.1f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="dense,moe")
+    p.add_argument("--recipes", default="bf16,e4m3-tensorwise,hybrid-tensorwise,e4m3-blockwise")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=300, help="seconds per child")
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    p.add_argument("--recipe", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(run_child(a)), flush=True)
+        return 0
+    recipes = a.recipes.split(",")
+    for r in recipes:
+        parse_recipe(r)  # bad names fail before any GPU work
+    unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes: unknown {unknown}; valid: {sorted(SHAPES)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in a.shapes.split(","):
+            model = write_config(shape, Path(tmp))
+            for recipe in recipes:
+                cmd = [sys.executable, __file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
+                       "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
+                       "--warmup", str(a.warmup)]
+                try:
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=os.environ.copy())
+                    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                    if line:
+                        rows.append(json.loads(line[-1][7:]))
+                    else:
+                        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                        rows.append(dict(shape=shape, recipe=recipe, error=" | ".join(tail)[-400:]))
+                except subprocess.TimeoutExpired:
+                    rows.append(dict(shape=shape, recipe=recipe, error=f"timeout {a.timeout}s"))
+                print(f"# {shape} {recipe}: {rows[-1]}", file=sys.stderr, flush=True)
+    print(f"bench_train: {a.batch} x {a.seq_len} tokens per step, median of {a.steps} after {a.warmup} warm-up")
+    print_table(rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
