@@ -154,6 +154,10 @@ def test_refit_lands_the_policys_scales_in_every_attention_layer(kv_engine, poli
           [(round(float(kv.q_scale[i]), 6), round(float(kv.k_scale[i]), 6), round(float(kv.v_scale[i]), 6))
            for i in range(kv.num_layers)])
     assert_engine_holds(be, kv)
+    rec = engine_scales(be)[0]
+    print(f"attention: {rec['impl']}, FlashAttention {rec['fa_version']}, FP8 q: {rec['query_quant']}")
+    # the torch emulation quantizes q as well as k and v: true of FlashAttention 3 with an FP8 KV cache
+    assert rec["query_quant"], rec
     out = be.generate(prompts(8, seed=1), SamplingParams(max_new_tokens=8, greedy=True))
     m = out.token_mask.bool()
     assert int(out.response_lengths.sum()) > 0 and torch.isfinite(out.generation_logprobs[m]).all()
