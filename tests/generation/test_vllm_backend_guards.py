@@ -110,3 +110,15 @@ def test_incomplete_refit_and_refit_in_progress_block_generation(backend):
     _refit(be, 3, scales=False)
     with pytest.raises(_Generated):
         be.generate([[5, 6, 7]], sp)
+
+
+def test_kv_scales_for_only_some_layers_are_refused(backend):
+    be = backend(kv_cache_dtype="fp8")
+    _refit(be, 1, scales=True)
+    be.start_weight_update(2)
+    names = sorted(be.plan.expected) + _scale_names(DENSE["num_hidden_layers"])[:-1]  # layer 1's v scale missing
+    be.note_sent(names, len(names))
+    with pytest.raises(RuntimeError, match=r"KV scales for 5 of 6 .*model\.layers\.1\.self_attn\.v_scale"):
+        be.finish_weight_update()
+    with pytest.raises(RuntimeError, match="last refit was refused"):
+        be.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, greedy=True))

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from nemo_fp8.batch import GenerationOutput
-from nemo_fp8.fp8.kv_scales import is_kv_scale_name
+from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
 from nemo_fp8.generation.vllm.engine_args import init_fp8
@@ -61,6 +61,7 @@ class VllmGenerationBackend:
         self.plan = self.spec.refit_plan
         # A tied lm_head is the embedding in vLLM: the trainer's state dict still lists it; skip it.
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
+        self.num_layers = int(_model_config(model_name)["num_hidden_layers"])
         self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
         self.llm = LLM(**self.spec.engine_kwargs)
         self._version = WeightVersion()
@@ -114,8 +115,10 @@ class VllmGenerationBackend:
                 ``model.layers.{i}.self_attn.{q,k,v}_scale`` (False only for the initial load).
 
         Raises:
-            RuntimeError: no refit in progress; weights of the plan that did not arrive; or FP8 KV
-                cache and no KV scales (vLLM would silently keep the previous step's).
+            RuntimeError: no refit in progress; weights of the plan that did not arrive; KV scales
+                for only some (layer, q/k/v) pairs (vLLM reloads the scales of the attention layers
+                that received some and keeps the others'); or FP8 KV cache and no KV scales (vLLM
+                would silently keep the previous step's).
         """
         if self._pending is None:
             raise RuntimeError("finish_weight_update before start_weight_update")
@@ -126,7 +129,16 @@ class VllmGenerationBackend:
             self._refused = (f"refit to version {version}: {len(missing)} weights did not arrive (e.g. {missing[:3]}); "
                              "the engine would mix two policy versions")
             raise RuntimeError(self._refused)
-        got_scales = any(is_kv_scale_name(n) for n in self._seen)
+        scales = {n for n in self._seen if is_kv_scale_name(n)}
+        want = {KV_SCALE_NAME.format(layer=i, kind=k) for i in range(self.num_layers) for k in "qkv"}
+        if scales and scales != want:
+            missing = sorted(want - scales, key=parse_kv_scale_name)
+            extra = sorted(scales - want, key=parse_kv_scale_name)
+            self._refused = (f"refit to version {version}: KV scales for {len(scales & want)} of {len(want)} "
+                             f"(layer, q/k/v) pairs (missing e.g. {missing[:3]}, unknown layers e.g. {extra[:3]}); "
+                             "send all, or the engine would mix two steps' scales")
+            raise RuntimeError(self._refused)
+        got_scales = bool(scales)
         if self.kv_fp8 and require_kv_scales and not got_scales:
             self._refused = (f"refit to version {version}: kv_cache_dtype='fp8' but no KV scales were sent; vLLM "
                              "would silently keep the previous step's scales")
@@ -216,11 +228,14 @@ def outputs_to_batch(prompts: list[list[int]], completions, pad_token_id: int, s
                             gen_lp, truncated).validate()
 
 
-def _tie_word_embeddings(model_name: str) -> bool:
+def _model_config(model_name: str) -> dict:
     import json
 
-    cfg = json.loads((Path(model_name) / "config.json").read_text())
-    return bool(cfg.get("tie_word_embeddings", False))
+    return json.loads((Path(model_name) / "config.json").read_text())
+
+
+def _tie_word_embeddings(model_name: str) -> bool:
+    return bool(_model_config(model_name).get("tie_word_embeddings", False))
 
 
 def _iter_checkpoint(model_name: str):
