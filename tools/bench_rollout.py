@@ -1,15 +1,49 @@
-"""Rollout benchmark: BF16 vs FP8 W8A8 (DeepGEMM and CUTLASS) in vLLM, plus refit speed.
+"""Rollout benchmark: BF16 vs FP8 W8A8 (DeepGEMM or CUTLASS) vs FP8 W8A8 + FP8 KV cache in vLLM.
 
-One run prints one table. Each engine runs in its own subprocess (clean GPU memory) on a
-dummy-weight model built from a Qwen3-8B- or Qwen3-30B-A3B-shaped config:
+One run prints one table, with every ratio measured side by side in that run. Each engine runs in
+its own subprocess (clean GPU memory) on a dummy-weight model built from a Qwen3-8B- ("dense")
+or Qwen3-30B-A3B-shaped ("moe") config. Every engine of a run gets the same
+``gpu_memory_utilization``, ``max_num_seqs`` and ``max_model_len`` (read back from each engine
+and checked: the table says "like-for-like" or names the difference), so FP8's smaller weights
+and FP8 KV's smaller cache entries show up as KV capacity and throughput, nothing else.
 
-    python tools/bench_rollout.py --models dense,moe --precisions bf16,fp8-deepgemm,fp8-cutlass \
-        --num-prompts 512 --input-len 256 --output-len 2048 --rl-prompts 64 --rl-samples 16 --refit
+    python tools/bench_rollout.py [--models dense,moe] [--precisions bf16,fp8-cutlass,fp8-kv,...]
+        [--num-layers N|dense=N,moe=M] [--num-prompts 512] [--input-len 256] [--output-len 2048]
+        [--rl-prompts 32] [--rl-samples 16] [--max-num-seqs 512]
+        [--gpu-mem 0.9 | --gpu-mem-gib GIB] [--refit] [--timeout 900] [--budget-s S] [--out rows.json]
 
-Columns: output tokens/s (fixed lengths: ignore_eos; RL-like: prompts x samples, long-tailed
-lengths), ratio to BF16, KV cache tokens, weight memory, engine start time. ``--refit``: seconds
-for a full 8B state dict (bf16 on the GPU -> quantize -> CUDA IPC -> layerwise reload) and the
-quantization kernel's GB/s (bytes read + written).
+Precisions (``PRECISIONS``):
+    bf16             BF16 weights and KV cache.
+    fp8-deepgemm     FP8 W8A8 blockwise (128x128 weights, 1x128 activations), DeepGEMM linears
+                     (E8M0 scales); DeepGEMM compiles its kernels on first use (minutes on a fresh host).
+    fp8-cutlass      the same with ``VLLM_USE_DEEP_GEMM=0``: CUTLASS linears, Triton fused MoE.
+    fp8-kv           fp8-cutlass + ``kv_cache_dtype="fp8"`` (per-layer static q/k/v scales; FP8
+                     attention with FlashAttention 3 on Hopper). Its linear-only baseline: fp8-cutlass.
+    fp8-deepgemm-kv  fp8-deepgemm + FP8 KV cache. Its linear-only baseline: fp8-deepgemm.
+
+Workloads: "fixed": ``--num-prompts`` x (``--input-len`` in, ``--output-len`` out), ignore_eos;
+"RL-like": ``--rl-prompts`` prompts x ``--rl-samples`` samples, long-tailed response lengths
+(lognormal around output-len / 4, capped at output-len); both seeded, identical for every engine.
+
+Columns: output tokens/s (fixed, RL-like) and KV cache capacity in tokens, each with its ratio to
+BF16 (x bf16) and, for FP8-KV rows, to the FP8-linear-only engine with the same kernels (x fp8);
+"fill": the fixed workload's KV demand (prompts x (in + out) tokens) / capacity (> 1: not every
+sequence fits at once, the engine is KV-bound); weight memory; engine start seconds. ``--refit``
+(dense, FP8 rows): seconds for a full state dict (bf16 on the GPU -> quantize -> CUDA IPC ->
+layerwise reload) and the quantization kernel's GB/s (bytes read + written).
+
+Options: ``--num-layers N`` cuts both shapes to N decoder layers, ``dense=N,moe=M`` each its own
+(0 or absent: the full 36 / 48);
+``--gpu-mem-gib G`` sets ``gpu_memory_utilization`` to G GiB / the device's memory (one value for
+all engines, computed once) instead of ``--gpu-mem``; ``--budget-s S`` stops starting engines
+once S seconds have passed (the rest are listed as skipped and the table is still printed);
+``--timeout`` caps each engine's subprocess; ``--out`` writes the rows as JSON after each engine.
+
+Reading a reduced run (fewer layers, a small ``--gpu-mem-gib`` so that BF16 is KV-bound within a
+short workload): the weights then take a larger share of each engine's memory than in a full-size
+deployment, which overstates FP8-linear's KV capacity gain over BF16 (and its throughput gain when
+KV-bound). FP8 KV over FP8 linear-only (same weights, half the bytes per cached token) does not
+depend on that share.
 """
 
 from __future__ import annotations
@@ -21,7 +55,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,25 +73,78 @@ SHAPES = {
 }
 
 
-def write_config(kind: str, root: Path) -> Path:
+@dataclass(frozen=True)
+class Precision:
+    """One engine variant: FP8 weights or not, DeepGEMM or CUTLASS linears, KV cache dtype, and the
+    FP8-linear-only variant an FP8-KV row is compared with (None for the others)."""
+
+    fp8: bool
+    deep_gemm: bool
+    kv_cache_dtype: str
+    linear_baseline: Optional[str] = None
+
+
+PRECISIONS = {
+    "bf16": Precision(False, False, "auto"),
+    "fp8-deepgemm": Precision(True, True, "auto"),
+    "fp8-cutlass": Precision(True, False, "auto"),
+    "fp8-kv": Precision(True, False, "fp8", "fp8-cutlass"),
+    "fp8-deepgemm-kv": Precision(True, True, "fp8", "fp8-deepgemm"),
+}
+# engine settings that must be equal across the engines of one model for the ratios to mean anything
+LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
+
+def write_config(kind: str, root: Path, num_layers: int = 0) -> Path:
+    """Save the ``kind`` shape's HF config (``num_layers`` > 0: that many decoder layers) under ``root``."""
     from transformers import AutoConfig
 
     d = root / kind
     d.mkdir(parents=True, exist_ok=True)
-    AutoConfig.for_model(**SHAPES[kind]).save_pretrained(str(d))
+    shape = dict(SHAPES[kind])
+    if num_layers:
+        shape["num_hidden_layers"] = num_layers
+    AutoConfig.for_model(**shape).save_pretrained(str(d))
     return d
 
 
+def rl_lengths(n: int, output_len: int, seed: int = 1) -> list[int]:
+    """``n`` long-tailed response lengths: lognormal around ``output_len / 4`` (sigma 0.8), in [16, output_len].
+
+    Seeded, so every engine of a run gets the same lengths.
+    """
+    import math
+
+    import torch
+
+    z = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return (math.log(output_len / 4.0) + 0.8 * z).exp().clamp(16, output_len).long().tolist()
+
+
+def engine_settings(llm) -> dict:
+    """What the engine actually runs with (read back, not what was asked for)."""
+    vc = llm.llm_engine.vllm_config
+    cc, sc = vc.cache_config, vc.scheduler_config
+    out = {"gpu_memory_utilization": float(cc.gpu_memory_utilization), "max_num_seqs": int(sc.max_num_seqs),
+           "max_num_batched_tokens": int(sc.max_num_batched_tokens), "max_model_len": int(vc.model_config.max_model_len),
+           "kv_cache_dtype": str(cc.cache_dtype), "block_size": int(cc.block_size)}
+    attn = llm.collective_rpc("nemo_fp8_attn_scales")[0]
+    first = attn[sorted(attn)[0]] if attn else {}
+    out.update(attn_impl=first.get("impl"), fa_version=first.get("fa_version"), fp8_query=first.get("query_quant"))
+    out["linear_kernels"] = llm.collective_rpc("nemo_fp8_scale_convention")[0]["linear_kernels"]
+    return out
+
+
 def run_engine(a) -> dict:
-    """Child: start one engine, measure, print one JSON line."""
+    """Child: start one engine, measure, return one row (printed as a JSON line by ``main``)."""
     from nemo_fp8.generation.config import VllmConfig
     from nemo_fp8.generation.vllm.engine_args import init_fp8
 
-    fp8 = a.precision.startswith("fp8")
-    cfg = VllmConfig(precision="fp8" if fp8 else "bfloat16", use_deep_gemm=a.precision == "fp8-deepgemm",
-                     pow2_weight_scaling_factors=a.precision == "fp8-deepgemm",
-                     pow2_activation_scaling_factors=a.precision == "fp8-deepgemm",
-                     gpu_memory_utilization=a.gpu_mem, max_model_len=a.input_len + a.output_len + 16)
+    p = PRECISIONS[a.precision]
+    cfg = VllmConfig(precision="fp8" if p.fp8 else "bfloat16", use_deep_gemm=p.deep_gemm,
+                     pow2_weight_scaling_factors=p.deep_gemm, pow2_activation_scaling_factors=p.deep_gemm,
+                     kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=a.gpu_mem,
+                     max_model_len=a.input_len + a.output_len + 16)
     spec = init_fp8(cfg, a.model, a.model, colocated=False, extra={"max_num_seqs": a.max_num_seqs})
     import torch
     from vllm import LLM, SamplingParams
@@ -76,7 +165,8 @@ def run_engine(a) -> dict:
     # warm-up (DeepGEMM JIT, CUDA graphs)
     llm.generate([rand_prompt(a.input_len)] * 8, SamplingParams(max_tokens=32, ignore_eos=True, detokenize=False),
                  use_tqdm=False)
-    res = {"precision": a.precision, "start_s": start_s, "kv_tokens": kv_tokens, "weight_gib": weight_gib}
+    res = {"precision": a.precision, "start_s": start_s, "kv_tokens": kv_tokens, "weight_gib": weight_gib,
+           "engine": engine_settings(llm)}
     prompts = [rand_prompt(a.input_len) for _ in range(a.num_prompts)]
     sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=1.0, detokenize=False)
     t0 = time.perf_counter()
@@ -84,10 +174,9 @@ def run_engine(a) -> dict:
     dt = time.perf_counter() - t0
     res["fixed_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
     if a.rl_prompts:
-        # RL-like: prompts x samples, long-tailed response lengths (lognormal, capped)
-        lens = torch.distributions.LogNormal(torch.log(torch.tensor(a.output_len / 4.0)), 0.8).sample(
-            (a.rl_prompts * a.rl_samples,)).clamp(16, a.output_len).long().tolist()
-        base = [rand_prompt(int(torch.randint(64, a.input_len + 1, (1,), generator=g))) for _ in range(a.rl_prompts)]
+        lens = rl_lengths(a.rl_prompts * a.rl_samples, a.output_len)
+        lo = min(64, a.input_len)
+        base = [rand_prompt(int(torch.randint(lo, a.input_len + 1, (1,), generator=g))) for _ in range(a.rl_prompts)]
         reqs = [base[i // a.rl_samples] for i in range(len(lens))]
         sps = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
                for i, n in enumerate(lens)]
@@ -95,7 +184,7 @@ def run_engine(a) -> dict:
         outs = llm.generate(reqs, sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         res["rl_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
-    if a.refit and fp8:
+    if a.refit and p.fp8:
         res.update(bench_refit(llm, spec, a.model))
     return res
 
@@ -142,44 +231,84 @@ def bench_refit(llm, spec, model_dir) -> dict:
             "quant_gb_s": qbytes / (ev0.elapsed_time(ev1) / 1e3) / 1e9}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="dense,moe")
-    ap.add_argument("--precisions", default="bf16,fp8-deepgemm,fp8-cutlass")
+def device_memory_gib() -> float:
+    """Total memory of CUDA device 0 in GiB, asked in a subprocess (this process keeps no CUDA context)."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return int(out.stdout.strip().splitlines()[-1]) / 2**30
+
+
+def parse_num_layers(text: str) -> dict[str, int]:
+    """``"12"`` -> every shape 12 layers; ``"dense=12,moe=8"`` -> per shape; ``"0"`` -> full depth.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown shape or a negative / non-integer count.
+    """
+    try:
+        if "=" not in text:
+            n = int(text)
+            out = {k: n for k in SHAPES}
+        else:
+            out = {k.strip(): int(v) for k, v in (part.split("=", 1) for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--num-layers: {text!r}; valid: N or dense=N,moe=M") from None
+    bad = {k: v for k, v in out.items() if k not in SHAPES or v < 0}
+    if bad:
+        raise argparse.ArgumentTypeError(f"--num-layers: {bad}; shapes {list(SHAPES)}, counts >= 0")
+    return out
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="dense,moe", help="comma list of %(default)s")
+    ap.add_argument("--precisions", default="bf16,fp8-cutlass,fp8-kv,fp8-deepgemm,fp8-deepgemm-kv", help=f"comma list of {', '.join(PRECISIONS)}")
+    ap.add_argument("--num-layers", type=parse_num_layers, default={},
+                    help="decoder layers: N for both shapes, or dense=N,moe=M (0 or absent: full depth)")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=2048)
-    ap.add_argument("--rl-prompts", type=int, default=32)
+    ap.add_argument("--rl-prompts", type=int, default=32, help="0: no RL-like workload")
     ap.add_argument("--rl-samples", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--gpu-mem", type=float, default=0.9)
+    ap.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization of every engine")
+    ap.add_argument("--gpu-mem-gib", type=float, default=None,
+                    help="instead of --gpu-mem: this many GiB of the device, as one fraction for every engine")
     ap.add_argument("--refit", action="store_true")
-    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine subprocess")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no engine after this many seconds (0: no limit)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--child", action="store_true")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--precision", default=None)
-    a = ap.parse_args()
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--precision", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    unknown = [p for p in a.precisions.split(",") if p not in PRECISIONS]
+    if unknown:
+        ap.error(f"--precisions: unknown {unknown}; valid: {list(PRECISIONS)}")
+    if any(m not in SHAPES for m in a.models.split(",")):
+        ap.error(f"--models: valid: {list(SHAPES)}")
+    return a
+
+
+def main():
+    a = parse_args()
     if a.child:
         print("RESULT " + json.dumps(run_engine(a)), flush=True)
         return
+    t_start = time.monotonic()
+    if a.gpu_mem_gib is not None:
+        total = device_memory_gib()
+        a.gpu_mem = round(min(a.gpu_mem_gib / total, 0.95), 4)
+        print(f"--gpu-mem-gib {a.gpu_mem_gib}: gpu_memory_utilization {a.gpu_mem} of {total:.1f} GiB", flush=True)
     root = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
     rows = []
     for kind in a.models.split(","):
-        model = write_config(kind, root)
+        model = write_config(kind, root, a.num_layers.get(kind, 0))
         for prec in a.precisions.split(","):
-            cmd = [sys.executable, __file__, "--child", "--model", str(model), "--precision", prec]
-            for k in ("num_prompts", "input_len", "output_len", "rl_prompts", "rl_samples", "max_num_seqs", "gpu_mem"):
-                cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-            if a.refit and kind == "dense":
-                cmd.append("--refit")
-            env = dict(os.environ, VLLM_USE_DEEP_GEMM="1" if prec == "fp8-deepgemm" else "0")
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-                line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-                r = json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
-            except subprocess.TimeoutExpired:
-                r = {"error": f"timeout after {a.timeout}s"}
+            left = a.budget_s - (time.monotonic() - t_start) if a.budget_s else float(a.timeout)
+            if left < 30:
+                r = {"error": f"skipped: --budget-s {a.budget_s:.0f} spent"}
+            else:
+                r = run_child(a, model, prec, timeout=int(min(a.timeout, left)), refit=a.refit and kind == "dense")
             r.update(model=kind, precision=prec)
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -188,22 +317,72 @@ def main():
     print_table(rows, a)
 
 
+def run_child(a, model: Path, prec: str, timeout: int, refit: bool) -> dict:
+    """One engine in a fresh subprocess; its row, or ``{"error": ...}``."""
+    cmd = [sys.executable, __file__, "--child", "--model", str(model), "--precision", prec]
+    for k in ("num_prompts", "input_len", "output_len", "rl_prompts", "rl_samples", "max_num_seqs", "gpu_mem"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    if refit:
+        cmd.append("--refit")
+    env = dict(os.environ, VLLM_USE_DEEP_GEMM="1" if PRECISIONS[prec].deep_gemm else "0")
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout}s"}
+
+
+def like_for_like(rows) -> list[str]:
+    """Per model, the ``LIKE_FOR_LIKE`` engine settings that differ between its engines (empty: none)."""
+    problems = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ok = [r for r in rows if r["model"] == model and "engine" in r]
+        for k in LIKE_FOR_LIKE:
+            vals = {r["precision"]: r["engine"].get(k) for r in ok}
+            if len(set(vals.values())) > 1:
+                problems.append(f"{model} {k}: {vals}")
+    return problems
+
+
 def print_table(rows, a):
-    print(f"\nfixed: {a.num_prompts} prompts x ({a.input_len} in, {a.output_len} out); RL-like: {a.rl_prompts} prompts x "
-          f"{a.rl_samples} samples, lognormal lengths <= {a.output_len}")
-    hdr = f"{'model':6} {'precision':13} {'fixed tok/s':>11} {'vs bf16':>8} {'RL tok/s':>9} {'vs bf16':>8} " \
-          f"{'KV tokens':>10} {'weights GiB':>11} {'start s':>8} {'refit s':>8} {'quant GB/s':>10}"
+    """The one table of the run: absolute numbers and ratios (to BF16, and FP8-KV to FP8 linear-only)."""
+    demand = a.num_prompts * (a.input_len + a.output_len)
+    print(f"\nfixed: {a.num_prompts} prompts x ({a.input_len} in, {a.output_len} out), KV demand {demand} tokens; "
+          f"RL-like: {a.rl_prompts} prompts x {a.rl_samples} samples, lognormal lengths <= {a.output_len}")
+    layers = ", ".join(f"{k} {a.num_layers.get(k) or SHAPES[k]['num_hidden_layers']} layers" for k in SHAPES)
+    print(f"shapes: dense = Qwen3-8B, moe = Qwen3-30B-A3B ({layers}); dummy weights. x fp8 (same linear kernels, "
+          "FP8 KV cache or not): " + ", ".join(f"{k} / {p.linear_baseline}" for k, p in PRECISIONS.items()
+                                               if p.linear_baseline))
+    problems = like_for_like(rows)
+    ref = next((r["engine"] for r in rows if "engine" in r), {})
+    if problems:
+        print("NOT like-for-like: " + "; ".join(problems))
+    elif ref:
+        print("like-for-like: every engine ran with " + ", ".join(f"{k}={ref.get(k)}" for k in LIKE_FOR_LIKE))
+    hdr = (f"{'model':6} {'precision':15} {'fixed tok/s':>11} {'x bf16':>7} {'x fp8':>6} {'RL tok/s':>9} {'x bf16':>7} "
+           f"{'x fp8':>6} {'KV tokens':>10} {'x bf16':>7} {'x fp8':>6} {'fill':>5} {'weights GiB':>11} {'start s':>8} "
+           f"{'refit s':>8} {'quant GB/s':>10}  kv / attention")
     print(hdr)
-    base = {r["model"]: r for r in rows if r["precision"] == "bf16" and "error" not in r}
+    ok = {(r["model"], r["precision"]): r for r in rows if "error" not in r}
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:6} {r['precision']:13} ERROR {r['error'][-300:]!r}")
+            print(f"{r['model']:6} {r['precision']:15} ERROR {r['error'][-300:]!r}")
             continue
-        b = base.get(r["model"], {})
-        rf = lambda k: f"{r[k] / b[k]:.3f}" if k in r and b.get(k) else "-"  # noqa: E731
-        print(f"{r['model']:6} {r['precision']:13} {r['fixed_tok_s']:11.0f} {rf('fixed_tok_s'):>8} "
-              f"{r.get('rl_tok_s', 0):9.0f} {rf('rl_tok_s'):>8} {r['kv_tokens']:10d} {r['weight_gib']:11.2f} "
-              f"{r['start_s']:8.1f} {r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}")
+        b = ok.get((r["model"], "bf16"), {})
+        lb = PRECISIONS[r["precision"]].linear_baseline
+        f8 = ok.get((r["model"], lb), {}) if lb else {}
+
+        def ratio(k, base):
+            return f"{r[k] / base[k]:.3f}" if r.get(k) and base.get(k) else "-"
+
+        e = r.get("engine", {})
+        attn = f"{e.get('kv_cache_dtype')} / {e.get('attn_impl')} FA{e.get('fa_version')} fp8-q={e.get('fp8_query')}"
+        print(f"{r['model']:6} {r['precision']:15} {r['fixed_tok_s']:11.0f} {ratio('fixed_tok_s', b):>7} "
+              f"{ratio('fixed_tok_s', f8):>6} {r.get('rl_tok_s', 0):9.0f} {ratio('rl_tok_s', b):>7} "
+              f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
+              f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "
+              f"{r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}  {attn}")
 
 
 if __name__ == "__main__":

@@ -120,9 +120,16 @@ class KvScales:
                 yield KV_SCALE_NAME.format(layer=i, kind=kind), t[i].clone()
 
     def metrics(self) -> dict[str, float]:
-        """``kv_scales/{q,k,v}_scale_{min,max}`` over layers (python floats, for logging)."""
+        """The scales for logging (python floats): per layer and their range over layers.
+
+        Keys: ``kv_scales/layer_{i}/{q,k,v}_scale`` for every layer ``i`` (what the refit sends,
+        exactly), and ``kv_scales/{q,k,v}_scale_{min,max}`` over layers.
+        """
         out = {}
         for kind, t in (("q", self.q_scale), ("k", self.k_scale), ("v", self.v_scale)):
             out[f"kv_scales/{kind}_scale_min"] = float(t.min())
             out[f"kv_scales/{kind}_scale_max"] = float(t.max())
+        for i in range(self.num_layers):
+            for kind, t in (("q", self.q_scale), ("k", self.k_scale), ("v", self.v_scale)):
+                out[f"kv_scales/layer_{i}/{kind}_scale"] = float(t[i])
         return out

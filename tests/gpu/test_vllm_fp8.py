@@ -19,59 +19,9 @@ vllm = pytest.importorskip("vllm")
 from nemo_fp8.fp8 import quantize_weight_blockwise  # noqa: E402
 from nemo_fp8.generation.config import VllmConfig  # noqa: E402
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
-
-EOS = 1
-MAX_LEN = 384
-
-
-def _save_qwen3(path, moe=False, seed=0):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
-
-    common = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                  vocab_size=4096, max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=EOS, pad_token_id=0)
-    cfg = Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                         decoder_sparse_step=1, **common) if moe else Qwen3Config(intermediate_size=3072, **common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(str(path))
-    return path
-
-
-def _perturbed(state, seed):
-    g = torch.Generator().manual_seed(seed)
-    return {k: (v.float() + 0.02 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in state.items()}
-
-
-def _prompts(n=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 4096, (int(torch.randint(8, 48, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-
-
-def _hf_state(path):
-    from nemo_fp8.generation.vllm.backend import _iter_checkpoint
-
-    return dict(_iter_checkpoint(str(path)))
-
-
-def _engine(path, **cfg):
-    from nemo_fp8.generation.vllm.backend import VllmGenerationBackend
-
-    vcfg = VllmConfig(precision="fp8", gpu_memory_utilization=0.2, **cfg)
-    return VllmGenerationBackend(str(path), vcfg, pad_token_id=0, eos_token_id=EOS, max_total_sequence_length=MAX_LEN,
-                                 colocated=True, engine_overrides={"max_num_seqs": 64})
-
-
-def _engine_params(backend, names):
-    raw = backend.llm.collective_rpc("nemo_fp8_params", args=(names,))[0]
-    dtypes = {"float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32, "bfloat16": torch.bfloat16}
-    return {n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtypes[d]).reshape(s) for n, (d, s, b) in raw.items()}
-
-
-def _refit(backend, state, version):
-    backend.start_weight_update(version)
-    backend.update_weights(state.items())
-    return backend.finish_weight_update(require_kv_scales=False)
+from tests.gpu.helpers import (EOS, MAX_LEN, engine as _engine, engine_params as _engine_params,  # noqa: E402
+                               hf_state as _hf_state, perturbed as _perturbed, prompts as _prompts, refit as _refit,
+                               save_qwen3 as _save_qwen3, score as _score)
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +74,6 @@ def test_scale_convention_live_fp32(dense_engine):
     conv = dense_engine.llm.collective_rpc("nemo_fp8_scale_convention")[0]
     print("scale convention:", conv)
     assert conv["e8m0"] is False and conv["act_ue8m0"] == [False]
-
-
-@torch.no_grad()
-def _score(model, out):
-    """Teacher-forced log-probs of each response token of ``out`` under ``model`` ([B, T], 0 elsewhere)."""
-    ids = out.token_ids.cuda()
-    mask = (torch.arange(ids.shape[1])[None] < (out.prompt_lengths + out.response_lengths)[:, None]).long().cuda()
-    logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
-    lp = torch.zeros(ids.shape, dtype=torch.float32, device="cuda")
-    lp[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return (lp * out.token_mask.cuda()).cpu()
 
 
 @pytest.mark.xfail(reason="open (issue 7): on the H200 vLLM FP8 differed from the torch FP8 reference by mean "

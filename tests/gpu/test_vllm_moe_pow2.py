@@ -13,7 +13,8 @@ vllm = pytest.importorskip("vllm")
 
 from nemo_fp8.fp8 import quantize_weight_blockwise  # noqa: E402
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
-from tests.gpu.test_vllm_fp8 import _engine, _engine_params, _hf_state, _perturbed, _prompts, _refit, _save_qwen3  # noqa: E402
+from tests.gpu.helpers import engine as _engine, engine_params as _engine_params, hf_state as _hf_state  # noqa: E402
+from tests.gpu.helpers import perturbed as _perturbed, prompts as _prompts, refit as _refit, save_qwen3 as _save_qwen3  # noqa: E402
 
 
 def test_pow2_convention_is_live_and_bit_exact(tmp_path):

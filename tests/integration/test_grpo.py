@@ -111,6 +111,9 @@ def test_fp8_kv_cache_scales_follow_every_step(tiny_cfg):
     assert {"kv_scales/q_scale_max", "kv_scales/k_scale_min", "kv_scales/v_scale_max"} <= m1.keys()
     assert gen.weight_version().kv_scales == 0 and refitter.kv_scales.step == 1
     step1_scales = refitter.kv_scales
+    for i in range(step1_scales.num_layers):  # the step logs every layer's scales, exactly those the refit sends
+        for kind in "qkv":
+            assert m1[f"kv_scales/layer_{i}/{kind}_scale"] == float(getattr(step1_scales, f"{kind}_scale")[i])
     grpo_step(2, batches, policy, gen, reward, tok, cfg, Timer(), refitter)  # refits weights + step-1 scales first
     assert gen.weight_version().kv_scales == 1
     torch.testing.assert_close(gen.kv_scales["k"], step1_scales.k_scale)

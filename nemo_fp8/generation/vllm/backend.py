@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from nemo_fp8.batch import GenerationOutput
-from nemo_fp8.fp8.kv_scales import is_kv_scale_name
+from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
 from nemo_fp8.generation.vllm.engine_args import init_fp8
@@ -61,6 +61,7 @@ class VllmGenerationBackend:
         self.plan = self.spec.refit_plan
         # A tied lm_head is the embedding in vLLM: the trainer's state dict still lists it; skip it.
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
+        self.num_layers = int(_model_config(model_name)["num_hidden_layers"])
         self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
         self.llm = LLM(**self.spec.engine_kwargs)
         self._version = WeightVersion()
@@ -68,6 +69,7 @@ class VllmGenerationBackend:
         self._seen: set[str] = set()
         self._sent = 0
         self._asleep_tags: set[str] = set()  # what sleep(level=1) released and no wake_up restored yet
+        self._refused: Optional[str] = None  # why the last refit was refused (the engine must not generate)
         if load_initial_weights:
             self.start_weight_update(0)
             self.update_weights(_iter_checkpoint(model_name))
@@ -103,18 +105,45 @@ class VllmGenerationBackend:
         self._sent += num_tensors
 
     def finish_weight_update(self, require_kv_scales: bool = True) -> WeightVersion:
+        """End the refit: vLLM's layerwise reload, then the completeness checks; returns the versions held.
+
+        A refused refit leaves the engine refusing to generate until a later refit succeeds
+        (its weights are already the new ones, its KV scales may be the previous step's).
+
+        Args:
+            require_kv_scales: with ``kv_cache_dtype='fp8'``, refuse a refit that carried no
+                ``model.layers.{i}.self_attn.{q,k,v}_scale`` (False only for the initial load).
+
+        Raises:
+            RuntimeError: no refit in progress; weights of the plan that did not arrive; KV scales
+                for only some (layer, q/k/v) pairs (vLLM reloads the scales of the attention layers
+                that received some and keeps the others'); or FP8 KV cache and no KV scales (vLLM
+                would silently keep the previous step's).
+        """
         if self._pending is None:
             raise RuntimeError("finish_weight_update before start_weight_update")
         version, self._pending = self._pending, None
         self.llm.finish_weight_update()
         missing = sorted(self.plan.expected - self._seen) if self.plan.expected is not None else []
         if missing:
-            raise RuntimeError(f"refit to version {version}: {len(missing)} weights did not arrive (e.g. {missing[:3]}); "
-                               "the engine would mix two policy versions")
-        got_scales = any(is_kv_scale_name(n) for n in self._seen)
+            self._refused = (f"refit to version {version}: {len(missing)} weights did not arrive (e.g. {missing[:3]}); "
+                             "the engine would mix two policy versions")
+            raise RuntimeError(self._refused)
+        scales = {n for n in self._seen if is_kv_scale_name(n)}
+        want = {KV_SCALE_NAME.format(layer=i, kind=k) for i in range(self.num_layers) for k in "qkv"}
+        if scales and scales != want:
+            missing = sorted(want - scales, key=parse_kv_scale_name)
+            extra = sorted(scales - want, key=parse_kv_scale_name)
+            self._refused = (f"refit to version {version}: KV scales for {len(scales & want)} of {len(want)} "
+                             f"(layer, q/k/v) pairs (missing e.g. {missing[:3]}, unknown layers e.g. {extra[:3]}); "
+                             "send all, or the engine would mix two steps' scales")
+            raise RuntimeError(self._refused)
+        got_scales = bool(scales)
         if self.kv_fp8 and require_kv_scales and not got_scales:
-            raise RuntimeError(f"refit to version {version}: kv_cache_dtype='fp8' but no KV scales were sent; vLLM "
-                               "would silently keep the previous step's scales")
+            self._refused = (f"refit to version {version}: kv_cache_dtype='fp8' but no KV scales were sent; vLLM "
+                             "would silently keep the previous step's scales")
+            raise RuntimeError(self._refused)
+        self._refused = None
         kv = version if got_scales else self._version.kv_scales
         self._version = WeightVersion(weights=version, kv_scales=kv, num_tensors=self._sent)
         return self._version
@@ -135,10 +164,26 @@ class VllmGenerationBackend:
             self._asleep_tags = {"weights", "kv_cache"}
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        from vllm import SamplingParams as VSP
+        """One response per prompt (greedy or seeded sampling); returns a right-padded ``GenerationOutput``.
 
+        Raises:
+            RuntimeError: a refit in progress or refused; or ``kv_cache_dtype='fp8'`` and no KV
+                scales ever loaded (vLLM would run on its default 1.0).
+            ValueError: no prompts, or a prompt that is empty or leaves no room under
+                ``max_total_sequence_length``.
+        """
+        if self._pending is not None:
+            raise RuntimeError(f"generate: the refit to version {self._pending} is in progress "
+                               "(finish_weight_update first)")
+        if self._refused is not None:
+            raise RuntimeError(f"generate: the last refit was refused ({self._refused}); refit again first")
+        if self.kv_fp8 and self._version.kv_scales < 0:
+            raise RuntimeError("generate: kv_cache_dtype='fp8' but no KV scales were ever loaded; they arrive with "
+                               "the refit (the policy's calibrate_kv_scales), never default to 1.0")
         if not prompt_token_ids:
             raise ValueError("generate: no prompts")
+        from vllm import SamplingParams as VSP
+
         params = []
         for i, p in enumerate(prompt_token_ids):
             if not p or len(p) >= self.max_total_sequence_length:
@@ -183,11 +228,14 @@ def outputs_to_batch(prompts: list[list[int]], completions, pad_token_id: int, s
                             gen_lp, truncated).validate()
 
 
-def _tie_word_embeddings(model_name: str) -> bool:
+def _model_config(model_name: str) -> dict:
     import json
 
-    cfg = json.loads((Path(model_name) / "config.json").read_text())
-    return bool(cfg.get("tie_word_embeddings", False))
+    return json.loads((Path(model_name) / "config.json").read_text())
+
+
+def _tie_word_embeddings(model_name: str) -> bool:
+    return bool(_model_config(model_name).get("tie_word_embeddings", False))
 
 
 def _iter_checkpoint(model_name: str):

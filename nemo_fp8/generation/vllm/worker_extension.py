@@ -41,11 +41,29 @@ class Fp8WorkerExtension:
                 "free": torch.cuda.mem_get_info()[0]}
 
     def nemo_fp8_attn_scales(self) -> dict:
-        """layer prefix -> (q, k, v) scales held by each attention layer."""
+        """Attention module name (``model.layers.{i}.self_attn.attn``) -> the scales it holds.
+
+        Each value: ``{"q", "k", "v"}``: the fp32 device tensors ``_{q,k,v}_scale`` the kernels
+        read (as python floats, exact), ``{"q", "k", "v"}_float``: vLLM's host copies
+        (``_{q,k,v}_scale_float``, None where absent), ``kv_cache_dtype``, ``impl`` (the
+        attention implementation's class, e.g. ``FlashAttentionImpl``), ``fa_version`` (its
+        FlashAttention version, None for other backends) and ``query_quant`` (True: q is
+        quantized to FP8 with ``_q_scale`` before attention, as FA3 does with an FP8 KV cache).
+        """
         out = {}
         for name, m in self._nf_model().named_modules():
             if hasattr(m, "_k_scale") and hasattr(m, "_v_scale"):
-                out[name] = tuple(float(getattr(m, f"_{k}_scale").reshape(-1)[0]) for k in "qkv")
+                rec = {k: float(getattr(m, f"_{k}_scale").reshape(-1)[0]) for k in "qkv"}
+                for k in "qkv":
+                    host = getattr(m, f"_{k}_scale_float", None)
+                    rec[f"{k}_float"] = None if host is None else float(host)
+                rec["kv_cache_dtype"] = str(getattr(m, "kv_cache_dtype", ""))
+                impl = getattr(m, "impl", None)
+                rec["impl"] = type(impl).__name__
+                rec["fa_version"] = getattr(impl, "vllm_flash_attn_version", None)
+                rec["query_quant"] = getattr(m, "query_quant", None) is not None and bool(
+                    getattr(impl, "supports_quant_query_input", False))
+                out[name] = rec
         return out
 
     def nemo_fp8_scale_convention(self) -> dict:

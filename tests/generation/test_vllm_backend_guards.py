@@ -1,0 +1,124 @@
+"""CPU tests of ``VllmGenerationBackend``'s refit/generation guards, on a stand-in for ``vllm.LLM``.
+
+The stand-in records the engine calls and answers nothing else, so these tests pin down the
+backend's own rules (which the GPU test ``tests/gpu/test_vllm_fp8_kv.py`` checks on the real
+engine): with an FP8 KV cache, an engine never given KV scales does not generate, a refit without
+scales is refused and leaves the engine refusing to generate, and a complete refit recovers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import pytest
+
+from nemo_fp8.generation.config import VllmConfig
+from nemo_fp8.generation.interfaces import SamplingParams
+
+DENSE = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=512, tie_word_embeddings=False)
+
+
+class _Generated(Exception):
+    """Raised by the stand-in engine's ``generate``: the backend's guards let the call through."""
+
+
+class _FakeLLM:
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+
+    def start_weight_update(self, is_checkpoint_format):
+        self.calls.append("start")
+
+    def finish_weight_update(self):
+        self.calls.append("finish")
+
+    def generate(self, *args, **kwargs):
+        raise _Generated()
+
+
+@pytest.fixture
+def backend(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from nemo_fp8.generation.vllm import backend as mod
+    from nemo_fp8.generation.vllm.engine_args import init_fp8
+
+    AutoConfig.for_model(**DENSE).save_pretrained(str(tmp_path))
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = _FakeLLM, lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    # no patch-table check against the stand-in, no environment changes in the test process
+    monkeypatch.setattr(mod, "init_fp8", functools.partial(init_fp8, apply_env=False, check_patches=False))
+
+    def make(**cfg):
+        return mod.VllmGenerationBackend(str(tmp_path), VllmConfig(precision="fp8", **cfg), pad_token_id=0,
+                                         eos_token_id=1, max_total_sequence_length=64, load_initial_weights=False)
+
+    return make
+
+
+def _scale_names(num_layers):
+    return [f"model.layers.{i}.self_attn.{k}_scale" for i in range(num_layers) for k in "qkv"]
+
+
+def _refit(be, version, scales):
+    """A refit whose tensors the trainer sent itself (``note_sent``); returns ``finish_weight_update()``."""
+    be.start_weight_update(version)
+    names = sorted(be.plan.expected) + (_scale_names(DENSE["num_hidden_layers"]) if scales else [])
+    be.note_sent(names, len(names))
+    return be.finish_weight_update()
+
+
+def test_fp8_kv_engine_generates_only_on_fresh_scales(backend):
+    be = backend(kv_cache_dtype="fp8")
+    sp = SamplingParams(max_new_tokens=4, greedy=True)
+    with pytest.raises(RuntimeError, match="no KV scales were ever loaded"):
+        be.generate([[5, 6, 7]], sp)
+    v = _refit(be, 1, scales=True)
+    assert (v.weights, v.kv_scales) == (1, 1)
+    with pytest.raises(_Generated):
+        be.generate([[5, 6, 7]], sp)
+    with pytest.raises(RuntimeError, match="no KV scales were sent"):
+        _refit(be, 2, scales=False)
+    assert be.weight_version().weights == 1  # the refused refit is not recorded as held
+    with pytest.raises(RuntimeError, match="last refit was refused.*no KV scales were sent"):
+        be.generate([[5, 6, 7]], sp)
+    assert be.llm.calls == ["start", "finish"] * 2  # the engine was asked to generate once
+    v = _refit(be, 3, scales=True)
+    assert (v.weights, v.kv_scales) == (3, 3)
+    with pytest.raises(_Generated):
+        be.generate([[5, 6, 7]], sp)
+
+
+def test_incomplete_refit_and_refit_in_progress_block_generation(backend):
+    be = backend()  # BF16 KV cache: scales optional
+    sp = SamplingParams(max_new_tokens=4, greedy=True)
+    assert _refit(be, 1, scales=False).kv_scales == -1
+    with pytest.raises(_Generated):
+        be.generate([[5, 6, 7]], sp)
+    be.start_weight_update(2)
+    with pytest.raises(RuntimeError, match="refit to version 2 is in progress"):
+        be.generate([[5, 6, 7]], sp)
+    be.note_sent(["model.embed_tokens.weight"], 1)
+    with pytest.raises(RuntimeError, match="weights did not arrive"):
+        be.finish_weight_update()
+    with pytest.raises(RuntimeError, match="last refit was refused.*weights did not arrive"):
+        be.generate([[5, 6, 7]], sp)
+    _refit(be, 3, scales=False)
+    with pytest.raises(_Generated):
+        be.generate([[5, 6, 7]], sp)
+
+
+def test_kv_scales_for_only_some_layers_are_refused(backend):
+    be = backend(kv_cache_dtype="fp8")
+    _refit(be, 1, scales=True)
+    be.start_weight_update(2)
+    names = sorted(be.plan.expected) + _scale_names(DENSE["num_hidden_layers"])[:-1]  # layer 1's v scale missing
+    be.note_sent(names, len(names))
+    with pytest.raises(RuntimeError, match=r"KV scales for 5 of 6 .*model\.layers\.1\.self_attn\.v_scale"):
+        be.finish_weight_update()
+    with pytest.raises(RuntimeError, match="last refit was refused"):
+        be.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, greedy=True))
