@@ -223,6 +223,7 @@ def test_offload_and_refit_into_vllm_fp8_engine(ckpt):
     quantization of the trained weights, bit for bit, and greedy outputs change with them."""
     os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
     pytest.importorskip("vllm")
+    from nemo_fp8.distributed.weight_sync import iter_buckets, pack_bucket, unpack_bucket, weight_stream
     from nemo_fp8.fp8 import quantize_weight_blockwise
     from nemo_fp8.generation.config import VllmConfig
     from nemo_fp8.generation.interfaces import SamplingParams
@@ -237,13 +238,16 @@ def test_offload_and_refit_into_vllm_fp8_engine(ckpt):
     greedy = SamplingParams(max_new_tokens=24, greedy=True)
     try:
         def refit(version):
+            # The trainer's path: the export, packed in buckets in host memory (what the object
+            # store carries between the actors), loaded by the engine, quantized there on the GPU.
+            # (Sending megatron's own parameter storage over CUDA IPC from this process is not
+            # done: the engine's IPC handle cache would outlive the offloaded buffers.)
             be.offload_before_refit()
-            free_before = torch.cuda.mem_get_info()[0]
             engine.start_weight_update(version)
-            engine.update_weights(be.named_weights())
+            for bucket in iter_buckets(weight_stream(be.named_weights(), None), 64 << 20):
+                engine.update_weights(unpack_bucket(pack_bucket(bucket)))
             engine.finish_weight_update(require_kv_scales=False)
             be.offload_after_refit()
-            return free_before
 
         refit(1)
         engine.prepare_for_generation()
@@ -257,9 +261,10 @@ def test_offload_and_refit_into_vllm_fp8_engine(ckpt):
         refit(2)
         engine.prepare_for_generation()
         after = engine.generate(prompts, greedy).token_ids
-        engine.finish_generation()
+        # read while awake: finish_generation puts a colocated engine to sleep (weights released)
         raw = engine.llm.collective_rpc("nemo_fp8_params", args=(["model.layers.1.mlp.down_proj.weight",
                                                                   "model.layers.1.mlp.down_proj.weight_scale_inv"],))[0]
+        engine.finish_generation()
         q, s = quantize_weight_blockwise(trained["model.layers.1.mlp.down_proj.weight"].cuda(), scale_mode="fp32")
         dt, shape, b = raw["model.layers.1.mlp.down_proj.weight"]
         got_q = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(shape)

@@ -35,19 +35,25 @@ def _all_reduce(t: Tensor, op, group) -> Tensor:
     return t
 
 
+def _scaled_fp32(logits: Tensor, temperature: float) -> Tensor:
+    """A fresh fp32 copy of one chunk of logits, divided by the temperature in place."""
+    z = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 def _chunk_stats(z: Tensor, targets: Tensor, vocab_start: int, group) -> tuple[Tensor, Tensor]:
-    """(log-sum-exp, target logit) over the full vocabulary for one chunk.
+    """(log-sum-exp, target logit) over the full vocabulary for one chunk; overwrites ``z``.
 
     z: [N, V_local] float32 (already divided by the temperature); targets: [N] int64 global ids.
     """
-    m = z.amax(-1)  # [N]
-    _all_reduce(m, dist.ReduceOp.MAX, group)
-    sumexp = (z - m[:, None]).exp().sum(-1)  # [N]
-    _all_reduce(sumexp, dist.ReduceOp.SUM, group)
     local = targets - vocab_start
     mine = (local >= 0) & (local < z.shape[-1])
     picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1) * mine  # [N]
     _all_reduce(picked, dist.ReduceOp.SUM, group)
+    m = z.amax(-1)  # [N]
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    sumexp = z.sub_(m[:, None]).exp_().sum(-1)  # [N]; in place: one fp32 chunk alive
+    _all_reduce(sumexp, dist.ReduceOp.SUM, group)
     return m + sumexp.log(), picked
 
 
@@ -65,7 +71,7 @@ class ChunkedVocabParallelLogprobs(torch.autograd.Function):
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         for s in range(0, n, chunk_size):
-            z = logits[s:s + chunk_size].float() / temperature  # [c, V_local] fp32, one chunk
+            z = _scaled_fp32(logits[s:s + chunk_size], temperature)  # [c, V_local] fp32, one chunk
             lse[s:s + chunk_size], picked = _chunk_stats(z, targets[s:s + chunk_size], vocab_start, group)
             out[s:s + chunk_size] = picked - lse[s:s + chunk_size]
         ctx.save_for_backward(logits, targets, lse)
@@ -81,13 +87,11 @@ class ChunkedVocabParallelLogprobs(torch.autograd.Function):
         for s in range(0, logits.shape[0], ctx.chunk_size):
             e = s + ctx.chunk_size
             g = grad_out[s:e].float()  # [c]
-            p = (logits[s:e].float() / t - lse[s:e, None]).exp()  # [c, V_local] softmax
-            gz = -p * g[:, None]
+            gz = _scaled_fp32(logits[s:e], t).sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -softmax * g
             local = targets[s:e] - vs
             mine = (local >= 0) & (local < v_local)
-            rows = torch.nonzero(mine).squeeze(-1)
-            gz[rows, local[rows]] += g[rows]
-            grad[s:e] = (gz / t).to(grad.dtype)
+            gz.scatter_add_(-1, local.clamp(0, v_local - 1)[:, None], (g * mine)[:, None])  # + g at the target
+            grad[s:e] = gz.div_(t) if t != 1.0 else gz  # cast to the logits' dtype on copy
         return grad, None, None, None, None, None
 
 
