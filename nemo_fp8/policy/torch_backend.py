@@ -82,6 +82,38 @@ def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
     return {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
 
 
+def global_batches(batch: TrainBatch, global_batch_size: int, micro_batch_size: int, device: torch.device,
+                   dp_size: int = 1, dp_group=None) -> Iterator[tuple[Tensor, Tensor, Iterator[TrainBatch]]]:
+    """Split one rank's shard into global batches: per global batch, its valid token and sequence
+    counts summed over the data-parallel ranks (0-dim tensors on ``device``, at least 1) and its
+    micro-batches (trimmed to their longest row, on ``device``). Shared by both policy backends.
+
+    Args:
+        batch: this rank's rows of every global batch, in order.
+        global_batch_size: rows per global batch on this rank (``train_global_batch_size / dp``).
+        micro_batch_size: rows per micro-batch.
+
+    Raises:
+        ValueError: the batch fails ``TrainBatch.validate`` or is not a multiple of ``global_batch_size``.
+    """
+    batch.validate()
+    gbs, mbs = global_batch_size, micro_batch_size
+    if batch.size % gbs != 0:
+        raise ValueError(f"train: batch of {batch.size} rows is not a multiple of policy.train_global_batch_size"
+                         f" / data_parallel_size = {gbs}")
+    for g in range(0, batch.size, gbs):
+        gb = batch.select(slice(g, g + gbs))
+        mask = gb.token_mask
+        counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(device)  # [tokens, seqs]
+        if dp_size > 1:
+            torch.distributed.all_reduce(counts, group=dp_group)
+        n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
+        # Micro-batch widths read once per global batch (CPU lengths), not once per micro-batch.
+        widths = (gb.prompt_lengths + gb.response_lengths).reshape(-1, mbs).amax(1).tolist()
+        yield n_tokens, n_seqs, (gb.select(slice(m, m + mbs)).trimmed(w).to(device)
+                                 for m, w in zip(range(0, gbs, mbs), widths))
+
+
 class TorchPolicyBackend:
     """``PolicyBackend`` in pure torch (see the module docstring); one data-parallel rank.
 
@@ -167,27 +199,15 @@ class TorchPolicyBackend:
                 of ``train_global_batch_size / dp_size``.
             FloatingPointError: a non-finite gradient norm.
         """
-        batch.validate()
         self.prepare_for_training()
-        gbs, mbs = self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size
-        if batch.size % gbs != 0:
-            raise ValueError(f"train: batch of {batch.size} rows is not a multiple of policy.train_global_batch_size"
-                             f" / data_parallel_size = {gbs}")
         self.model.train()
         result = ShardTrainResult([], [])
-        for g in range(0, batch.size, gbs):
-            gb = batch.select(slice(g, g + gbs))
-            mask = gb.token_mask
-            counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(self.device)  # [tokens, seqs]
-            if self.dp_size > 1:
-                torch.distributed.all_reduce(counts)
-            n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
+        for n_tokens, n_seqs, micro_batches in global_batches(
+                batch, self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size,
+                self.device, self.dp_size):
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            # Micro-batch widths read once per global batch (CPU lengths), not once per micro-batch.
-            widths = (gb.prompt_lengths + gb.response_lengths).reshape(-1, mbs).amax(1).tolist()
-            for m, width in zip(range(0, gbs, mbs), widths):
-                mb = gb.select(slice(m, m + mbs)).trimmed(width).to(self.device)  # moved once, used twice
+            for mb in micro_batches:  # on the device: moved once, used twice
                 logprobs = self._forward_logprobs(self.model, mb)
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 loss.backward()

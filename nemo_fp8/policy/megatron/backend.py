@@ -48,7 +48,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_token_logprobs
-from nemo_fp8.policy.torch_backend import ShardTrainResult, reduce_train_results
+from nemo_fp8.policy.torch_backend import ShardTrainResult, global_batches, reduce_train_results
 
 logger = logging.getLogger(__name__)
 
@@ -241,27 +241,16 @@ class MegatronPolicyBackend:
             ValueError: the batch fails validation or is not a multiple of the per-rank global batch.
             FloatingPointError: a non-finite gradient norm in bf16 / fp32 training.
         """
-        batch.validate()
         self.prepare_for_training()
-        gbs, mbs = self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size
-        if batch.size % gbs != 0:
-            raise ValueError(f"train: batch of {batch.size} rows is not a multiple of policy.train_global_batch_size"
-                             f" / data_parallel_size = {gbs}")
         self.model.train()
         result = ShardTrainResult([], [])
-        for g in range(0, batch.size, gbs):
-            gb = batch.select(slice(g, g + gbs))
-            mask = gb.token_mask
-            counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(self.device)  # [tokens, seqs]
-            if self.dp_size > 1:
-                dist.all_reduce(counts, group=self.dp_group)
-            n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
+        for n_tokens, n_seqs, micro_batches in global_batches(
+                batch, self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size,
+                self.device, self.dp_size, self.dp_group):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            widths = (gb.prompt_lengths + gb.response_lengths).reshape(-1, mbs).amax(1).tolist()
-            for m, width in zip(range(0, gbs, mbs), widths):
-                mb = gb.select(slice(m, m + mbs)).trimmed(width).to(self.device)
+            for mb in micro_batches:
                 loss, metrics = loss_fn(self._forward_logprobs(self.model, mb), mb, n_tokens, n_seqs)
                 self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
