@@ -82,6 +82,16 @@ def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
     return {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
 
 
+def batched_logprobs(score, batch: TrainBatch, rows: int, device: torch.device) -> Tensor:
+    """[B, T] float32 on the CPU: ``score(micro_batch) -> [b, t]`` over micro-batches of ``rows`` rows,
+    each trimmed to its longest row and moved to ``device``; 0 past each micro-batch's width."""
+    out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
+    for i in range(0, batch.size, rows):
+        mb = batch.select(slice(i, i + rows)).trimmed().to(device)
+        out[i:i + rows, : mb.token_ids.shape[1]] = score(mb).float().cpu()
+    return out
+
+
 def global_batches(batch: TrainBatch, global_batch_size: int, micro_batch_size: int, device: torch.device,
                    dp_size: int = 1, dp_group=None) -> Iterator[tuple[Tensor, Tensor, Iterator[TrainBatch]]]:
     """Split one rank's shard into global batches: per global batch, its valid token and sequence
@@ -168,11 +178,8 @@ class TorchPolicyBackend:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         was_training = model.training
         model.eval()
-        out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
-        step = self.cfg.logprob_batch_size
-        for i in range(0, batch.size, step):
-            mb = batch.select(slice(i, i + step)).trimmed()
-            out[i:i + step, : mb.token_ids.shape[1]] = self._forward_logprobs(model, mb).float().cpu()
+        out = batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch, self.cfg.logprob_batch_size,
+                               self.device)
         model.train(was_training)
         return out
 

@@ -48,7 +48,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_token_logprobs
-from nemo_fp8.policy.torch_backend import ShardTrainResult, global_batches, reduce_train_results
+from nemo_fp8.policy.torch_backend import ShardTrainResult, batched_logprobs, global_batches, reduce_train_results
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +216,8 @@ class MegatronPolicyBackend:
         if model is None:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         model.eval()
-        out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
-        step = self.cfg.logprob_batch_size
-        for i in range(0, batch.size, step):
-            mb = batch.select(slice(i, i + step)).trimmed().to(self.device)
-            out[i:i + step, : mb.token_ids.shape[1]] = self._forward_logprobs(model, mb).cpu()
-        return out
+        return batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch, self.cfg.logprob_batch_size,
+                                self.device)
 
     # ----------------------------------------------------------------------- training
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
