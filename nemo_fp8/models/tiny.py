@@ -10,7 +10,6 @@ same code as any other local checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import string
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from nemo_fp8.models.sft import pad_sft_batch, save_checkpoint_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +78,11 @@ def build_char_tokenizer():
 
 def _sft_batch(tokenizer, problems, device):
     """Right-padded [B, T] ids with labels masked (-100) outside the response."""
-    seqs, labels = [], []
-    for ex in problems:
-        prompt = tokenizer.encode(TINY_PROMPT_TEMPLATE.format(problem=ex.problem), add_special_tokens=False)
-        response = tokenizer.encode(f"Answer: {ex.answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(prompt + response)
-        labels.append([-100] * len(prompt) + response)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(l)] = torch.tensor(l)
-    return ids.to(device), lab.to(device), (ids != tokenizer.pad_token_id).long().to(device)
+    prompts = [tokenizer.encode(TINY_PROMPT_TEMPLATE.format(problem=ex.problem), add_special_tokens=False)
+               for ex in problems]
+    responses = [tokenizer.encode(f"Answer: {ex.answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
+                 for ex in problems]
+    return pad_sft_batch(prompts, responses, tokenizer.pad_token_id, device)
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, device: str = "cpu") -> Path:
@@ -159,14 +152,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, dev
             bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "tiny_model_spec.json").write_text(json.dumps({**asdict(spec), "parameters": n_params,
-                                                          "build_seconds": round(time.time() - t0, 1)}, indent=2))
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} appeared while the tiny model was being built; not overwriting it")
-    tmp.rename(out_dir)
+    save_checkpoint_atomically(out_dir, model, tokenizer, "tiny_model_spec.json",
+                               {**asdict(spec), "parameters": n_params, "build_seconds": round(time.time() - t0, 1)})
     logger.info("tiny model written to %s in %.0f s", out_dir, time.time() - t0)
     return out_dir

@@ -1,0 +1,71 @@
+"""Pieces shared by the project's model builders (``tiny.py``, ``small.py``): SFT batches, atomic save."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+def pad_sft_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int,
+                  device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad prompt+response token ids into a causal-LM batch with the loss on responses only.
+
+    Args:
+        prompts: per row, the prompt token ids.
+        responses: per row, the response token ids (including the EOS the model should learn).
+        pad_token_id: id written into padding columns.
+        device: where the tensors go.
+
+    Returns:
+        (input_ids [B, T] int64, labels [B, T] int64 with -100 outside the responses and on padding,
+        attention_mask [B, T] int64, 1 on real tokens), T = the longest prompt+response.
+
+    Raises:
+        ValueError: empty batch, or ``prompts`` and ``responses`` of different lengths.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"pad_sft_batch: {len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        raise ValueError("pad_sft_batch: empty batch")
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    labels = [[-100] * len(p) + list(r) for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(l)] = torch.tensor(l)
+        attn[i, : len(s)] = 1
+    return ids.to(device), lab.to(device), attn.to(device)
+
+
+def save_checkpoint_atomically(out_dir: str | Path, model, tokenizer, spec_name: str, spec: dict,
+                               extra_files: dict[str, str] | None = None) -> Path:
+    """Write ``model`` + ``tokenizer`` (HF ``save_pretrained``) + ``spec_name`` (JSON of ``spec``) to ``out_dir``.
+
+    Everything goes into a sibling ``<out_dir>.tmp`` first, which is renamed at the end, so an
+    interrupted build leaves no half checkpoint at ``out_dir``. ``extra_files`` maps relative
+    paths (e.g. ``data/val.jsonl``) to text contents written beside the weights.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists (checked before writing and again before the rename).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; not overwriting it")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for rel, text in (extra_files or {}).items():
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_text(text)
+    (tmp / spec_name).write_text(json.dumps(spec, indent=2))
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} appeared while the model was being built; not overwriting it")
+    tmp.rename(out_dir)
+    return out_dir

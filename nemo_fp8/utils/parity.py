@@ -1,0 +1,119 @@
+"""Learning-parity report: several runs' ``metrics.jsonl`` -> one 4-panel PNG and one markdown table.
+
+Used by ``tools/compare_precision.py``. A run is the list of rows of its ``metrics.jsonl``
+(``nemo_fp8.utils.logger``): training steps carry ``train/reward_mean``, the mismatch metrics and
+``timing/<phase>`` seconds; validation rows (step 0 with ``val_at_start``, then every
+``val_period``) carry ``val/accuracy``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+PANELS = [("val/accuracy", "validation accuracy"), ("train/reward_mean", "train reward"),
+          ("mismatch/gen_kl_error", "gen_kl_error (KL gen || train)"),
+          ("mismatch/token_mult_prob_error", "token_mult_prob_error")]
+PHASES = ("generation", "refit", "logprobs", "training")
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
+    """Summary of one run.
+
+    Args:
+        rows: the run's metrics rows (dicts with ``step``).
+        skip_first_steps: training steps left out of the timing means (warm-up: CUDA graphs,
+            first allocations), applied only when more steps than that remain.
+
+    Returns:
+        dict: ``steps``; ``final_acc`` / ``best_acc`` (last / largest ``val/accuracy``, NaN when
+        never validated); ``reward_mean``; ``gen_kl_error`` / ``token_mult_prob_error`` (means over
+        steps); ``<phase>_s`` for generation, refit, logprobs, training (seconds per step: sum
+        over the timed steps / their count, 0 for a phase a step did not run); ``step_s`` (the
+        step minus its validation and checkpoint time); ``tokens_per_s`` (mean rollout tokens/s).
+
+    Raises:
+        ValueError: no training-step rows (none with ``train/reward_mean``).
+    """
+    steps = sorted((r for r in rows if _num(r.get("train/reward_mean"))), key=lambda r: r["step"])
+    if not steps:
+        raise ValueError("no training-step rows (rows with train/reward_mean) in this run")
+    vals = [r["val/accuracy"] for r in sorted(rows, key=lambda r: r.get("step", 0)) if _num(r.get("val/accuracy"))]
+    timed = steps[skip_first_steps:] if len(steps) > skip_first_steps else steps
+
+    def mean(key: str, rs: list[dict]) -> float:
+        xs = [r[key] for r in rs if _num(r.get(key))]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    out = {"steps": len(steps), "final_acc": vals[-1] if vals else float("nan"),
+           "best_acc": max(vals) if vals else float("nan"), "reward_mean": mean("train/reward_mean", steps),
+           "gen_kl_error": mean("mismatch/gen_kl_error", steps),
+           "token_mult_prob_error": mean("mismatch/token_mult_prob_error", steps),
+           "tokens_per_s": mean("perf/rollout_tokens_per_s", timed)}
+    for phase in PHASES:
+        out[f"{phase}_s"] = sum(r.get(f"timing/{phase}", 0.0) for r in timed) / len(timed)
+    out["step_s"] = sum(r.get("timing/step", 0.0) - r.get("timing/validation", 0.0) - r.get("timing/checkpoint", 0.0)
+                        for r in timed) / len(timed)
+    return out
+
+
+def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
+    """Markdown table of :func:`summarize_run` results, one row per variant (input order).
+
+    Columns: steps, final/best validation accuracy, mean reward, mean gen_kl_error and
+    token_mult_prob_error, seconds per step split into generation / refit / log-probs / training,
+    the whole step, and the step and generation times as ratios to ``baseline`` ("-" when
+    ``baseline`` is not among the variants).
+    """
+    base = summaries.get(baseline)
+    head = ["variant", "steps", "final acc", "best acc", "reward", "gen_kl_error", "mult_prob_err", "gen s", "refit s",
+            "logprobs s", "train s", "step s", f"step / {baseline}", f"gen / {baseline}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ratio(a: float, b: float | None) -> str:
+        return f"{a / b:.2f}" if b and _num(a) and _num(b) else "-"
+
+    for name, s in summaries.items():
+        cells = [name, str(s["steps"]), f"{s['final_acc']:.4f}", f"{s['best_acc']:.4f}", f"{s['reward_mean']:.4f}",
+                 f"{s['gen_kl_error']:.3e}", f"{s['token_mult_prob_error']:.4f}", f"{s['generation_s']:.2f}",
+                 f"{s['refit_s']:.2f}", f"{s['logprobs_s']:.2f}", f"{s['training_s']:.2f}", f"{s['step_s']:.2f}",
+                 ratio(s["step_s"], base and base["step_s"]), ratio(s["generation_s"], base and base["generation_s"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = "learning parity") -> Path:
+    """One figure, four panels (validation accuracy, reward, gen_kl_error, token_mult_prob_error), a curve per run.
+
+    Raises:
+        ValueError: no runs.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not runs:
+        raise ValueError("plot_parity: no runs")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for ax, (key, label) in zip(axes.flat, PANELS):
+        for name, rows in runs.items():
+            pts = sorted((r["step"], r[key]) for r in rows if _num(r.get(key)) and "step" in r)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, label=name, marker="o" if len(pts) < 30 else None, markersize=3, linewidth=1.2)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

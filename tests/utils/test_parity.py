@@ -1,0 +1,133 @@
+"""The learning-parity report (nemo_fp8/utils/parity.py) and tools/compare_precision.py on synthetic metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nemo_fp8.utils.parity import parity_table, summarize_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tool():
+    spec = importlib.util.spec_from_file_location("compare_precision", REPO / "tools" / "compare_precision.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fake_run(gen_s: float, kl: float, accs: list[float], steps: int = 4) -> list[dict]:
+    """Rows as MetricsLogger writes them: a step-0 validation row, then steps with timings; val every 2 steps."""
+    rows = [{"step": 0, "val/accuracy": accs[0], "timing/validation": 1.0}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "train/reward_mean": 0.1 * s, "mismatch/gen_kl_error": kl * s,
+             "mismatch/token_mult_prob_error": 1.0 + kl, "timing/generation": gen_s * (10 if s == 1 else 1),
+             "timing/logprobs": 0.5, "timing/training": 1.5, "timing/reward": 0.1,
+             "perf/rollout_tokens_per_s": 1000.0 / gen_s}
+        if s % 2 == 1:
+            r["timing/refit"] = 0.2
+        r["timing/step"] = sum(v for k, v in r.items() if k.startswith("timing/"))
+        if s % 2 == 0:
+            r["val/accuracy"] = accs[s // 2]
+            r["timing/validation"] = 3.0
+            r["timing/step"] += 3.0
+        rows.append(r)
+    return rows
+
+
+def test_summarize_run_hand_computed():
+    s = summarize_run(fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.4, 0.3]))
+    assert s["steps"] == 4 and s["final_acc"] == 0.3 and s["best_acc"] == 0.4
+    assert s["reward_mean"] == pytest.approx(0.25)
+    assert s["gen_kl_error"] == pytest.approx(2.5e-3)
+    # steps 2..4 timed (step 1 is warm-up): refit on step 3 only -> 0.2 / 3
+    assert s["generation_s"] == pytest.approx(2.0) and s["refit_s"] == pytest.approx(0.2 / 3)
+    assert s["logprobs_s"] == pytest.approx(0.5) and s["training_s"] == pytest.approx(1.5)
+    assert s["step_s"] == pytest.approx(2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1)  # validation left out
+    assert s["tokens_per_s"] == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="no training-step rows"):
+        summarize_run([{"step": 0, "val/accuracy": 0.5}])
+    one = summarize_run(fake_run(2.0, 0.0, [0.1, 0.2], steps=1))
+    assert one["generation_s"] == pytest.approx(20.0)  # a lone step is timed, warm-up or not
+    assert math.isnan(summarize_run([{"step": 1, "train/reward_mean": 0.0}])["final_acc"])
+
+
+def test_parity_table_ratios_to_baseline():
+    sums = {"bf16": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2, 0.3])),
+            "fp8+tis": summarize_run(fake_run(1.0, 1e-3, [0.1, 0.25, 0.2]))}
+    table = parity_table(sums)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    step_bf16, step_fp8 = sums["bf16"]["step_s"], sums["fp8+tis"]["step_s"]
+    assert rows["bf16"][-2:] == ["1.00", "1.00"]
+    assert rows["fp8+tis"][-2:] == [f"{step_fp8 / step_bf16:.2f}", "0.50"]
+    assert rows["fp8+tis"][1:3] == ["0.2000", "0.2500"]
+    assert "-" == parity_table(sums, baseline="nope").splitlines()[2].split("|")[-2].strip()
+
+
+def test_report_only_writes_png_and_table(tmp_path, capsys):
+    runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.1, 0.0, [0.1, 0.22, 0.28]),
+            "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.25, 0.2])}
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
+    (tmp_path / "fp8").mkdir()  # a variant that failed before its first step
+    (tmp_path / "fp8" / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/accuracy": 0.1}) + "\n")
+    rc = tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(tmp_path),
+                      "--variants", "bf16,bf16-seed2,fp8+tis,fp8,fp8kv+tis"])
+    assert rc == 0
+    png = (tmp_path / "parity.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    md = (tmp_path / "parity.md").read_text()
+    assert md.splitlines()[0].startswith("| variant | steps | final acc | best acc |")
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:5]] == ["bf16", "bf16-seed2", "fp8+tis"]
+    assert "Missing: fp8: no training-step rows" in md and "fp8kv+tis: no " in md
+    assert md.splitlines()[2] in capsys.readouterr().out
+
+
+def test_report_only_without_any_metrics_fails(tmp_path):
+    assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(tmp_path)]) == 1
+
+
+def test_unknown_variant_is_refused(capsys):
+    assert tool().main(["--backend", "gpu", "--variants", "bf16,fp9", "--dry-run"]) == 2
+    assert "fp9" in capsys.readouterr().err
+
+
+# (ids: a test id "gpu" would be taken for the gpu marker and skipped without CUDA)
+@pytest.mark.parametrize("backend", ["cpu", "gpu"], ids=["torch-backends", "vllm-megatron"])
+def test_every_variant_is_a_valid_config(backend):
+    """Each variant's overrides pass the config checks on the backend's default config and set what they say."""
+    from nemo_fp8.config import load_config
+
+    cp = tool()
+    table = cp.GPU_VARIANTS if backend == "gpu" else cp.VARIANTS
+    expect = {  # name: (rollout precision, kv cache, IS on, FP8 training, FP16 training, seed)
+        "bf16": ("bfloat16", "auto", False, False, False, 42), "bf16-seed2": ("bfloat16", "auto", False, False, False, 43),
+        "bf16+tis": ("bfloat16", "auto", True, False, False, 42), "fp8": ("fp8", "auto", False, False, False, 42),
+        "fp8+tis": ("fp8", "auto", True, False, False, 42), "fp8kv+tis": ("fp8", "fp8", True, False, False, 42),
+        "fp8-e2e+tis": ("fp8", "auto", True, True, False, 42), "fp8+fp16-train+tis": ("fp8", "auto", True, False, True, 42)}
+    for name, overrides in table.items():
+        cfg = load_config(cp.DEFAULT_CONFIG[backend], overrides)
+        v, m = cfg.policy.generation.vllm_cfg, cfg.policy.megatron_cfg
+        got = (v.precision, v.kv_cache_dtype, cfg.loss_fn.use_importance_sampling_correction, m.fp8_cfg.enabled,
+               m.optimizer.fp16, cfg.grpo.seed)
+        assert got == expect[name], name
+        if backend == "gpu":
+            assert cfg.policy.generation.backend == "vllm" and m.enabled
+            if m.fp8_cfg.enabled:
+                assert (m.fp8_cfg.fp8, m.fp8_cfg.fp8_recipe) == ("e4m3", "blockwise")
+    if backend == "gpu":
+        assert set(table) == {"bf16", "bf16-seed2", "fp8+tis", "fp8", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis"}
+
+
+def test_dry_run_prints_one_command_per_variant(tmp_path, capsys):
+    assert tool().main(["--backend", "gpu", "--dry-run", "--out-dir", str(tmp_path), "grpo.max_num_steps=5"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 7 and all(line.endswith("grpo.max_num_steps=5") for line in lines)
+    assert f"logger.log_dir={tmp_path}/fp8kv+tis" in lines[4]
+    assert not list(tmp_path.iterdir())
