@@ -33,24 +33,14 @@ from nemo_fp8.algorithms.config import ClippedPGLossConfig  # noqa: E402
 from nemo_fp8.algorithms.loss import ClippedPGLossFn  # noqa: E402
 from nemo_fp8.batch import TrainBatch  # noqa: E402
 from nemo_fp8.policy.config import PolicyConfig  # noqa: E402
+from tests.gpu.helpers import hf_state, save_qwen3  # noqa: E402
 
-VOCAB = 4096
-
-
-def _save_qwen3(path, seed=0, layers=4):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=128, vocab_size=VOCAB, max_position_embeddings=2048,
-                      initializer_range=0.05, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(path))
-    return path
+VOCAB = 4096  # save_qwen3's vocabulary
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return _save_qwen3(tmp_path_factory.mktemp("m") / "qwen3")
+    return save_qwen3(tmp_path_factory.mktemp("m") / "qwen3")
 
 
 def _policy_cfg(path, fp8=None, first=0, last=0, lr=1e-5, megatron=True, **megatron_cfg):
@@ -88,16 +78,10 @@ def _batch(n=8, seed=0, width=160):
                       generation_logprobs=torch.zeros(n, width))
 
 
-def _hf_state(path):
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "model.safetensors"))
-
-
 def test_hf_megatron_hf_is_exact(ckpt):
     be = _backend(_policy_cfg(ckpt))
     try:
-        state = _hf_state(ckpt)
+        state = hf_state(ckpt)
         got = {n: t.cpu() for n, t in be.named_weights()}
         assert set(got) == set(state), (set(got) ^ set(state))
         for name, t in state.items():

@@ -192,17 +192,24 @@ class MegatronPolicyBackend:
         return optimizer, OptimizerParamScheduler(optimizer, **settings.scheduler_kwargs(self.cfg))
 
     # ----------------------------------------------------------------------- forward
+    def _padded_len(self, t: int) -> int:
+        return -(-t // self.pad_multiple) * self.pad_multiple
+
+    def _padded_forward(self, model, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits [B, T_pad, V / tp], ids [B, T_pad]): ``ids`` [B, T] right padded to the recipe's multiple
+        (causal attention: padding leaves the real positions unchanged), positions 0..T_pad-1."""
+        b, t = ids.shape
+        padded = self._padded_len(t)
+        ids_p = torch.nn.functional.pad(ids, (0, padded - t), value=0)
+        pos = torch.arange(padded, device=ids.device).expand(b, padded)
+        return model(input_ids=ids_p, position_ids=pos, attention_mask=None), ids_p
+
     def _forward_logprobs(self, model, mb: TrainBatch) -> Tensor:
         """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses."""
-        ids = mb.token_ids
-        b, t = ids.shape
-        padded = -(-t // self.pad_multiple) * self.pad_multiple
-        ids_p = torch.nn.functional.pad(ids, (0, padded - t), value=0)  # right pad: causal, no effect on t' < t
-        pos = torch.arange(padded, device=ids.device).expand(b, padded)
-        logits = model(input_ids=ids_p, position_ids=pos, attention_mask=None)  # [B, T_pad, V / tp]
+        logits, ids_p = self._padded_forward(model, mb.token_ids)
         lp = vocab_parallel_token_logprobs(logits, ids_p, self.temperature, vocab_start=self.tp_rank * logits.shape[-1],
                                            group=self.tp_group, chunk_size=DEFAULT_CHUNK_SIZE)
-        return lp[:, :t] * mb.token_mask
+        return lp[:, :mb.token_ids.shape[1]] * mb.token_mask
 
     @torch.no_grad()
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
@@ -298,13 +305,10 @@ class MegatronPolicyBackend:
             step_rows = self.cfg.logprob_batch_size
             for i in range(0, batch.size, step_rows):
                 mb = batch.select(slice(i, i + step_rows)).trimmed().to(self.device)
-                t = mb.token_ids.shape[1]
-                padded = -(-t // self.pad_multiple) * self.pad_multiple
+                padded = self._padded_len(mb.token_ids.shape[1])
                 lengths = mb.prompt_lengths + mb.response_lengths
-                valid["mask"] = (torch.arange(padded, device=self.device)[:, None] < lengths[None, :])  # [S, B]
-                ids = torch.nn.functional.pad(mb.token_ids, (0, padded - t), value=0)
-                pos = torch.arange(padded, device=self.device).expand(ids.shape[0], padded)
-                self.model(input_ids=ids, position_ids=pos, attention_mask=None)
+                valid["mask"] = torch.arange(padded, device=self.device)[:, None] < lengths[None, :]  # [S, B]
+                self._padded_forward(self.model, mb.token_ids)
         finally:
             for h in handles:
                 h.remove()
