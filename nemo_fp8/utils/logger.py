@@ -97,30 +97,12 @@ class MetricsLogger:
 
 
 def plot_curves(jsonl_path: Path, png_path: Path) -> Path:
-    """Draw reward, validation accuracy, gen_kl_error and token_mult_prob_error against step."""
-    import matplotlib
+    """Draw validation accuracy, reward, gen_kl_error and token_mult_prob_error against step
+    (the parity report's four panels, ``nemo_fp8.utils.parity.plot_parity``, for one run)."""
+    from nemo_fp8.utils.parity import plot_parity
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(jsonl_path)
-    panels = [("train/reward_mean", "train reward"), ("val/accuracy", "validation accuracy"),
-              ("mismatch/gen_kl_error", "gen_kl_error (KL gen || train)"),
-              ("mismatch/token_mult_prob_error", "token_mult_prob_error")]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, title) in zip(axes.flat, panels):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.suptitle(str(jsonl_path.parent.name))
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+    name = str(Path(jsonl_path).parent.name)
+    return plot_parity({name: read_metrics(jsonl_path)}, png_path, title=name)
 
 
 def read_metrics(jsonl_path: Path) -> list[dict]:
