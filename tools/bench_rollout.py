@@ -62,15 +62,10 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHAPES = {
-    "dense": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                  max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6),
-    "moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, max_position_embeddings=40960,
-                tie_word_embeddings=False, rope_theta=1e6),
-}
+from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_shape_config  # noqa: E402
+
+SHAPES = {"dense": QWEN3_SHAPES["qwen3-8b"], "moe": QWEN3_SHAPES["qwen3-30b-a3b"]}
+SHAPE_NAMES = {"dense": "qwen3-8b", "moe": "qwen3-30b-a3b"}
 
 
 @dataclass(frozen=True)
@@ -97,15 +92,7 @@ LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_toke
 
 def write_config(kind: str, root: Path, num_layers: int = 0) -> Path:
     """Save the ``kind`` shape's HF config (``num_layers`` > 0: that many decoder layers) under ``root``."""
-    from transformers import AutoConfig
-
-    d = root / kind
-    d.mkdir(parents=True, exist_ok=True)
-    shape = dict(SHAPES[kind])
-    if num_layers:
-        shape["num_hidden_layers"] = num_layers
-    AutoConfig.for_model(**shape).save_pretrained(str(d))
-    return d
+    return write_shape_config(SHAPE_NAMES[kind], root / kind, num_layers)
 
 
 def rl_lengths(n: int, output_len: int, seed: int = 1) -> list[int]:

@@ -36,26 +36,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SHAPES = {
-    "dense": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
-                  num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                  vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6,
-                  torch_dtype="bfloat16"),
-    "moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
-                intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
-                num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
-                decoder_sparse_step=1, max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1e6,
-                torch_dtype="bfloat16"),
-}
+from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_shape_config  # noqa: E402
+
+# (shape in nemo_fp8.models.random_checkpoint.QWEN3_SHAPES, decoder layers kept)
+SHAPES = {"dense": ("qwen3-8b", 8), "moe": ("qwen3-30b-a3b", 4)}
 
 
 def write_config(kind: str, root: Path) -> Path:
-    from transformers import AutoConfig
-
-    d = root / kind
-    d.mkdir(parents=True, exist_ok=True)
-    AutoConfig.for_model(**SHAPES[kind]).save_pretrained(str(d))
-    return d
+    name, layers = SHAPES[kind]
+    return write_shape_config(name, root / kind, layers)
 
 
 def parse_recipe(name: str) -> dict | None:
@@ -107,7 +96,7 @@ def run_child(a) -> dict:
     t0 = time.perf_counter()
     be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
     build_s = time.perf_counter() - t0
-    vocab = SHAPES[a.shape]["vocab_size"]
+    vocab = QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, vocab, (a.batch, a.seq_len), generator=g)
     batch = TrainBatch(token_ids=ids, prompt_lengths=torch.ones(a.batch, dtype=torch.long),

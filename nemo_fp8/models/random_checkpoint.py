@@ -32,6 +32,26 @@ QWEN3_SHAPES: dict[str, dict] = {
 INIT_STD = 0.02
 
 
+def write_shape_config(shape: str, out_dir: str | Path, num_layers: int = 0) -> Path:
+    """Save the HF ``config.json`` of ``QWEN3_SHAPES[shape]`` (``num_layers`` > 0: cut to that many
+    decoder layers) in ``out_dir``: what the benchmarks build dummy / random-weight models from.
+
+    Raises:
+        KeyError: an unknown shape (the message lists the valid ones).
+    """
+    from transformers import AutoConfig
+
+    if shape not in QWEN3_SHAPES:
+        raise KeyError(f"unknown shape {shape!r}; valid: {sorted(QWEN3_SHAPES)}")
+    cfg = dict(QWEN3_SHAPES[shape])
+    if num_layers:
+        cfg["num_hidden_layers"] = num_layers
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    AutoConfig.for_model(**cfg).save_pretrained(str(out_dir))
+    return out_dir
+
+
 def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight of a Qwen3 / Qwen3-MoE checkpoint described by ``cfg``, in file order.
 
