@@ -5,6 +5,7 @@
     python tools/compare_precision.py --backend gpu [--variants a,b] [key=value ...]        # GPU host (vLLM + Megatron)
     python tools/compare_precision.py --backend gpu --report-only                           # redraw from existing logs
     python tools/compare_precision.py --backend gpu --dry-run                               # print the commands
+    python tools/compare_precision.py --backend gpu --parallel 7                            # all variants at once, one GPU
 
 Each variant is a full ``examples/run_grpo_math.py`` run with the same config, seed, data and steps,
 plus the variant's overrides (``VARIANTS`` / ``GPU_VARIANTS`` below; every variant sets all the
@@ -20,6 +21,7 @@ reported and the others still run.
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,10 +81,59 @@ def variant_command(backend: str, name: str, config: str, out_dir: Path, overrid
             f"checkpointing.checkpoint_dir={REPO / 'results' / 'compare' / backend / name}", *overrides]
 
 
-def write_report(out_dir: Path, names: list[str], baseline: str = "bf16") -> tuple[Path, Path] | None:
+_GPU_MEM_KEY = "policy.generation.vllm_cfg.gpu_memory_utilization"
+
+
+def shared_gpu_memory_utilization(parallel: int, engines_share: float = 0.45) -> float:
+    """Each vLLM engine's ``gpu_memory_utilization`` when ``parallel`` variants share one GPU.
+
+    vLLM sizes its KV cache to this fraction of the whole GPU at start and takes it back on every
+    wake-up; the engines together get ``engines_share`` of the GPU, the rest is left to the
+    ``parallel`` Megatron trainers (weights, gradients, Adam state and activations of the small model).
+    """
+    return round(engines_share / parallel, 3)
+
+
+def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 1,
+                 stagger_s: float = 0.0, poll_s: float = 1.0) -> list[str]:
+    """Run each variant's command, at most ``parallel`` at once, starts ``stagger_s`` apart; returns the failed.
+
+    Each run's output goes to ``<out_dir>/<variant>/run.log``; a failed variant's last output is
+    printed and the others go on.
+    """
+    pending, running, failed = list(commands), {}, []
+    last_start = -float("inf")
+    while pending or running:
+        for name, (proc, log) in list(running.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            log.close()
+            del running[name]
+            if rc != 0:
+                tail = (out_dir / name / "run.log").read_text(errors="replace")[-3000:]
+                print(f"[{name}] failed (exit {rc}); last output:\n{tail}", file=sys.stderr, flush=True)
+                failed.append(name)
+            else:
+                print(f"[{name}] done", flush=True)
+        if pending and len(running) < parallel and time.monotonic() - last_start >= stagger_s:
+            name = pending.pop(0)
+            (out_dir / name).mkdir(parents=True, exist_ok=True)
+            log = open(out_dir / name / "run.log", "w")
+            running[name] = (subprocess.Popen(commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log)
+            last_start = time.monotonic()
+            print(f"[{name}] started ({len(running)} running, {len(pending)} waiting)", flush=True)
+            continue
+        time.sleep(poll_s)
+    return failed
+
+
+def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
+                 concurrency: int = 1) -> tuple[Path, Path] | None:
     """``parity.png`` + ``parity.md`` in ``out_dir`` from ``<out_dir>/<name>/metrics.jsonl``; None when none exist.
 
     Variants without metrics, or without a training step, are listed below the table as missing.
+    ``concurrency`` > 1 (variants that ran at once on one device) is stated under the table.
     """
     runs, summaries, missing = {}, {}, []
     for name in names:
@@ -100,6 +151,9 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16") -> tup
     table = parity_table(summaries, baseline)
     notes = ("\nTimes are seconds per training step (first step left out: warm-up); `step s` excludes validation "
              "and checkpointing. Accuracy: `val/accuracy` (greedy when `grpo.val_greedy`).\n")
+    if concurrency > 1:
+        notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "
+                  "so compare them within this table only; a timing claim comes from a run with --parallel 1.\n")
     if missing:
         notes += "\nMissing: " + "; ".join(missing) + "\n"
     md = out_dir / "parity.md"
@@ -116,8 +170,18 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", help="default: logs/compare/<backend>")
     p.add_argument("--report-only", action="store_true", help="no runs: redraw the report from existing logs")
     p.add_argument("--dry-run", action="store_true", help="print each variant's command and exit")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="variants run at once (GPU: on the same GPU, each engine's gpu_memory_utilization "
+                        "set to 0.45/N unless given; step times then include the sharing)")
+    p.add_argument("--stagger-s", type=float, default=None,
+                   help="seconds between two starts (default: 45 on gpu, so engines size their memory one at a "
+                        "time; 0 on cpu)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.stagger_s is None:
+        args.stagger_s = 45.0 if args.backend == "gpu" and args.parallel > 1 else 0.0
     table = GPU_VARIANTS if args.backend == "gpu" else VARIANTS
     names = args.variants.split(",") if args.variants else list(table)
     unknown = [n for n in names if n not in table]
@@ -128,21 +192,16 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir or REPO / "logs" / "compare" / args.backend).resolve()
     failed = []
     if not args.report_only:
-        for name in names:
-            cmd = variant_command(args.backend, name, config, out_dir, args.overrides)
+        overrides = list(args.overrides)
+        if args.parallel > 1 and args.backend == "gpu" and not any(o.startswith(_GPU_MEM_KEY + "=") for o in overrides):
+            overrides.append(f"{_GPU_MEM_KEY}={shared_gpu_memory_utilization(args.parallel)}")
+        commands = {name: variant_command(args.backend, name, config, out_dir, overrides) for name in names}
+        for name, cmd in commands.items():
             print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-            if args.dry_run:
-                continue
-            (out_dir / name).mkdir(parents=True, exist_ok=True)
-            with open(out_dir / name / "run.log", "w") as log:
-                rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-            if rc != 0:
-                tail = (out_dir / name / "run.log").read_text(errors="replace")[-3000:]
-                print(f"[{name}] failed (exit {rc}); last output:\n{tail}", file=sys.stderr, flush=True)
-                failed.append(name)
         if args.dry_run:
             return 0
-    written = write_report(out_dir, names)
+        failed = run_variants(commands, out_dir, args.parallel, args.stagger_s)
+    written = write_report(out_dir, names, concurrency=args.parallel)
     if written is None:
         print(f"error: no variant has metrics under {out_dir}", file=sys.stderr)
         return 1

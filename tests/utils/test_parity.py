@@ -131,3 +131,45 @@ def test_dry_run_prints_one_command_per_variant(tmp_path, capsys):
     assert len(lines) == 7 and all(line.endswith("grpo.max_num_steps=5") for line in lines)
     assert f"logger.log_dir={tmp_path}/fp8kv+tis" in lines[4]
     assert not list(tmp_path.iterdir())
+
+
+def test_parallel_dry_run_shares_the_gpu_between_engines(tmp_path, capsys):
+    assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 7 and all("policy.generation.vllm_cfg.gpu_memory_utilization=0.15" in line for line in lines)
+    # a value given on the command line wins
+    assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path),
+                        "policy.generation.vllm_cfg.gpu_memory_utilization=0.1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert all(line.count("gpu_memory_utilization") == 1 and line.endswith("=0.1") for line in lines)
+
+
+def test_run_variants_overlaps_runs_and_reports_failures(tmp_path, capsys):
+    """Two 1.5 s runs at a time: the three runs overlap, each log holds its output, the failure is listed."""
+    import sys
+    import time
+
+    script = ("import sys, time; print('start', time.time(), flush=True); time.sleep(1.5); "
+              "print('end', time.time()); sys.exit(int(sys.argv[1]))")
+    commands = {name: [sys.executable, "-c", script, rc] for name, rc in (("a", "0"), ("b", "3"), ("c", "0"))}
+    t0 = time.monotonic()
+    failed = tool().run_variants(commands, tmp_path, parallel=2, poll_s=0.05)
+    elapsed = time.monotonic() - t0
+    assert failed == ["b"] and "[b] failed (exit 3)" in capsys.readouterr().err
+    spans = {}
+    for name in commands:
+        words = (tmp_path / name / "run.log").read_text().split()
+        spans[name] = (float(words[1]), float(words[3]))
+    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1]  # a and b ran at the same time
+    assert spans["c"][0] >= min(spans["a"][1], spans["b"][1]) - 0.05          # c waited for a free slot
+    assert elapsed < 4.4  # three 1.5 s runs one after another would take >= 4.5 s
+
+
+def test_report_states_concurrency(tmp_path):
+    for name, gen_s in (("bf16", 2.0), ("fp8+tis", 1.5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in fake_run(gen_s, 1e-3, [0.1, 0.2, 0.3])))
+    _, md = tool().write_report(tmp_path, ["bf16", "fp8+tis"], concurrency=4)
+    assert "Up to 4 variants ran at once" in md.read_text()
+    _, md = tool().write_report(tmp_path, ["bf16", "fp8+tis"])
+    assert "ran at once" not in md.read_text()
