@@ -5,18 +5,21 @@ TE reads its block-scaling convention at import) on a random-weight model built 
 Megatron-Bridge from a Qwen3-8B- or Qwen3-30B-A3B-shaped config cut to a few layers:
 
     python tools/bench_train.py --shapes dense,moe --recipes bf16,e4m3-tensorwise,hybrid-tensorwise,e4m3-blockwise \
-        --batch 2 --seq-len 4096 --steps 5 --warmup 2
+        --batch 2 --seq-len 4096 --micro-batches 4 --steps 5 --warmup 2
 
-Columns, per step of ``batch x seq_len`` tokens (one micro-batch, the whole global batch):
+Columns, per micro-batch of ``batch x seq_len`` tokens:
 
 * ``raw f+b``: megatron-core alone: ``GPTModel(input_ids, position_ids, labels=...)`` with its own
   vocab-parallel cross entropy, ``.mean().backward()`` (what ``../shared/gpu-host/README.md``
   measured: BF16 218.2 ms, e4m3 tensorwise 173.3 ms, blockwise 185.2 ms on the dense slice);
 * ``ours f+b``: our backend's forward + backward: chunked vocab-parallel log-probs and the GRPO
   loss (``ClippedPGLossFn``), no optimizer; ``ours/raw`` is its ratio to ``raw f+b``;
+* ``te f+b``: the same with ``megatron_cfg.logprob_kernel: te`` (TransformerEngine's fused
+  ``parallel_cross_entropy``, the kernel behind ``raw f+b``'s loss with ``cross_entropy_fusion_impl='te'``);
 * ``step``: a full training step of the backend (``train``: forward, backward, gradient sync,
-  distributed-optimizer step); ``tok/s`` = tokens / step; ``vs bf16`` = tok/s ratio to BF16 of
-  the same shape;
+  distributed-optimizer step) over a global batch of ``--micro-batches`` micro-batches (a GRPO step
+  has many: the optimizer's cost is shared by all of them), per micro-batch; ``tok/s`` = tokens /
+  that; ``vs bf16`` = tok/s ratio to BF16 of the same shape;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child.
 
 Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``.
@@ -89,29 +92,31 @@ def run_child(a) -> dict:
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend, _unwrap
 
     fp8 = parse_recipe(a.recipe) or {"enabled": False}
-    cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda", train_global_batch_size=a.batch,
-                       train_micro_batch_size=a.batch, logprob_batch_size=a.batch,
-                       max_total_sequence_length=a.seq_len, megatron_cfg={"enabled": True, "fp8_cfg": fp8},
+    cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda",
+                       train_global_batch_size=a.batch * a.micro_batches, train_micro_batch_size=a.batch,
+                       logprob_batch_size=a.batch, max_total_sequence_length=a.seq_len,
+                       megatron_cfg={"enabled": True, "fp8_cfg": fp8, "logprob_kernel": a.logprob_kernel},
                        generation={"vllm_cfg": {"precision": "fp8"}})
     t0 = time.perf_counter()
     be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
     build_s = time.perf_counter() - t0
     vocab = QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab, (a.batch, a.seq_len), generator=g)
-    batch = TrainBatch(token_ids=ids, prompt_lengths=torch.ones(a.batch, dtype=torch.long),
-                       response_lengths=torch.full((a.batch,), a.seq_len - 1, dtype=torch.long),
-                       advantages=torch.where(torch.arange(a.batch) % 2 == 0, 1.0, -1.0),
-                       generation_logprobs=torch.zeros(a.batch, a.seq_len))
+    n = a.batch * a.micro_batches  # the global batch; the first micro-batch is timed alone below
+    batch = TrainBatch(token_ids=torch.randint(2, vocab, (n, a.seq_len), generator=g),
+                       prompt_lengths=torch.ones(n, dtype=torch.long),
+                       response_lengths=torch.full((n,), a.seq_len - 1, dtype=torch.long),
+                       advantages=torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0),
+                       generation_logprobs=torch.zeros(n, a.seq_len))
     batch.prev_logprobs = be.get_logprobs(batch)
     batch.generation_logprobs = batch.prev_logprobs.clone()
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     model, dev = be.model, be.device
-    ids_d = ids.to(dev)
+    mb = batch.select(slice(0, a.batch)).to(dev)
+    ids_d = mb.token_ids
     pos = torch.arange(a.seq_len, device=dev).expand(a.batch, a.seq_len)
     labels = torch.roll(ids_d, -1, dims=1)
-    mb = batch.to(dev)
-    n_tok = torch.tensor(float(batch.token_mask.sum()), device=dev)
+    n_tok = torch.tensor(float(mb.token_mask.sum()), device=dev)
     n_seq = torch.tensor(float(a.batch), device=dev)
     model.train()
 
@@ -125,9 +130,15 @@ def run_child(a) -> dict:
         loss.backward()
 
     raw_s = _timed(raw, a.steps, a.warmup)
-    ours_s = _timed(ours, a.steps, a.warmup)
-    step_s = _timed(lambda: be.train(batch, loss_fn), a.steps, a.warmup)
-    out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, step_ms=step_s * 1e3,
+    kernel_s = {}
+    for kernel in ("chunked", "te"):
+        be.cfg.megatron_cfg.logprob_kernel = kernel
+        kernel_s[kernel] = _timed(ours, a.steps, a.warmup)
+    be.cfg.megatron_cfg.logprob_kernel = a.logprob_kernel
+    ours_s, te_s = kernel_s["chunked"], kernel_s["te"]
+    step_s = _timed(lambda: be.train(batch, loss_fn), a.steps, a.warmup) / a.micro_batches
+    out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, te_ms=te_s * 1e3,
+               step_ms=step_s * 1e3, micro_batches=a.micro_batches, logprob_kernel=a.logprob_kernel,
                tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
                params_b=sum(p.numel() for p in _unwrap(model).parameters()) / 1e9)
     be.shutdown()
@@ -136,8 +147,8 @@ def run_child(a) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     base = {r["shape"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
-    head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'step ms':>8} " \
-           f"{'tok/s':>8} {'vs bf16':>8} {'raw vs bf16':>11} {'peak GiB':>8}"
+    head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'te f+b ms':>9} " \
+           f"{'te/raw':>6} {'step ms':>8} {'tok/s':>8} {'vs bf16':>8} {'raw vs bf16':>11} {'peak GiB':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -149,7 +160,8 @@ def print_table(rows: list[dict]) -> None:
         vs = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         raw_vs = f"{b['raw_ms'] / r['raw_ms']:.3f}" if b else "-"
         print(f"{r['shape']:6} {r['recipe']:22} {r['raw_ms']:10.1f} {r['ours_ms']:11.1f} {r['ours_ms'] / r['raw_ms']:8.3f} "
-              f"{r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {raw_vs:>11} {r['peak_gib']:8.1f}")
+              f"{r['te_ms']:9.1f} {r['te_ms'] / r['raw_ms']:6.3f} {r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {raw_vs:>11} "
+              f"{r['peak_gib']:8.1f}")
 
 
 def main() -> int:
@@ -158,6 +170,9 @@ def main() -> int:
     p.add_argument("--recipes", default="bf16,e4m3-tensorwise,hybrid-tensorwise,e4m3-blockwise")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (step column)")
+    p.add_argument("--logprob-kernel", choices=["chunked", "te"], default="chunked",
+                   help="megatron_cfg.logprob_kernel of the step column")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=300, help="seconds per child")
@@ -167,6 +182,8 @@ def main() -> int:
     p.add_argument("--recipe", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.micro_batches < 1:
+        p.error(f"--micro-batches must be >= 1, got {a.micro_batches}")
     if a.child:
         print("RESULT " + json.dumps(run_child(a)), flush=True)
         return 0
@@ -183,7 +200,8 @@ def main() -> int:
             for recipe in recipes:
                 cmd = [sys.executable, __file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
                        "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
-                       "--warmup", str(a.warmup)]
+                       "--warmup", str(a.warmup), "--micro-batches", str(a.micro_batches),
+                       "--logprob-kernel", a.logprob_kernel]
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=os.environ.copy())
                     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -195,7 +213,8 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     rows.append(dict(shape=shape, recipe=recipe, error=f"timeout {a.timeout}s"))
                 print(f"# {shape} {recipe}: {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"bench_train: {a.batch} x {a.seq_len} tokens per step, median of {a.steps} after {a.warmup} warm-up")
+    print(f"bench_train: {a.batch} x {a.seq_len} tokens per micro-batch, {a.micro_batches} micro-batches per "
+          f"optimizer step (step: {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
     print_table(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -60,6 +60,10 @@ class MegatronConfig(StrictConfig):
     expert_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
+    logprob_kernel: Literal["chunked", "te"] = Field(
+        "chunked", description="per-token log-probs from the vocab-parallel logits: 'chunked' (ours, fp32 chunks "
+        "recomputed in backward) or 'te' (TransformerEngine's fused parallel_cross_entropy, gradient written in "
+        "the forward)")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
 
@@ -80,6 +84,9 @@ class MegatronConfig(StrictConfig):
                         "2.11, megatron-core 0.18.2, no APEX, so gradient_accumulation_fusion off) FP8 primary weights "
                         "gave NaN gradients in the first backward (tests/gpu/test_megatron_policy.py); valid: false "
                         "(FP8 compute, BF16 weights)")
+        if self.logprob_kernel == "te" and not self.enabled:
+            errs.append("logprob_kernel: 'te' (TransformerEngine's fused cross entropy) needs the megatron backend "
+                        "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nemo_fp8.models.hf import token_logprobs
-from nemo_fp8.policy.megatron.logprobs import vocab_parallel_token_logprobs
+from nemo_fp8.policy.megatron.logprobs import fused_token_logprobs, torch_cross_entropy, vocab_parallel_token_logprobs
 
 
 def _case(seed=0, b=3, t=7, v=50, dtype=torch.float32):
@@ -93,3 +93,60 @@ def test_tensor_parallel_shards_give_the_full_vocab_result():
         lp, grad = out[rank]
         torch.testing.assert_close(lp, want.detach(), rtol=0, atol=1e-5)
         torch.testing.assert_close(grad, full.grad[..., rank * 24:(rank + 1) * 24], rtol=0, atol=1e-6)
+
+
+class _OverwritingCrossEntropy(torch.autograd.Function):
+    """TransformerEngine's ``parallel_cross_entropy`` contract on CPU, including its side effect.
+
+    Like TE's Triton kernel it computes the loss and its gradient (``softmax - onehot``, 0 for
+    ignored targets) in the forward, writes the gradient into the input's storage (the logits are
+    gone afterwards) and scales it by the upstream gradient in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, inp, target, ignore_idx):
+        z = inp.detach().float()
+        keep = target != ignore_idx
+        safe = torch.where(keep, target, 0)
+        lse = torch.logsumexp(z, -1)
+        loss = (lse - z.gather(-1, safe[..., None]).squeeze(-1)) * keep
+        grad = torch.softmax(z, -1)
+        grad.scatter_add_(-1, safe[..., None], -torch.ones_like(grad[..., :1]))
+        inp.data.copy_(grad * keep[..., None])  # the logits are overwritten, as TE does
+        ctx.save_for_backward(inp.detach())
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (g,) = ctx.saved_tensors
+        return g * grad_out[..., None].to(g.dtype), None, None
+
+
+def _te_like(inp, target, group):
+    return _OverwritingCrossEntropy.apply(inp, target, -100)
+
+
+@pytest.mark.parametrize("cross_entropy", [_te_like, torch_cross_entropy], ids=["te-like", "torch"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_match_the_chunked_ones(cross_entropy, temperature):
+    """Values and gradients equal the chunked implementation's, with an in-place-gradient kernel too."""
+    logits, ids = _case(seed=3)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    got = fused_token_logprobs(a * 1, ids, cross_entropy, temperature)  # "* 1": a non-leaf, like the model's output
+    want = vocab_parallel_token_logprobs(b, ids, temperature, chunk_size=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert got.dtype == torch.float32 and (got[:, 0] == 0).all()
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(2))
+    (got * w).sum().backward()
+    (want * w).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6)
+    assert (a.grad[:, -1] == 0).all()  # the last position predicts nothing (ignored target)
+
+
+def test_fused_logprobs_bad_arguments_raise():
+    logits, ids = _case()
+    with pytest.raises(ValueError, match="token_ids"):
+        fused_token_logprobs(logits, ids[:, :-1], torch_cross_entropy)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_token_logprobs(logits, ids, torch_cross_entropy, temperature=-1.0)

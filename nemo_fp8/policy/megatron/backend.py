@@ -17,8 +17,9 @@ FP8: megatron-core enters TE's ``fp8_autocast`` per decoder layer with the recip
 right padded to the recipe's multiple (``settings.sequence_pad_multiple``).
 
 Log-probs: ``vocab_parallel_token_logprobs`` on the vocab-parallel logits, chunked, so no
-full-vocabulary fp32 logits exist for the batch; loss and metrics through the same
-``LossFn`` and ``MetricAccumulator`` as the torch backend.
+full-vocabulary fp32 logits exist for the batch, or (``megatron_cfg.logprob_kernel: te``)
+TransformerEngine's fused ``parallel_cross_entropy`` through ``fused_token_logprobs``; loss and
+metrics through the same ``LossFn`` and ``MetricAccumulator`` as the torch backend.
 
 Refit: ``named_weights`` streams Megatron-Bridge's ``export_hf_weights`` (HF names, tensor-
 parallel shards gathered; every tensor-parallel rank must iterate it, see ``drain_weights``).
@@ -47,7 +48,7 @@ from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
-from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_token_logprobs
+from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
 from nemo_fp8.policy.torch_backend import ShardTrainResult, batched_logprobs, global_batches, reduce_train_results
 
 logger = logging.getLogger(__name__)
@@ -207,8 +208,15 @@ class MegatronPolicyBackend:
     def _forward_logprobs(self, model, mb: TrainBatch) -> Tensor:
         """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses."""
         logits, ids_p = self._padded_forward(model, mb.token_ids)
-        lp = vocab_parallel_token_logprobs(logits, ids_p, self.temperature, vocab_start=self.tp_rank * logits.shape[-1],
-                                           group=self.tp_group, chunk_size=DEFAULT_CHUNK_SIZE)
+        if self.cfg.megatron_cfg.logprob_kernel == "te":
+            from transformer_engine.pytorch import parallel_cross_entropy
+
+            lp = fused_token_logprobs(logits, ids_p, lambda x, y, g: parallel_cross_entropy(x, y, 0.0, False, g),
+                                      self.temperature, group=self.tp_group)
+        else:
+            lp = vocab_parallel_token_logprobs(logits, ids_p, self.temperature,
+                                               vocab_start=self.tp_rank * logits.shape[-1], group=self.tp_group,
+                                               chunk_size=DEFAULT_CHUNK_SIZE)
         return lp[:, :mb.token_ids.shape[1]] * mb.token_mask
 
     @torch.no_grad()

@@ -130,3 +130,63 @@ def vocab_parallel_token_logprobs(logits: Tensor, token_ids: Tensor, temperature
     picked = ChunkedVocabParallelLogprobs.apply(logits.reshape(b * t, v), targets, vocab_start, float(temperature),
                                                 group, chunk_size).view(b, t)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked[:, :-1]], dim=1)  # [B, T]
+
+
+IGNORE_INDEX = -100  # target id whose loss and gradient are 0 (TE's and torch's ``ignore_idx`` default)
+
+
+def fused_token_logprobs(logits: Tensor, token_ids: Tensor, cross_entropy, temperature: float = 1.0,
+                         group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Log-prob of each token aligned to the token, through a fused vocab-parallel cross-entropy kernel.
+
+    ``log p(y) = -CE(z, y)`` with ``z = logits / temperature``, so the cross entropy's gradient
+    ``softmax(z) - onehot(y)`` is the log-prob's, negated. TransformerEngine's
+    ``parallel_cross_entropy`` (the Triton kernel megatron-core uses for its own loss,
+    ``cross_entropy_fusion_impl='te'``) reads the bf16 logits once per pass (online softmax, ranks
+    exchange max / sum / target logit) and writes the gradient into the logits' storage during the
+    forward, so the backward is one scaling: no fp32 copy of the logits at all, against
+    ``vocab_parallel_token_logprobs``' chunked fp32 recomputation.
+
+    Args:
+        logits: [B, T, V_local] bf16 / fp32 vocab-parallel logits (overwritten by the kernel with the
+            cross entropy's gradient when it is TE's: do not reuse them).
+        token_ids: [B, T] int64 global token ids.
+        cross_entropy: ``f(inp [B, T, V_local], target [B, T] int64, group) -> [B, T] float32`` per-token
+            cross entropy over the whole vocabulary, differentiable in ``inp``, ``target ==
+            IGNORE_INDEX`` giving 0 loss and 0 gradient; e.g. ``lambda x, y, g:
+            transformer_engine.pytorch.parallel_cross_entropy(x, y, 0.0, False, g)``.
+        temperature: > 0, the sampler's temperature (logits are divided by it; a copy unless 1).
+        group: the tensor-parallel process group (None: the whole vocabulary is here).
+
+    Returns:
+        [B, T] float32; column t = log p(token_t | tokens_<t); column 0 is 0.
+
+    Raises:
+        ValueError: shapes that do not match, or ``temperature <= 0``.
+    """
+    if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be [B, T, V_local] and token_ids [B, T]; got {tuple(logits.shape)} "
+                         f"and {tuple(token_ids.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits if temperature == 1.0 else logits / temperature
+    # position t-1 predicts token t; the last position predicts nothing
+    targets = torch.cat([token_ids[:, 1:], torch.full_like(token_ids[:, :1], IGNORE_INDEX)], dim=1)
+    logp = -cross_entropy(z, targets, group)  # [B, T]
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp[:, :-1]], dim=1)
+
+
+def torch_cross_entropy(inp: Tensor, target: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """The ``cross_entropy`` contract of ``fused_token_logprobs`` in plain torch (fp32, full vocabulary).
+
+    The CPU reference for that contract (TransformerEngine's kernel is the GPU one); no tensor
+    parallelism.
+
+    Raises:
+        ValueError: a process group of more than one rank.
+    """
+    if group is not None and dist.get_world_size(group) > 1:
+        raise ValueError("torch_cross_entropy: the whole vocabulary must be on this rank (no tensor parallelism)")
+    b, t, v = inp.shape
+    return torch.nn.functional.cross_entropy(inp.float().reshape(b * t, v), target.reshape(-1),
+                                             ignore_index=IGNORE_INDEX, reduction="none").view(b, t)
