@@ -1,0 +1,60 @@
+#!/bin/bash
+# The GPU checks of the README's "On a GPU host" sections, by name, within one time budget:
+#
+#   DEADLINE=560 bash tools/gpu_jobs.sh mtest kvtest        # names below; DEADLINE: seconds for all of them
+#
+# On the project's GPU host the stack comes from ../shared/gpu-host (.stage/install.sh writes
+# /tmp/gpu-site/env.sh; it is installed here on first use). Elsewhere, have vLLM / TE / megatron-core /
+# Megatron-Bridge importable. Logs (and metrics) go to $OUT (default logs/gpu_jobs).
+#   mtest   megatron GPU tests (K: pytest -k filter, default all)   vtest   vLLM FP8 tests (dense + MoE)
+#   kvtest  FP8 KV cache tests                                      e2e     tiny megatron FP8 GRPO + its BF16 twin
+#   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
+#   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
+#   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS)
+#   wait    sleep to the deadline, then show the background logs    sh      bash -c "$CMD"
+set -u
+START=$(date +%s); DEADLINE=${DEADLINE:-560}
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+if [ ! -f /tmp/gpu-site/env.sh ] && [ -f .stage/install.sh ]; then
+  bash .stage/install.sh > /tmp/install.log 2>&1 || { tail -30 /tmp/install.log; exit 3; }
+fi
+[ -f /tmp/gpu-site/env.sh ] && source /tmp/gpu-site/env.sh
+export PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+OUT=${OUT:-logs/gpu_jobs}; mkdir -p "$OUT"
+TINY="examples/configs/grpo_math_tiny_megatron_fp8.yaml"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for job in "$@"; do
+  L=$(left); echo "=== $job (${L}s left) $(date +%T)"
+  [ "$L" -lt 20 ] && { echo "skipped: deadline"; continue; }
+  case $job in
+    mtest) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 -m pytest -q -s -m gpu tests/gpu/test_megatron_policy.py \
+             -k "${K:-}" -p no:cacheprovider 2>&1 | tee "$OUT/mtest.log" | tail -40 ;;
+    vtest) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 -m pytest -q -s -m gpu tests/gpu/test_vllm_fp8.py \
+             tests/gpu/test_vllm_moe_pow2.py -p no:cacheprovider 2>&1 | tee "$OUT/vtest.log" | tail -40 ;;
+    kvtest) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 -m pytest -q -s -m gpu tests/gpu/test_vllm_fp8_kv.py \
+              -p no:cacheprovider 2>&1 | tee "$OUT/kvtest.log" | tail -40 ;;
+    kvgrpo) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 examples/run_grpo_math.py --config $TINY \
+              grpo.max_num_steps=${STEPS:-6} grpo.val_period=3 policy.generation.vllm_cfg.kv_cache_dtype=fp8 \
+              logger.log_dir=logs/kvgrpo checkpointing.enabled=false 2>&1 | tee "$OUT/kvgrpo.log" | tail -30
+            cp logs/kvgrpo/metrics.jsonl "$OUT/kvgrpo_metrics.jsonl" 2>/dev/null ;;
+    e2e) for v in fp8 bf16; do
+           ex=""; [ $v = bf16 ] && ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16"
+           VLLM_USE_DEEP_GEMM=0 timeout $(( $(left) / 2 )) python3 examples/run_grpo_math.py --config $TINY \
+             grpo.max_num_steps=${STEPS:-5} logger.log_dir=logs/e2e_$v checkpointing.enabled=false $ex 2>&1 \
+             | tee "$OUT/e2e_$v.log" | tail -25
+           cp logs/e2e_$v/metrics.jsonl "$OUT/e2e_${v}_metrics.jsonl" 2>/dev/null
+         done ;;
+    kvbench) timeout $((L-5)) python3 tools/bench_rollout.py ${BENCH_ARGS:---models dense --precisions fp8-kv,bf16,fp8-cutlass \
+               --num-prompts 512 --output-len 1536} --timeout $((L-20)) 2>&1 | tee "$OUT/kvbench.log" | tail -30 ;;
+    btrain) timeout $((L-5)) python3 tools/bench_train.py ${BT_ARGS:---shapes dense --recipes bf16,e4m3-tensorwise,e4m3-blockwise} \
+              2>&1 | tee "$OUT/btrain.log" | tail -30 ;;
+    small) setsid nohup python3 tools/make_small_model.py --out models/small-qwen3 ${SMALL_ARGS:-} > "$OUT/small.log" 2>&1 \
+             < /dev/null & sleep 30; tail -5 "$OUT/small.log" ;;
+    parity) setsid nohup python3 tools/compare_precision.py --backend gpu ${PARITY_ARGS:-} > "$OUT/parity.log" 2>&1 \
+              < /dev/null & sleep 30; tail -5 "$OUT/parity.log" ;;
+    wait) sleep $(( $(left) - 15 )); tail -n ${TAIL:-15} "$OUT/small.log" "$OUT/parity.log" 2>/dev/null ;;
+    sh) bash -c "$CMD" 2>&1 | tail -60 ;;
+    *) echo "unknown job $job (see the head of $0)" ;;
+  esac
+done
+echo "=== done $(date +%T), $(left)s left"; nvidia-smi --query-gpu=memory.used --format=csv,noheader
