@@ -52,7 +52,9 @@ for job in "$@"; do
              < /dev/null & sleep 30; tail -5 "$OUT/small.log" ;;
     parity) setsid nohup python3 tools/compare_precision.py --backend gpu ${PARITY_ARGS:-} > "$OUT/parity.log" 2>&1 \
               < /dev/null & sleep 30; tail -5 "$OUT/parity.log" ;;
-    wait) sleep $(( $(left) - 15 )); tail -n ${TAIL:-15} "$OUT/small.log" "$OUT/parity.log" 2>/dev/null ;;
+    wait) sleep $(( $(left) - 15 )); tail -n ${TAIL:-15} "$OUT/small.log" "$OUT/parity.log" 2>/dev/null
+          cp models/small-qwen3/small_model_spec.json logs/compare/gpu/parity.md logs/compare/gpu/parity.png "$OUT"/ 2>/dev/null
+          tar czf "$OUT/parity_metrics.tgz" logs/compare/gpu/*/metrics.jsonl 2>/dev/null ;;
     sh) bash -c "$CMD" 2>&1 | tail -60 ;;
     *) echo "unknown job $job (see the head of $0)" ;;
   esac
