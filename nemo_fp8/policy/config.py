@@ -80,10 +80,10 @@ class MegatronConfig(StrictConfig):
                 errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
                             "parallelism and data parallelism are)")
         if self.fp8_cfg.fp8_param and self.enabled:
-            errs.append("fp8_cfg.fp8_param: true is not supported by this build: with the host stack (TransformerEngine "
-                        "2.11, megatron-core 0.18.2, no APEX, so gradient_accumulation_fusion off) FP8 primary weights "
-                        "gave NaN gradients in the first backward (tests/gpu/test_megatron_policy.py); valid: false "
-                        "(FP8 compute, BF16 weights)")
+            errs.append("fp8_cfg.fp8_param: true is not supported by this build yet: FP8 primary weights gave NaN "
+                        "gradients on the GPU host (TransformerEngine 2.11, megatron-core 0.18.2); the fix (main params "
+                        "from the checkpoint, not TE's uninitialised init values) awaits "
+                        "tests/gpu/test_megatron_policy.py::test_fp8_param_*; valid: false (FP8 compute, BF16 weights)")
         if self.logprob_kernel == "te" and not self.enabled:
             errs.append("logprob_kernel: 'te' (TransformerEngine's fused cross entropy) needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")

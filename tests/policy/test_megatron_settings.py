@@ -43,6 +43,9 @@ def test_dtypes_bf16_fp16_fp32():
     assert (opt["fp16"], opt["bf16"], opt["loss_scale"]) == (True, False, None)  # None: dynamic loss scaling
     fp32 = _cfg(top=dict(precision="float32"), optimizer=dict(bf16=False))
     assert settings.train_dtype(fp32) == torch.float32
+    assert opt["fp8_recipe"] is None  # no FP8 training: the optimizer sees no FP8 parameters
+    fp8 = _cfg(fp8_cfg=dict(enabled=True, fp8_recipe="tensorwise"))
+    assert settings.optimizer_config_kwargs(fp8)["fp8_recipe"] == "tensorwise"
 
 
 def test_gradients_are_summed_across_ranks_and_clip_defaults_to_max_grad_norm():

@@ -144,6 +144,8 @@ class MegatronPolicyBackend:
 
         self.bridge, self.model, self.reference = self._build(keep_reference, load_weights)
         self.optimizer, self.scheduler = self._build_optimizer()
+        if load_weights and self._fp8_param:
+            self._load_fp8_params_and_main_params()
         self.num_updates = 0
         self._offloaded: set[str] = set()
         logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
@@ -163,7 +165,14 @@ class MegatronPolicyBackend:
                                f"NVTE_FP8_BLOCK_SCALING_FP32_SCALES={int(want_fp32)} (policy.generation.vllm_cfg."
                                "pow2_weight_scaling_factors); start the backend in a fresh process")
 
+    @property
+    def _fp8_param(self) -> bool:
+        f = self.cfg.megatron_cfg.fp8_cfg
+        return f.enabled and f.fp8_param
+
     def _build(self, keep_reference: bool, load_weights: bool):
+        """(bridge, DDP model, frozen reference or None). With ``fp8_param`` the weights load after the
+        optimizer exists (``_load_fp8_params_and_main_params``); otherwise in Bridge's pre-wrap hook."""
         from megatron.bridge import AutoBridge
         from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -174,7 +183,11 @@ class MegatronPolicyBackend:
             from transformers import AutoConfig
 
             bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(self.cfg.model_name))
-        provider = bridge.to_megatron_provider(load_weights=load_weights)
+        # fp8_param: TE keeps each FP8 weight's value at init as its "high-precision init value" and
+        # the distributed optimizer seeds its fp32 main params from it (megatron-core
+        # distrib_optimizer.py); Bridge's load hook skips the init (the value is uninitialised
+        # memory), so the first optimizer step would write garbage. Initialise, load later.
+        provider = bridge.to_megatron_provider(load_weights=load_weights and not self._fp8_param)
         for key, value in settings.provider_overrides(self.cfg).items():
             setattr(provider, key, value)
         provider.finalize()
@@ -183,7 +196,29 @@ class MegatronPolicyBackend:
         reference = None
         if keep_reference:  # a second copy, frozen, without DDP (the HF weights load again)
             reference = provider.provide_distributed_model(wrap_with_ddp=False)[0].eval().requires_grad_(False)
+            if load_weights and self._fp8_param:
+                bridge.load_hf_weights([reference])
         return bridge, model, reference
+
+    def _load_fp8_params_and_main_params(self) -> None:
+        """fp8_param: load the HF weights into the FP8 parameters (quantized in place) and the exact
+        bf16 values into the optimizer's fp32 main params.
+
+        Bridge's own HF-initialised path: ``load_hf_weights`` then ``optimizer.reload_model_params``
+        (megatron/bridge/training/checkpointing.py); ``export_weight_dtype="fp8"`` makes Bridge keep
+        each unquantized shard while loading (``unquantized_state_dict``), as NeMo-RL's
+        ``load_main_params_from_ckpt`` does from its checkpoint, so the main params are not the
+        dequantized FP8 values.
+        """
+        previous = self.bridge.export_weight_dtype
+        self.bridge.export_weight_dtype = "fp8"  # only for the capture; the refit exports bf16
+        try:
+            self.bridge.load_hf_weights([self.model])
+        finally:
+            self.bridge.export_weight_dtype = previous
+        unquantized = getattr(self.bridge, "unquantized_state_dict", None)
+        self.optimizer.reload_model_params(state_dict=unquantized)
+        self.bridge.unquantized_state_dict = None
 
     def _build_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

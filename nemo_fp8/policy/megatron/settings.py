@@ -98,7 +98,8 @@ def ddp_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
 def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     """``OptimizerConfig``: Adam (decoupled weight decay) or SGD with fp32 master weights; the
     gradient-norm clip is ``policy.max_grad_norm`` unless ``megatron_cfg.optimizer.clip_grad`` is set;
-    fp16 gets dynamic loss scaling (megatron-core's ``DynamicGradScaler``)."""
+    fp16 gets dynamic loss scaling (megatron-core's ``DynamicGradScaler``); ``fp8_recipe`` tells the
+    optimizer how FP8 parameters are scaled (as Megatron-Bridge sets it from its mixed-precision config)."""
     o = cfg.megatron_cfg.optimizer
     dtype = train_dtype(cfg)
     return dict(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -107,6 +108,7 @@ def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
                 clip_grad=o.clip_grad if o.clip_grad is not None else cfg.max_grad_norm,
                 use_distributed_optimizer=o.use_distributed_optimizer,
                 use_precision_aware_optimizer=o.use_precision_aware_optimizer,
+                fp8_recipe=cfg.megatron_cfg.fp8_cfg.fp8_recipe if cfg.megatron_cfg.fp8_cfg.enabled else None,
                 loss_scale=None, initial_loss_scale=o.initial_loss_scale)
 
 
