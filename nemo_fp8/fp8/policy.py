@@ -19,7 +19,11 @@ name substrings:
   3. MoE router: a Linear whose parent module also has a child registered as
      `experts`, and whose out_features equals the number of experts (len() of the
      `experts` container, else its / the parent's `num_experts` attribute), or is 1
-     (a shared-expert gate such as Qwen2-MoE's `shared_expert_gate`).
+     (a shared-expert gate such as Qwen2-MoE's `shared_expert_gate`). transformers 5
+     routers are not Linears (`Qwen3MoeTopKRouter`: a 2-D `weight` [num_experts, hidden]
+     applied with F.linear); a sibling of `experts` holding such a `weight` (plus at
+     most a bias / score-correction bias) counts the same way, so it stays high
+     precision and lands in vLLM's `ignored_layers` (vLLM's `mlp.gate` is a Linear).
   4. ignore_patterns are matched against the full HF module name with
      fnmatch.fnmatchcase (e.g. "model.layers.*.mlp.down_proj"); a pattern starting
      with "re:" is a Python regex applied with re.match (the compressed-tensors /
@@ -126,12 +130,24 @@ def _num_experts(moe_block: nn.Module) -> int | None:
     return None
 
 
-def _is_router(linear: nn.Module, parent: nn.Module) -> bool:
-    """Rule 3: a Linear next to an `experts` container that produces one logit per expert."""
-    if "experts" not in parent._modules or not isinstance(linear, nn.Linear):
+_ROUTER_PARAMS = {"weight", "bias", "e_score_correction_bias"}
+
+
+def _is_router(module: nn.Module, parent: nn.Module) -> bool:
+    """Rule 3: a Linear (or a module with a 2-D ``weight``) next to an `experts` container that
+    produces one logit per expert."""
+    if "experts" not in parent._modules or module is parent._modules["experts"]:
         return False
+    if isinstance(module, nn.Linear):
+        out = module.out_features
+    else:
+        params = dict(module.named_parameters(recurse=False))
+        weight = params.get("weight")
+        if weight is None or weight.dim() != 2 or not set(params) <= _ROUTER_PARAMS:
+            return False
+        out = weight.shape[0]
     num_experts = _num_experts(parent)
-    return linear.out_features == 1 or (num_experts is not None and linear.out_features == num_experts)
+    return out == 1 or (num_experts is not None and out == num_experts)
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -191,9 +207,11 @@ def plan_layer_precision(
     stack_prefix = stack_name + "." if stack_name else ""
     fp8, high, routers = [], [], []
     for name, module in modules.items():
-        if not isinstance(module, LINEAR_TYPES):
+        if not name:
             continue
         parent = modules[name.rpartition(".")[0]] if "." in name else model
+        if not isinstance(module, LINEAR_TYPES) and not _is_router(module, parent):
+            continue
         layer_index = None
         if stack is not None and name.startswith(stack_prefix):
             head = name[len(stack_prefix) :].split(".", 1)[0]

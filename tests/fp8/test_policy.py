@@ -143,6 +143,24 @@ def test_moe_router_and_shared_gate_excluded_and_stack_found_despite_equal_lengt
     assert "model.layers.1.mlp.experts" not in plan.vllm_ignored_layers
 
 
+def test_transformers5_moe_router_module_is_a_router():
+    """Qwen3-MoE in transformers 5: fused ``experts`` (3-D parameters) and a ``Qwen3MoeTopKRouter`` gate
+    (a [num_experts, hidden] ``weight``, no Linear): the gate is a high-precision router in every layer."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=256, num_experts=4,
+                         num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert not isinstance(model.model.layers[0].mlp.gate, nn.Linear)
+    plan = plan_layer_precision(model)
+    gates = [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert plan.router_modules == gates
+    assert all(g in plan.high_precision_modules and g in plan.vllm_ignored_layers for g in gates)
+    assert "model.layers.0.self_attn.q_proj" in plan.fp8_modules
+    assert not any(n.endswith("mlp.experts") for n in plan.vllm_ignored_layers)  # fused experts stay FP8
+
+
 def test_router_is_decided_by_shape_not_name():
     model = ToyCausalLM(num_layers=2, num_experts=4)
     model.model.layers[0].mlp.gate = nn.Linear(H, 3)  # not one logit per expert: not a router

@@ -81,6 +81,20 @@ def test_refit_plan_moe_splits_fused_experts():
     assert len(meta) == 16 and [m[0] for m in meta] == list(out)
 
 
+def test_moe_router_stays_bf16_in_the_engine_and_the_refit():
+    """transformers 5's router (``Qwen3MoeTopKRouter``, a [num_experts, hidden] weight, not a Linear) is
+    high precision: vLLM must not quantize ``mlp.gate`` (its Linear of 4 outputs would become a block-FP8
+    GEMM, and a bf16 refit of it would be cast into FP8 without a scale), so it is in ``ignored_layers``
+    in every layer and refits as bf16."""
+    plan, ignored = build_refit_plan(VllmConfig(precision="fp8"), MOE)
+    assert all(f"model.layers.{i}.mlp.gate" in ignored for i in range(3))
+    assert "model.layers.1.mlp.gate" not in plan.fp8_modules
+    (name, w), = plan.convert("model.layers.1.mlp.gate.weight", torch.randn(4, 256, dtype=torch.bfloat16))
+    assert name == "model.layers.1.mlp.gate.weight" and w.dtype == torch.bfloat16
+    spec = build_engine_spec(VllmConfig(precision="fp8"), MOE, "/m")
+    assert "model.layers.2.mlp.gate" in spec.engine_kwargs["hf_overrides"]["quantization_config"]["ignored_layers"]
+
+
 def test_patch_table_is_versioned():
     assert PATCHES and all(p.tested_versions for p in PATCHES)
     assert check_patch_table("0.22.0") == []

@@ -42,8 +42,10 @@ def test_pow2_convention_is_live_and_bit_exact(tmp_path):
         gc.collect()
 
 
-@pytest.mark.xfail(reason="open (issue 7): the Qwen3-MoE test engine failed to start on the H200 "
-                          "('Engine core initialization failed'), root cause not captured yet", strict=False)
+@pytest.mark.xfail(reason="open (issue 7): the Qwen3-MoE test engine failed to start on the H200 ('Engine core "
+                          "initialization failed'). Likely cause, found on CPU: transformers 5's router is not a "
+                          "Linear, so it was not in ignored_layers and vLLM made its 8-output gate a block-FP8 "
+                          "GEMM; fixed in fp8/policy.py, not yet rerun here", strict=False)
 def test_qwen3_moe_rolls_out_and_refits(tmp_path):
     os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
     path = _save_qwen3(tmp_path / "moe", moe=True, seed=4)
