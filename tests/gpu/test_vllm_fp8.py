@@ -76,6 +76,31 @@ def test_scale_convention_live_fp32(dense_engine):
     assert conv["e8m0"] is False and conv["act_ue8m0"] == [False]
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.o_proj", "model.layers.2.mlp.down_proj"])
+def test_one_fp8_linear_matches_the_torch_reference(dense_engine, name):
+    """One engine Linear vs ``Fp8BlockLinear`` holding the engine's exact FP8 weight and scales, same bf16
+    input: isolates the GEMM numerics (activation quantization, block-scaled accumulation) from the
+    whole model's sensitivity (a random model amplifies any FP8 rounding flip layer after layer)."""
+    from nemo_fp8.fp8.linear import Fp8BlockLinear
+
+    p = _engine_params(dense_engine, [f"{name}.weight", f"{name}.weight_scale_inv"])
+    w, s = p[f"{name}.weight"].cuda(), p[f"{name}.weight_scale_inv"].cuda()
+    n, k = w.shape
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 37 rows: not a tile
+    raw = x.contiguous().view(torch.uint8).numpy().tobytes()
+    dt, shape, out = dense_engine.llm.collective_rpc("nemo_fp8_linear_forward", args=(name, ("bfloat16", [37, k], raw)))[0]
+    got = torch.frombuffer(bytearray(out), dtype=torch.uint8).view(getattr(torch, dt)).reshape(shape).float().cuda()
+    ref_mod = Fp8BlockLinear(k, n, bias=False, device="cuda")
+    ref_mod.weight.copy_(w)
+    ref_mod.weight_scale_inv.copy_(s)
+    ref = ref_mod(x.cuda()).float()
+    exact = x.cuda().float() @ (w.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).t()
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    d_engine, d_act = rel(got, ref), rel(ref, exact)  # engine vs reference; what activation FP8 itself changes
+    print(f"{name}: vLLM vs torch reference relative difference {d_engine:.2e}; activation FP8 effect {d_act:.2e}")
+    assert d_engine < 0.2 * d_act and d_engine < 1e-2
+
+
 @pytest.mark.xfail(reason="open (issue 7): on the H200 vLLM FP8 differed from the torch FP8 reference by mean "
                           "|dlogprob| 0.146 vs 0.259 for FP8 itself, over the 0.5x bound; cause not found yet",
                    strict=False)

@@ -30,6 +30,28 @@ class Fp8WorkerExtension:
             out[n] = (str(t.dtype).split(".")[-1], list(t.shape), t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return out
 
+    def nemo_fp8_linear_forward(self, name: str, x: tuple) -> tuple:
+        """Run the engine's linear module ``name`` (e.g. ``model.layers.1.self_attn.o_proj``: its quantization
+        method's kernels, CUTLASS / DeepGEMM block FP8) on one input, outside any forward pass.
+
+        Args:
+            name: a vLLM ``LinearBase`` module name.
+            x: (dtype name, shape [M, K], raw bytes) of the input.
+
+        Returns:
+            (dtype name, shape [M, N], raw bytes) of the output (without the bias the module returns apart).
+
+        Raises:
+            KeyError: no module ``name``.
+        """
+        dtype, shape, raw = x
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+        module = dict(self._nf_model().named_modules())[name]
+        with torch.no_grad():
+            out = module(t.to(next(module.parameters()).device))
+        out = (out[0] if isinstance(out, tuple) else out).contiguous()
+        return str(out.dtype).split(".")[-1], list(out.shape), out.view(torch.uint8).cpu().numpy().tobytes()
+
     def nemo_fp8_param_info(self) -> dict:
         """name -> (dtype name, shape, data_ptr) of every parameter."""
         return {n: (str(p.dtype).split(".")[-1], list(p.shape), p.data_ptr())
