@@ -12,6 +12,7 @@
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
 #   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS)
 #   wait    sleep to the deadline, then show the background logs    sh      bash -c "$CMD"
+#   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
 set -u
 START=$(date +%s); DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
@@ -20,6 +21,9 @@ if [ ! -f /tmp/gpu-site/env.sh ] && [ -f .stage/install.sh ]; then
 fi
 [ -f /tmp/gpu-site/env.sh ] && source /tmp/gpu-site/env.sh
 export PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+# DeepGEMM compiles its kernels on first use (minutes on a fresh host): keep them in the checkout so a
+# later run (or host, given the folder) starts warm; `dgcache` packs them into $OUT.
+export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.dgcache}
 OUT=${OUT:-logs/gpu_jobs}; mkdir -p "$OUT"
 TINY="examples/configs/grpo_math_tiny_megatron_fp8.yaml"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -55,6 +59,7 @@ for job in "$@"; do
     wait) sleep $(( $(left) - 15 )); tail -n ${TAIL:-15} "$OUT/small.log" "$OUT/parity.log" 2>/dev/null
           cp models/small-qwen3/small_model_spec.json logs/compare/gpu/parity.md logs/compare/gpu/parity.png "$OUT"/ 2>/dev/null
           tar czf "$OUT/parity_metrics.tgz" logs/compare/gpu/*/metrics.jsonl 2>/dev/null ;;
+    dgcache) tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz" ;;
     sh) bash -c "$CMD" 2>&1 | tail -60 ;;
     *) echo "unknown job $job (see the head of $0)" ;;
   esac
