@@ -7,7 +7,8 @@
 # /tmp/gpu-site/env.sh; it is installed here on first use). Elsewhere, have vLLM / TE / megatron-core /
 # Megatron-Bridge importable. Logs (and metrics) go to $OUT (default logs/gpu_jobs).
 #   mtest   megatron GPU tests (K: pytest -k filter, default all)   vtest   vLLM FP8 tests (dense + MoE)
-#   kvtest  FP8 KV cache tests                                      e2e     tiny megatron FP8 GRPO + its BF16 twin
+#   kvtest  FP8 KV cache tests                                      e2e     tiny megatron GRPO: E2E="fp8 bf16 fp16" (FP8
+#           rollout + FP8 training, all BF16, FP8 rollout + FP16 training with loss scaling)
 #   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
 #   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS)
@@ -41,9 +42,13 @@ for job in "$@"; do
               grpo.max_num_steps=${STEPS:-6} grpo.val_period=3 policy.generation.vllm_cfg.kv_cache_dtype=fp8 \
               logger.log_dir=logs/kvgrpo checkpointing.enabled=false 2>&1 | tee "$OUT/kvgrpo.log" | tail -30
             cp logs/kvgrpo/metrics.jsonl "$OUT/kvgrpo_metrics.jsonl" 2>/dev/null ;;
-    e2e) for v in fp8 bf16; do
-           ex=""; [ $v = bf16 ] && ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16"
-           VLLM_USE_DEEP_GEMM=0 timeout $(( $(left) / 2 )) python3 examples/run_grpo_math.py --config $TINY \
+    e2e) for v in ${E2E:-fp8 bf16 fp16}; do
+           case $v in
+             fp8) ex="" ;;
+             bf16) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16" ;;
+             fp16) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.megatron_cfg.optimizer.bf16=false policy.megatron_cfg.optimizer.fp16=true" ;;
+           esac
+           VLLM_USE_DEEP_GEMM=0 timeout $(( $(left) / 3 )) python3 examples/run_grpo_math.py --config $TINY \
              grpo.max_num_steps=${STEPS:-5} logger.log_dir=logs/e2e_$v checkpointing.enabled=false $ex 2>&1 \
              | tee "$OUT/e2e_$v.log" | tail -25
            cp logs/e2e_$v/metrics.jsonl "$OUT/e2e_${v}_metrics.jsonl" 2>/dev/null
