@@ -13,6 +13,19 @@ EOS = 1
 MAX_LEN = 384
 
 
+def save_llama(path, seed=0):
+    """Save a random-weight Llama checkpoint (bf16, the shapes of ``save_qwen3``'s dense model); returns ``path``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=128, vocab_size=4096, max_position_embeddings=2048,
+                      initializer_range=0.05, tie_word_embeddings=False, bos_token_id=0, eos_token_id=EOS,
+                      pad_token_id=0)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(path))
+    return path
+
+
 def save_qwen3(path, moe=False, seed=0):
     """Save a random-weight Qwen3 (or Qwen3-MoE) checkpoint, bf16, every Linear FP8-eligible; returns ``path``.
 

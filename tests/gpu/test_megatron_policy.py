@@ -33,7 +33,7 @@ from nemo_fp8.algorithms.config import ClippedPGLossConfig  # noqa: E402
 from nemo_fp8.algorithms.loss import ClippedPGLossFn  # noqa: E402
 from nemo_fp8.batch import TrainBatch  # noqa: E402
 from nemo_fp8.policy.config import PolicyConfig  # noqa: E402
-from tests.gpu.helpers import hf_state, save_qwen3  # noqa: E402
+from tests.gpu.helpers import hf_state, save_llama, save_qwen3  # noqa: E402
 
 VOCAB = 4096  # save_qwen3's vocabulary
 
@@ -41,6 +41,13 @@ VOCAB = 4096  # save_qwen3's vocabulary
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return save_qwen3(tmp_path_factory.mktemp("m") / "qwen3")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def any_ckpt(request, tmp_path_factory):
+    """The architectures the backend builds through Megatron-Bridge: Qwen3 and Llama."""
+    save = save_qwen3 if request.param == "qwen3" else save_llama
+    return save(tmp_path_factory.mktemp(request.param) / request.param)
 
 
 def _policy_cfg(path, fp8=None, first=0, last=0, lr=1e-5, megatron=True, **megatron_cfg):
@@ -78,10 +85,10 @@ def _batch(n=8, seed=0, width=160):
                       generation_logprobs=torch.zeros(n, width))
 
 
-def test_hf_megatron_hf_is_exact(ckpt):
-    be = _backend(_policy_cfg(ckpt))
+def test_hf_megatron_hf_is_exact(any_ckpt):
+    be = _backend(_policy_cfg(any_ckpt))
     try:
-        state = hf_state(ckpt)
+        state = hf_state(any_ckpt)
         got = {n: t.cpu() for n, t in be.named_weights()}
         assert set(got) == set(state), (set(got) ^ set(state))
         for name, t in state.items():
@@ -90,16 +97,16 @@ def test_hf_megatron_hf_is_exact(ckpt):
         _close(be)
 
 
-def test_logprobs_match_torch_reference(ckpt):
+def test_logprobs_match_torch_reference(any_ckpt):
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
     batch = _batch()
-    be = _backend(_policy_cfg(ckpt))
+    be = _backend(_policy_cfg(any_ckpt))
     try:
         lp_m = be.get_logprobs(batch)
     finally:
         _close(be)
-    ref = TorchPolicyBackend(_policy_cfg(ckpt, megatron=False),
+    ref = TorchPolicyBackend(_policy_cfg(any_ckpt, megatron=False),
                              torch.device("cuda", 0))
     lp_t = ref.get_logprobs(batch)
     del ref
