@@ -22,8 +22,9 @@ Precisions (``PRECISIONS``):
     fp8-deepgemm-kv  fp8-deepgemm + FP8 KV cache. Its linear-only baseline: fp8-deepgemm.
 
 Workloads: "fixed": ``--num-prompts`` x (``--input-len`` in, ``--output-len`` out), ignore_eos;
-"RL-like": ``--rl-prompts`` prompts x ``--rl-samples`` samples, long-tailed response lengths
-(lognormal around output-len / 4, capped at output-len); both seeded, identical for every engine.
+"RL-like": ``--rl-prompts`` prompts x ``--rl-samples`` samples (default 64 x 32: one rollout of the
+8B GRPO configs), long-tailed response lengths (lognormal around output-len / 4, capped at
+output-len); both seeded, identical for every engine.
 
 Columns: output tokens/s (fixed, RL-like) and KV cache capacity in tokens, each with its ratio to
 BF16 (x bf16) and, for FP8-KV rows, to the FP8-linear-only engine with the same kernels (x fp8);
@@ -254,8 +255,9 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=2048)
-    ap.add_argument("--rl-prompts", type=int, default=32, help="0: no RL-like workload")
-    ap.add_argument("--rl-samples", type=int, default=16)
+    ap.add_argument("--rl-prompts", type=int, default=64,
+                    help="0: no RL-like workload (default: grpo_math_8B_megatron*.yaml's 64 prompts x 32 samples)")
+    ap.add_argument("--rl-samples", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization of every engine")
     ap.add_argument("--gpu-mem-gib", type=float, default=None,
