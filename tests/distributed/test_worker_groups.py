@@ -97,8 +97,8 @@ def test_refit_peak_extra_memory_is_one_bucket_not_a_model_copy(ray_cluster, tin
     """Peak memory growth of the engine process during a refit, sampled every 0.5 ms.
 
     Private memory (copies this process makes) stays under one bucket plus the largest tensor
-    (plus an allowance for the interpreter) in the least of three refits, and no bucket sent is larger than that either: the
-    object store holds at most two at a time (back-pressure 1). ``test_memory_watch_sees_a_copy``
+    (plus an allowance for the interpreter) in the least of three refits, and no bucket sent is
+    larger than that either: the object store holds at most two at a time (back-pressure 1). ``test_memory_watch_sees_a_copy``
     shows the sampler sees a model-sized private copy when there is one.
     """
     model = _mid_model(tok, tmp_path / "mid")
