@@ -17,7 +17,7 @@
 set -u
 START=$(date +%s); DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-if [ ! -f /tmp/gpu-site/env.sh ] && [ -f .stage/install.sh ]; then
+if [ ! -f /tmp/gpu-site/env.sh ] && [ -f .stage/install.sh ] && command -v nvidia-smi > /dev/null; then
   bash .stage/install.sh > /tmp/install.log 2>&1 || { tail -30 /tmp/install.log; exit 3; }
 fi
 [ -f /tmp/gpu-site/env.sh ] && source /tmp/gpu-site/env.sh
@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PWD:${
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.dgcache}
 OUT=${OUT:-logs/gpu_jobs}; mkdir -p "$OUT"
 TINY="examples/configs/grpo_math_tiny_megatron_fp8.yaml"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: no GPU here"
 for job in "$@"; do
   L=$(left); echo "=== $job (${L}s left) $(date +%T)"
   [ "$L" -lt 20 ] && { echo "skipped: deadline"; continue; }
@@ -64,9 +64,11 @@ for job in "$@"; do
     wait) sleep $(( $(left) - 15 )); tail -n ${TAIL:-15} "$OUT/small.log" "$OUT/parity.log" 2>/dev/null
           cp models/small-qwen3/small_model_spec.json logs/compare/gpu/parity.md logs/compare/gpu/parity.png "$OUT"/ 2>/dev/null
           tar czf "$OUT/parity_metrics.tgz" logs/compare/gpu/*/metrics.jsonl 2>/dev/null ;;
-    dgcache) tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz" ;;
+    dgcache) if [ -d "$DG_JIT_CACHE_DIR" ]; then
+               tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
+             else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;
     sh) bash -c "$CMD" 2>&1 | tail -60 ;;
     *) echo "unknown job $job (see the head of $0)" ;;
   esac
 done
-echo "=== done $(date +%T), $(left)s left"; nvidia-smi --query-gpu=memory.used --format=csv,noheader
+echo "=== done $(date +%T), $(left)s left"; nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
