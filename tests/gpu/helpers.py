@@ -13,17 +13,25 @@ EOS = 1
 MAX_LEN = 384
 
 
-def save_llama(path, seed=0):
-    """Save a random-weight Llama checkpoint (bf16, the shapes of ``save_qwen3``'s dense model); returns ``path``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+# Dimensions shared by the test checkpoints (every Linear FP8-eligible: multiples of 128).
+_DIMS = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+             vocab_size=4096, max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=False,
+             bos_token_id=0, eos_token_id=EOS, pad_token_id=0)
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=128, vocab_size=4096, max_position_embeddings=2048,
-                      initializer_range=0.05, tie_word_embeddings=False, bos_token_id=0, eos_token_id=EOS,
-                      pad_token_id=0)
+
+def _save_random(path, cfg, seed):
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(str(path))
     return path
+
+
+def save_llama(path, seed=0):
+    """Save a random-weight Llama checkpoint (bf16, the shapes of ``save_qwen3``'s dense model); returns ``path``."""
+    from transformers import LlamaConfig
+
+    return _save_random(path, LlamaConfig(intermediate_size=3072, **_DIMS), seed)
 
 
 def save_qwen3(path, moe=False, seed=0):
@@ -32,17 +40,11 @@ def save_qwen3(path, moe=False, seed=0):
     Shape: hidden 1024, 4 layers, 8 heads / 4 KV heads of 128, vocab 4096 (dense MLP 3072; MoE: 8
     experts of 256, top 2).
     """
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    common = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                  vocab_size=4096, max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=EOS, pad_token_id=0)
     cfg = Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
-                         decoder_sparse_step=1, **common) if moe else Qwen3Config(intermediate_size=3072, **common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(str(path))
-    return path
+                         decoder_sparse_step=1, **_DIMS) if moe else Qwen3Config(intermediate_size=3072, **_DIMS)
+    return _save_random(path, cfg, seed)
 
 
 def perturbed(state, seed):

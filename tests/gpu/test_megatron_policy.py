@@ -85,6 +85,14 @@ def _batch(n=8, seed=0, width=160):
                       generation_logprobs=torch.zeros(n, width))
 
 
+def _train_twice(be, batch):
+    """Two training steps on ``batch`` from the backend's own log-probs (on-policy); their results."""
+    batch.prev_logprobs = be.get_logprobs(batch)
+    batch.generation_logprobs = batch.prev_logprobs.clone()
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
+    return be.train(batch, loss_fn), be.train(batch, loss_fn)
+
+
 def test_hf_megatron_hf_is_exact(any_ckpt):
     be = _backend(_policy_cfg(any_ckpt))
     try:
@@ -172,11 +180,7 @@ def test_fp8_param_main_params_start_from_the_checkpoint_and_a_step_lowers_the_l
         rel = max(((got[n] - t.float()).norm() / t.float().norm()).item() for n, t in state.items())
         print(f"fp8_param {recipe}: exported vs checkpoint, worst relative difference {rel:.3e} (FP8 rounding)")
         assert rel < 0.08  # e4m3 keeps 3 mantissa bits: <= 2^-4 per element
-        batch.prev_logprobs = be.get_logprobs(batch)
-        batch.generation_logprobs = batch.prev_logprobs.clone()
-        loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
-        first = be.train(batch, loss_fn)
-        second = be.train(batch, loss_fn)
+        first, second = _train_twice(be, batch)
         print(f"fp8_param {recipe}: loss {first['loss']:.5f} -> {second['loss']:.5f}, grad_norm {first['grad_norm']:.3f}")
         assert torch.isfinite(torch.tensor([first["grad_norm"], second["grad_norm"]])).all()
         assert second["loss"] < first["loss"] - 1e-4
@@ -191,11 +195,7 @@ def test_one_training_step_lowers_the_loss(ckpt, fp8):
     batch = _batch()
     be = _backend(cfg)
     try:
-        batch.prev_logprobs = be.get_logprobs(batch)
-        batch.generation_logprobs = batch.prev_logprobs.clone()
-        loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
-        first = be.train(batch, loss_fn)
-        second = be.train(batch, loss_fn)
+        first, second = _train_twice(be, batch)
         print(f"{fp8}: loss {first['loss']:.5f} -> {second['loss']:.5f}, grad_norm {first['grad_norm']:.3f}")
         assert torch.isfinite(torch.tensor(first["grad_norm"])) and first["grad_norm"] > 0
         assert second["loss"] < first["loss"] - 1e-4
