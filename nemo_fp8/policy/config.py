@@ -42,7 +42,10 @@ class MegatronOptimizerConfig(StrictConfig):
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: Optional[float] = Field(None, gt=0)  # None: policy.max_grad_norm
-    initial_loss_scale: float = Field(2.0**32, gt=0)  # fp16 dynamic loss scaling
+    # fp16 dynamic loss scaling: 2^16, torch.amp.GradScaler's start. megatron-core's default 2^32 overflows
+    # fp16 gradients on the first update (seen on the H200: NaN gradients at iteration 0), and with its
+    # hysteresis of 2 every halving costs two skipped updates: 32 lost GRPO steps before 2^16.
+    initial_loss_scale: float = Field(2.0**16, gt=0)
     use_distributed_optimizer: bool = True
     use_precision_aware_optimizer: bool = False
 
@@ -79,11 +82,6 @@ class MegatronConfig(StrictConfig):
             if getattr(self, key) != 1:
                 errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
                             "parallelism and data parallelism are)")
-        if self.fp8_cfg.fp8_param and self.enabled:
-            errs.append("fp8_cfg.fp8_param: true is not supported by this build yet: FP8 primary weights gave NaN "
-                        "gradients on the GPU host (TransformerEngine 2.11, megatron-core 0.18.2); the fix (main params "
-                        "from the checkpoint, not TE's uninitialised init values) awaits "
-                        "tests/gpu/test_megatron_policy.py::test_fp8_param_*; valid: false (FP8 compute, BF16 weights)")
         if self.logprob_kernel == "te" and not self.enabled:
             errs.append("logprob_kernel: 'te' (TransformerEngine's fused cross entropy) needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")

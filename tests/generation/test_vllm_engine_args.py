@@ -81,6 +81,44 @@ def test_refit_plan_moe_splits_fused_experts():
     assert len(meta) == 16 and [m[0] for m in meta] == list(out)
 
 
+def test_refit_plan_moe_takes_per_expert_names_as_checkpoints_and_bridge_write_them(tmp_path):
+    """transformers 5 fuses the experts in memory (``experts.gate_up_proj`` [E, 2I, H]) but still
+    writes checkpoints per expert (``experts.{e}.gate_proj.weight``), as Megatron-Bridge exports them.
+    Seen on the H200: the MoE engine refused its own checkpoint ("no weight ...experts.0.down_proj.weight").
+    Both forms must pass the completeness check, and per-expert tensors of an FP8 layer must be
+    quantized exactly as the fused split is (not sent as bf16 into FP8 storage)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nemo_fp8.generation.vllm.backend import _iter_checkpoint
+
+    plan, _ = build_refit_plan(VllmConfig(precision="fp8", num_first_layers_in_bf16=1), MOE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**MOE)).to(torch.bfloat16).save_pretrained(str(tmp_path))
+    on_disk = dict(_iter_checkpoint(str(tmp_path)))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in on_disk and not any(n.endswith("gate_up_proj") for n in on_disk)
+    assert set(on_disk) == plan.expected  # every name known, none missing
+    assert plan.canonical_names("model.layers.1.mlp.experts.down_proj") == [
+        f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)]
+    assert plan.canonical_names("model.layers.1.mlp.gate.weight") == ["model.layers.1.mlp.gate.weight"]
+
+    gate = [on_disk[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"] for e in range(4)]
+    up = [on_disk[f"model.layers.1.mlp.experts.{e}.up_proj.weight"] for e in range(4)]
+    fused = dict(plan.convert("model.layers.1.mlp.experts.gate_up_proj",
+                              torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])))
+    per_expert = {}
+    for name in (f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(4) for p in ("gate", "up")):
+        per_expert.update(plan.convert(name, on_disk[name]))
+    assert set(per_expert) == set(fused)
+    for name, t in fused.items():
+        assert t.dtype == per_expert[name].dtype and torch.equal(t.view(torch.uint8), per_expert[name].view(torch.uint8))
+    assert per_expert["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    (name, w), = plan.convert("model.layers.0.mlp.experts.2.down_proj.weight",
+                              on_disk["model.layers.0.mlp.experts.2.down_proj.weight"])  # first layer: BF16
+    assert w.dtype == torch.bfloat16
+    meta = plan.converted_meta("model.layers.2.mlp.experts.1.down_proj.weight", (256, 128), torch.bfloat16)
+    assert meta[1] == ("model.layers.2.mlp.experts.1.down_proj.weight_scale_inv", "float32", [2, 1])
+
+
 def test_moe_router_stays_bf16_in_the_engine_and_the_refit():
     """transformers 5's router (``Qwen3MoeTopKRouter``, a [num_experts, hidden] weight, not a Linear) is
     high precision: vLLM must not quantize ``mlp.gate`` (its Linear of 4 outputs would become a block-FP8

@@ -8,7 +8,8 @@ per process (``pow2_weight_scaling_factors`` false: fp32 scales).
 
 Tolerances: Megatron (TE fused attention, fused RMSNorm, bf16 GEMMs with fp32 accumulation in
 another order) and the HF torch reference differ by bf16 rounding in every layer; on a 4-layer
-model that moves per-token log-probs by ~1e-2. The bounds below are 2-5x what was seen.
+random model that moves per-token log-probs by 1e-2 to 4e-2 (the reference itself moves that much from
+bf16 to fp32). The log-prob bound is that measured noise floor; the others are 2-5x what was seen.
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ def test_hf_megatron_hf_is_exact(any_ckpt):
 
 
 def test_logprobs_match_torch_reference(any_ckpt):
+    """Megatron (bf16) vs the torch reference, bounded by the reference's own bf16 rounding noise.
+
+    The noise floor is the torch reference in bf16 vs the same reference in fp32 on the same batch
+    (measured on CPU: mean |dlogp| 2.2e-2 Qwen3, 3.6e-2 Llama; Llama has no q/k-norm). Megatron must
+    be as close to the bf16 reference, and to the fp32 one, as bf16 rounding allows: within 1.5x
+    that floor (and every token within 0.25).
+    """
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
     batch = _batch()
@@ -114,15 +122,20 @@ def test_logprobs_match_torch_reference(any_ckpt):
         lp_m = be.get_logprobs(batch)
     finally:
         _close(be)
-    ref = TorchPolicyBackend(_policy_cfg(any_ckpt, megatron=False),
-                             torch.device("cuda", 0))
-    lp_t = ref.get_logprobs(batch)
-    del ref
+    lp_t = {}
+    for precision in ("bfloat16", "float32"):
+        ref = TorchPolicyBackend(_policy_cfg(any_ckpt, megatron=False).model_copy(update={"precision": precision}),
+                                 torch.device("cuda", 0))
+        lp_t[precision] = ref.get_logprobs(batch)
+        del ref
     mask = batch.token_mask.bool()
-    diff = (lp_m - lp_t)[mask].abs()
-    print(f"megatron vs torch reference (bf16): mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}, "
-          f"mean logp {lp_t[mask].mean():.3f}")
-    assert diff.mean() < 2e-2 and diff.max() < 0.25
+    diff = (lp_m - lp_t["bfloat16"])[mask].abs()
+    diff32 = (lp_m - lp_t["float32"])[mask].abs()
+    noise = (lp_t["bfloat16"] - lp_t["float32"])[mask].abs()
+    print(f"megatron vs torch reference (bf16): mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}; vs fp32 "
+          f"{diff32.mean():.2e}; noise floor (reference bf16 vs fp32) {noise.mean():.2e}, mean logp "
+          f"{lp_t['float32'][mask].mean():.3f}")
+    assert diff.mean() < 1.5 * noise.mean() and diff32.mean() < 1.5 * noise.mean() and diff.max() < 0.25
 
 
 def test_te_logprob_kernel_matches_the_chunked_one(ckpt):
@@ -158,17 +171,14 @@ def test_te_logprob_kernel_matches_the_chunked_one(ckpt):
 
 RECIPES = [None, dict(fp8="e4m3", fp8_recipe="tensorwise"), dict(fp8="hybrid", fp8_recipe="tensorwise"),
            dict(fp8="e4m3", fp8_recipe="blockwise"), dict(fp8="hybrid", fp8_recipe="blockwise")]
-# fp8_param (FP8 primary weights) is refused by the config until test_fp8_param_* passes on the host.
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_fp8_param_main_params_start_from_the_checkpoint_and_a_step_lowers_the_loss(ckpt, recipe):
     """fp8_param: the weights load after the optimizer exists and its fp32 main params take the
     checkpoint's bf16 values (before the fix they were TE's uninitialised "init values", so the first
-    step wrote garbage and the next backward gave NaN). Built from a validated config with fp8_param
-    set afterwards: the config still refuses it for users until this passes here."""
-    cfg = _policy_cfg(ckpt, fp8=dict(fp8="e4m3", fp8_recipe=recipe), first=1, last=1, lr=3e-5)
-    cfg.megatron_cfg.fp8_cfg.fp8_param = True
+    step wrote garbage and the next backward gave NaN)."""
+    cfg = _policy_cfg(ckpt, fp8=dict(fp8="e4m3", fp8_recipe=recipe, fp8_param=True), first=1, last=1, lr=3e-5)
     batch = _batch()
     be = _backend(cfg)
     try:

@@ -42,10 +42,10 @@ def test_pow2_convention_is_live_and_bit_exact(tmp_path):
         gc.collect()
 
 
-@pytest.mark.xfail(reason="open (issue 7): the Qwen3-MoE test engine failed to start on the H200 ('Engine core "
-                          "initialization failed'). Likely cause, found on CPU: transformers 5's router is not a "
-                          "Linear, so it was not in ignored_layers and vLLM made its 8-output gate a block-FP8 "
-                          "GEMM; fixed in fp8/policy.py, not yet rerun here", strict=False)
+@pytest.mark.xfail(reason="open (issue 7): on the H200 (2026-11-23) the engine now starts (routers kept bf16), but "
+                          "the initial refit refused the checkpoint's per-expert names (transformers 5 writes experts "
+                          "per expert, the refit plan expected the fused in-memory names); fixed in refit.py and "
+                          "pinned on CPU, not yet rerun here", strict=False)
 def test_qwen3_moe_rolls_out_and_refits(tmp_path):
     os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
     path = _save_qwen3(tmp_path / "moe", moe=True, seed=4)
@@ -56,10 +56,9 @@ def test_qwen3_moe_rolls_out_and_refits(tmp_path):
         print("engine expert params:", names)
         got = _engine_params(be, names)
         w13 = next(n for n in names if n.endswith("w13_weight"))
-        gu = state["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2I, H]
-        inter = gu.shape[1] // 2
-        q_g, _ = quantize_weight_blockwise(gu[0, :inter].cuda())
-        q_u, _ = quantize_weight_blockwise(gu[0, inter:].cuda())
+        # the checkpoint holds the experts one by one (transformers 5 fuses them only in memory)
+        q_g, _ = quantize_weight_blockwise(state["model.layers.1.mlp.experts.0.gate_proj.weight"].cuda())
+        q_u, _ = quantize_weight_blockwise(state["model.layers.1.mlp.experts.0.up_proj.weight"].cuda())
         assert got[w13].dtype == torch.float8_e4m3fn
         assert torch.equal(got[w13][0].view(torch.uint8), torch.cat([q_g, q_u]).view(torch.uint8).cpu())
         prompts, sp = _prompts(16, seed=5), SamplingParams(max_new_tokens=24, greedy=True)

@@ -41,6 +41,11 @@ def test_dtypes_bf16_fp16_fp32():
     assert (o["fp16"], o["bf16"], o["params_dtype"]) == (True, False, torch.float16)
     opt = settings.optimizer_config_kwargs(fp16)
     assert (opt["fp16"], opt["bf16"], opt["loss_scale"]) == (True, False, None)  # None: dynamic loss scaling
+    # starts at GradScaler's 2^16 (megatron-core's 2^32 overflowed on the H200's first fp16 update), and an
+    # overflow is the loss scaler's to handle (skip + lower the scale), not a fatal NaN check
+    assert opt["initial_loss_scale"] == 2.0**16
+    assert settings.ddp_config_kwargs(fp16)["check_for_nan_in_grad"] is False
+    assert settings.ddp_config_kwargs(_cfg())["check_for_nan_in_grad"] is True
     fp32 = _cfg(top=dict(precision="float32"), optimizer=dict(bf16=False))
     assert settings.train_dtype(fp32) == torch.float32
     assert opt["fp8_recipe"] is None  # no FP8 training: the optimizer sees no FP8 parameters
@@ -54,8 +59,10 @@ def test_gradients_are_summed_across_ranks_and_clip_defaults_to_max_grad_norm():
     assert ddp["average_in_collective"] is False and ddp["grad_reduce_in_fp32"] is True
     assert settings.optimizer_config_kwargs(cfg)["clip_grad"] == 0.5
     assert settings.optimizer_config_kwargs(_cfg(optimizer=dict(clip_grad=2.0)))["clip_grad"] == 2.0
-    with pytest.raises((ValidationError, ValueError), match="fp8_param: true is not supported"):
-        _cfg(fp8_cfg=dict(enabled=True, fp8_param=True))  # NaN gradients on the host stack
+    fp8_param = _cfg(fp8_cfg=dict(enabled=True, fp8_param=True))  # FP8 primary weights (passed on the H200)
+    assert settings.provider_overrides(fp8_param)["fp8_param"] is True
+    assert settings.ddp_config_kwargs(fp8_param)["fp8_param_gather"] is True
+    assert settings.ddp_config_kwargs(cfg)["fp8_param_gather"] is False
     sched = settings.scheduler_kwargs(cfg)
     assert sched["lr_decay_style"] == "constant" and sched["init_lr"] == sched["max_lr"] == cfg.megatron_cfg.optimizer.lr
 

@@ -91,17 +91,18 @@ class VllmGenerationBackend:
             raise RuntimeError("update_weights before start_weight_update")
         items = [(n, t) for n, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
                  if n not in self._tied]
+        names = [c for n, _ in items for c in self.plan.canonical_names(n)]
         if self.plan.expected is not None:
-            unknown = [n for n, _ in items if n not in self.plan.expected and not is_kv_scale_name(n)]
+            unknown = [n for n in names if n not in self.plan.expected and not is_kv_scale_name(n)]
             if unknown:
                 raise KeyError(f"refit: the generation model has no weight {unknown[0]!r} "
                                f"(e.g. {sorted(self.plan.expected)[:3]})")
-        self._seen.update(n for n, _ in items)
+        self._seen.update(names)
         self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes)
 
     def note_sent(self, names: Iterable[str], num_tensors: int) -> None:
         """Record tensors the trainer sent directly (``send_weights_ipc``/``_nccl``) for the checks."""
-        self._seen.update(names)
+        self._seen.update(c for n in names for c in self.plan.canonical_names(n))
         self._sent += num_tensors
 
     def finish_weight_update(self, require_kv_scales: bool = True) -> WeightVersion:

@@ -8,8 +8,11 @@ checkpoint:
   [ceil(N/128), ceil(K/128)]), quantized on the GPU (``quantize_blockwise_gpu``), so half the
   bytes of bf16 cross the process boundary;
 * transformers-5 fused MoE experts ``<l>.mlp.experts.gate_up_proj`` [E, 2I, H] /
-  ``down_proj`` [E, H, I] -> per-expert ``<l>.mlp.experts.{e}.{gate,up,down}_proj.weight``
-  (+ scales when the layer is FP8), the names vLLM's FusedMoE loader maps;
+  ``down_proj`` [E, H, I] (a model in memory) -> per-expert
+  ``<l>.mlp.experts.{e}.{gate,up,down}_proj.weight`` (+ scales when the layer is FP8), the names
+  vLLM's FusedMoE loader maps; per-expert tensors (HF checkpoints on disk, which transformers 5
+  still writes per expert, and Megatron-Bridge's ``export_hf_weights``) keep their names and are
+  quantized the same way;
 * FP8 KV scales ``model.layers.{i}.self_attn.{q,k,v}_scale`` -> fp32 scalars, unchanged;
 * everything else -> bf16 (the engine's dtype).
 
@@ -35,6 +38,7 @@ from torch import Tensor
 from nemo_fp8.fp8.kv_scales import is_kv_scale_name
 
 _FUSED_EXPERTS_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 DEFAULT_BUCKET_BYTES = 1 << 30
 
@@ -47,8 +51,10 @@ class RefitPlan:
         fp8_modules: HF Linear module names in FP8 (``plan_layer_precision().fp8_modules``).
         fp8_expert_containers: ``...mlp.experts`` containers whose (fused) experts are FP8.
         scale_mode: "fp32" or "pow2" (``pow2_weight_scaling_factors``).
-        expected: HF names a complete refit must contain (None: not checked).
+        expected: HF names a complete refit must contain, MoE experts per expert
+            (``canonical_names``; None: not checked).
         dtype: dtype of high-precision tensors in the engine.
+        num_experts: ``...mlp.experts`` container -> its number of experts.
     """
 
     fp8_modules: set[str]
@@ -56,9 +62,25 @@ class RefitPlan:
     scale_mode: str = "fp32"
     expected: Optional[set[str]] = None
     dtype: torch.dtype = torch.bfloat16
+    num_experts: dict[str, int] = field(default_factory=dict)
 
     def is_fp8_weight(self, name: str) -> bool:
+        """True for the weight of an FP8 Linear or of one expert of an FP8 experts container."""
+        m = _EXPERT_RE.match(name)
+        if m is not None:
+            return m.group("prefix") in self.fp8_expert_containers
         return name.endswith(".weight") and name[: -len(".weight")] in self.fp8_modules
+
+    def canonical_names(self, name: str) -> list[str]:
+        """The per-expert HF names a tensor covers: a fused ``...experts.gate_up_proj`` /
+        ``down_proj`` covers ``...experts.{e}.{gate,up|down}_proj.weight`` for every expert; any
+        other name covers itself. ``expected`` holds these, so fused (a transformers-5 model in
+        memory) and per-expert (checkpoints, Megatron-Bridge) refits are checked alike."""
+        m = _FUSED_EXPERTS_RE.match(name)
+        if m is None or m.group("prefix") not in self.num_experts:
+            return [name]
+        projs = ("gate_proj", "up_proj") if m.group("kind") == "gate_up_proj" else ("down_proj",)
+        return [f"{m.group('prefix')}.{e}.{p}.weight" for e in range(self.num_experts[m.group("prefix")]) for p in projs]
 
     def _quant(self, name: str, w: Tensor) -> Iterator[tuple[str, Tensor]]:
         from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
@@ -148,21 +170,23 @@ def build_refit_plan(vllm_cfg, model_config: Any) -> tuple[RefitPlan, list[str]]
                                 vllm_cfg.fp8_ignore_patterns)
     ignored = list(plan.vllm_ignored_layers)
     lo, hi = vllm_cfg.num_first_layers_in_bf16, plan.num_layers - vllm_cfg.num_last_layers_in_bf16
-    containers = set()
-    for pname, _ in model.named_parameters():
+    containers, num_experts = set(), {}
+    for pname, param in model.named_parameters():
         m = _FUSED_EXPERTS_RE.match(pname)
-        if m is None:
+        if m is None or param.dim() != 3:
             continue
         prefix, idx = m.group("prefix"), layer_index(pname)
+        num_experts[prefix] = int(param.shape[0])
         if idx is not None and lo <= idx < hi and not _matches(prefix, vllm_cfg.fp8_ignore_patterns):
             containers.add(prefix)
         elif prefix not in ignored:
             ignored.insert(-1, prefix)  # keep "lm_head" last
-    expected = set(model.state_dict().keys())
+    refit = RefitPlan(set(plan.fp8_modules), containers, "pow2" if vllm_cfg.pow2_weight_scaling_factors else "fp32",
+                      num_experts=num_experts)
+    refit.expected = {c for name in model.state_dict() for c in refit.canonical_names(name)}
     if getattr(model.config, "tie_word_embeddings", False):
-        expected.discard("lm_head.weight")
-    scale_mode = "pow2" if vllm_cfg.pow2_weight_scaling_factors else "fp32"
-    return RefitPlan(set(plan.fp8_modules), containers, scale_mode, expected), ignored
+        refit.expected.discard("lm_head.weight")
+    return refit, ignored
 
 
 # ----------------------------------------------------------------------------- transports

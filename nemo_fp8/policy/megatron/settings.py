@@ -87,10 +87,14 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
 
 def ddp_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     """``DistributedDataParallelConfig``: gradients summed (not averaged) across ranks, reduced
-    in fp32, the distributed optimizer when configured, FP8 parameter all-gather with ``fp8_param``."""
+    in fp32, the distributed optimizer when configured, FP8 parameter all-gather with ``fp8_param``.
+
+    NaN gradients stop training (``check_for_nan_in_grad``) except in fp16: there an overflow is
+    expected now and then, and the loss scaler handles it (skips the update, lowers the scale),
+    as with Megatron-LM's fp16 training."""
     m = cfg.megatron_cfg
     return dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-                average_in_collective=False, check_for_nan_in_grad=True,
+                average_in_collective=False, check_for_nan_in_grad=train_dtype(cfg) != torch.float16,
                 use_distributed_optimizer=m.optimizer.use_distributed_optimizer,
                 fp8_param_gather=m.fp8_cfg.enabled and m.fp8_cfg.fp8_param)
 
