@@ -14,6 +14,7 @@
 #   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS)
 #   wait    sleep to the deadline, then show the background logs    sh      bash -c "$CMD"
 #   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
+#   prof    tools/profile_rollout.py (PROF_ARGS): kernel time per decode step by category, BF16 vs FP8
 #   dgwarm  compile DeepGEMM's kernels for a shape (DG_MODEL, default dense) with a 1-layer engine at 10% of the GPU,
 #           in the background (about 4.5 min on the H200): a later kvbench with fp8-deepgemm* starts warm
 set -u
@@ -71,6 +72,8 @@ for job in "$@"; do
     dgcache) if [ -d "$DG_JIT_CACHE_DIR" ]; then
                tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
              else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;
+    prof) timeout $((L-5)) python3 tools/profile_rollout.py ${PROF_ARGS:---precisions bf16,fp8-cutlass} --timeout $((L-20)) \
+            2>&1 | tee "$OUT/prof.log" | tail -30 ;;
     dgwarm) setsid nohup python3 tools/bench_rollout.py --models ${DG_MODEL:-dense} --num-layers ${DG_MODEL:-dense}=1 \
               --precisions fp8-deepgemm --gpu-mem 0.1 --num-prompts 8 --output-len 16 --rl-prompts 2 --rl-samples 2 \
               --timeout 900 > "$OUT/dgwarm.log" 2>&1 < /dev/null & sleep 40; tail -3 "$OUT/dgwarm.log" ;;
