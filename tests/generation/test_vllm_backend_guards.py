@@ -19,6 +19,7 @@ from nemo_fp8.generation.interfaces import SamplingParams
 
 DENSE = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=512, tie_word_embeddings=False)
+MOE = dict(DENSE, model_type="qwen3_moe", moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
 
 
 class _Generated(Exception):
@@ -46,14 +47,14 @@ def backend(tmp_path, monkeypatch):
     from nemo_fp8.generation.vllm import backend as mod
     from nemo_fp8.generation.vllm.engine_args import init_fp8
 
-    AutoConfig.for_model(**DENSE).save_pretrained(str(tmp_path))
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams = _FakeLLM, lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", fake)
     # no patch-table check against the stand-in, no environment changes in the test process
     monkeypatch.setattr(mod, "init_fp8", functools.partial(init_fp8, apply_env=False, check_patches=False))
 
-    def make(**cfg):
+    def make(model=DENSE, **cfg):
+        AutoConfig.for_model(**model).save_pretrained(str(tmp_path))
         return mod.VllmGenerationBackend(str(tmp_path), VllmConfig(precision="fp8", **cfg), pad_token_id=0,
                                          eos_token_id=1, max_total_sequence_length=64, load_initial_weights=False)
 
@@ -122,3 +123,21 @@ def test_kv_scales_for_only_some_layers_are_refused(backend):
         be.finish_weight_update()
     with pytest.raises(RuntimeError, match="last refit was refused"):
         be.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, greedy=True))
+
+
+def test_moe_refit_is_complete_with_fused_or_per_expert_expert_names(backend):
+    """The trainer may send a layer's experts fused (a transformers-5 model in memory:
+    ``experts.gate_up_proj`` / ``down_proj``) or one by one (checkpoints, Megatron-Bridge): both
+    complete a refit; an expert name the engine lacks is refused."""
+    be = backend(model=MOE)
+    fused = sorted(n for n in be.plan.expected if ".experts." not in n) + [
+        f"model.layers.{i}.mlp.experts.{k}" for i in range(2) for k in ("gate_up_proj", "down_proj")]
+    be.start_weight_update(1)
+    be.note_sent(fused, len(fused))
+    assert be.finish_weight_update().weights == 1
+    be.start_weight_update(2)
+    be.note_sent(sorted(be.plan.expected), len(be.plan.expected))  # per expert
+    assert be.finish_weight_update().weights == 2
+    be.start_weight_update(3)
+    with pytest.raises(KeyError, match=r"experts\.4\.up_proj"):
+        be.update_weights([("model.layers.0.mlp.experts.4.up_proj.weight", None)])
