@@ -19,7 +19,7 @@ Columns, per micro-batch of ``batch x seq_len`` tokens:
 * ``step``: a full training step of the backend (``train``: forward, backward, gradient sync,
   distributed-optimizer step) over a global batch of ``--micro-batches`` micro-batches (a GRPO step
   has many: the optimizer's cost is shared by all of them), per micro-batch, with the
-  ``--logprob-kernel`` log-probs (default ``te``, as the 8B configs); ``tok/s`` = tokens /
+  ``--logprob-kernel`` log-probs (default ``chunked``, the configs' kernel); ``tok/s`` = tokens /
   that; ``vs bf16`` = tok/s ratio to BF16 of the same shape;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child.
 
@@ -172,8 +172,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (step column)")
-    p.add_argument("--logprob-kernel", choices=["chunked", "te"], default="te",
-                   help="megatron_cfg.logprob_kernel of the step column (default: the 8B configs' te)")
+    p.add_argument("--logprob-kernel", choices=["chunked", "te"], default="chunked",
+                   help="megatron_cfg.logprob_kernel of the step column")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=300, help="seconds per child")
