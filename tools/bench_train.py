@@ -14,6 +14,8 @@ Columns, per micro-batch of ``batch x seq_len`` tokens:
   measured: BF16 218.2 ms, e4m3 tensorwise 173.3 ms, blockwise 185.2 ms on the dense slice);
 * ``ours f+b``: our backend's forward + backward: chunked vocab-parallel log-probs and the GRPO
   loss (``ClippedPGLossFn``), no optimizer; ``ours/raw`` is its ratio to ``raw f+b``;
+* ``fused f+b``: the same with ``megatron_cfg.logprob_kernel: fused`` (the chunked math in one
+  Triton pass each way);
 * ``te f+b``: the same with ``megatron_cfg.logprob_kernel: te`` (TransformerEngine's fused
   ``parallel_cross_entropy``, the kernel behind ``raw f+b``'s loss with ``cross_entropy_fusion_impl='te'``);
 * ``step``: a full training step of the backend (``train``: forward, backward, gradient sync,
@@ -132,13 +134,14 @@ def run_child(a) -> dict:
 
     raw_s = _timed(raw, a.steps, a.warmup)
     kernel_s = {}
-    for kernel in ("chunked", "te"):
+    for kernel in ("chunked", "fused", "te"):
         be.cfg.megatron_cfg.logprob_kernel = kernel
         kernel_s[kernel] = _timed(ours, a.steps, a.warmup)
     be.cfg.megatron_cfg.logprob_kernel = a.logprob_kernel
-    ours_s, te_s = kernel_s["chunked"], kernel_s["te"]
+    ours_s, fused_s, te_s = kernel_s["chunked"], kernel_s["fused"], kernel_s["te"]
     step_s = _timed(lambda: be.train(batch, loss_fn), a.steps, a.warmup) / a.micro_batches
-    out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, te_ms=te_s * 1e3,
+    out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, fused_ms=fused_s * 1e3,
+               te_ms=te_s * 1e3,
                step_ms=step_s * 1e3, micro_batches=a.micro_batches, logprob_kernel=a.logprob_kernel,
                tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
                params_b=sum(p.numel() for p in _unwrap(model).parameters()) / 1e9)
@@ -148,8 +151,9 @@ def run_child(a) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     base = {r["shape"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
-    head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'te f+b ms':>9} " \
-           f"{'te/raw':>6} {'step ms':>8} {'tok/s':>8} {'vs bf16':>8} {'raw vs bf16':>11} {'peak GiB':>8}"
+    head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'fused f+b':>9} " \
+           f"{'fused/raw':>9} {'te f+b ms':>9} {'te/raw':>6} {'step ms':>8} {'tok/s':>8} {'vs bf16':>8} " \
+           f"{'raw vs bf16':>11} {'peak GiB':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -161,7 +165,7 @@ def print_table(rows: list[dict]) -> None:
         vs = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         raw_vs = f"{b['raw_ms'] / r['raw_ms']:.3f}" if b else "-"
         print(f"{r['shape']:6} {r['recipe']:22} {r['raw_ms']:10.1f} {r['ours_ms']:11.1f} {r['ours_ms'] / r['raw_ms']:8.3f} "
-              f"{r['te_ms']:9.1f} {r['te_ms'] / r['raw_ms']:6.3f} {r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {raw_vs:>11} "
+              f"{r['fused_ms']:9.1f} {r['fused_ms'] / r['raw_ms']:9.3f} {r['te_ms']:9.1f} {r['te_ms'] / r['raw_ms']:6.3f} {r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {raw_vs:>11} "
               f"{r['peak_gib']:8.1f}")
 
 
@@ -172,7 +176,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (step column)")
-    p.add_argument("--logprob-kernel", choices=["chunked", "te"], default="chunked",
+    p.add_argument("--logprob-kernel", choices=["chunked", "fused", "te"], default="chunked",
                    help="megatron_cfg.logprob_kernel of the step column")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)

@@ -63,10 +63,10 @@ class MegatronConfig(StrictConfig):
     expert_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
-    logprob_kernel: Literal["chunked", "te"] = Field(
+    logprob_kernel: Literal["chunked", "fused", "te"] = Field(
         "chunked", description="per-token log-probs from the vocab-parallel logits: 'chunked' (ours, fp32 chunks "
-        "recomputed in backward) or 'te' (TransformerEngine's fused parallel_cross_entropy, gradient written in "
-        "the forward)")
+        "recomputed in backward), 'fused' (the same math in one Triton pass each way) or 'te' "
+        "(TransformerEngine's fused parallel_cross_entropy, its gradient stored in the bf16 logits in the forward)")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
 
@@ -82,8 +82,8 @@ class MegatronConfig(StrictConfig):
             if getattr(self, key) != 1:
                 errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
                             "parallelism and data parallelism are)")
-        if self.logprob_kernel == "te" and not self.enabled:
-            errs.append("logprob_kernel: 'te' (TransformerEngine's fused cross entropy) needs the megatron backend "
+        if self.logprob_kernel != "chunked" and not self.enabled:
+            errs.append(f"logprob_kernel: {self.logprob_kernel!r} is a kernel of the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "

@@ -138,15 +138,17 @@ def test_logprobs_match_torch_reference(any_ckpt):
     assert diff.mean() < 1.5 * noise.mean() and diff32.mean() < 1.5 * noise.mean() and diff.max() < 0.25
 
 
-def test_te_logprob_kernel_matches_the_chunked_one(ckpt):
-    """``logprob_kernel: te`` (TE's fused parallel_cross_entropy) vs ``chunked`` on the same model and
-    batch: log-probs, and the gradient of one training step (grad norm), within fp32-accumulation noise."""
+@pytest.mark.parametrize("kernel", ["te", "fused"])
+def test_te_and_fused_logprob_kernels_match_the_chunked_one(ckpt, kernel):
+    """``logprob_kernel: te`` (TE's fused parallel_cross_entropy) or ``fused`` (our Triton kernel) vs
+    ``chunked`` on the same model and batch: log-probs, and the gradient of one training step, within
+    fp32-accumulation noise (``fused`` rounds the same fp32 gradient once, as ``chunked`` does)."""
     batch = _batch()
     be = _backend(_policy_cfg(ckpt))
     try:
         out = {}
-        for kernel in ("chunked", "te"):
-            be.cfg.megatron_cfg.logprob_kernel = kernel
+        for k in ("chunked", kernel):
+            be.cfg.megatron_cfg.logprob_kernel = k
             lp = be.get_logprobs(batch)
             mb = batch.to(be.device)
             mb.prev_logprobs = mb.generation_logprobs = lp.to(be.device)
@@ -156,12 +158,12 @@ def test_te_logprob_kernel_matches_the_chunked_one(ckpt):
                                                              torch.tensor(8.0, device=be.device))
             loss.backward()
             grads = torch.cat([p.main_grad.float().flatten() for p in be.model.parameters()])
-            out[kernel] = (lp, grads)
+            out[k] = (lp, grads)
         mask = batch.token_mask.bool()
-        dlp = (out["te"][0] - out["chunked"][0])[mask].abs()
-        g_c, g_t = out["chunked"][1], out["te"][1]
+        dlp = (out[kernel][0] - out["chunked"][0])[mask].abs()
+        g_c, g_t = out["chunked"][1], out[kernel][1]
         rel = ((g_t - g_c).norm() / g_c.norm()).item()
-        print(f"te vs chunked log-probs: max |d| {dlp.max():.2e}; gradient relative difference {rel:.2e}, "
+        print(f"{kernel} vs chunked log-probs: max |d| {dlp.max():.2e}; gradient relative difference {rel:.2e}, "
               f"norm {g_c.norm():.3e}")
         assert dlp.max() < 1e-3 and 0 < g_c.norm() and rel < 2e-2
     finally:

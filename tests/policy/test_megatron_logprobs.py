@@ -150,3 +150,100 @@ def test_fused_logprobs_bad_arguments_raise():
         fused_token_logprobs(logits, ids[:, :-1], torch_cross_entropy)
     with pytest.raises(ValueError, match="temperature"):
         fused_token_logprobs(logits, ids, torch_cross_entropy, temperature=-1.0)
+
+
+# ----------------------------------------------------------------------------- the fused (Triton) kernel
+# Triton's interpreter runs the kernels on CPU tensors; it is chosen when triton is imported, so each
+# check runs in a fresh (spawned) process started with TRITON_INTERPRET=1.
+
+def _fused_worker(rank: int, world: int, port: int, out: dict):
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from nemo_fp8.policy.megatron.logprobs import FUSED_BLOCK
+
+    res = {}
+    if world == 1:
+        # fp32: fused == chunked == full vocabulary, values and gradients; one vocabulary block and several
+        for key, (v, temperature) in {"small": (50, 1.0), "temp": (50, 0.7), "loop": (2 * FUSED_BLOCK + 7, 0.9)}.items():
+            logits, ids = _case(seed=5, b=2, t=3, v=v)
+            x = {k: logits.clone().requires_grad_(True) for k in ("fused", "chunked")}
+            lp = {k: vocab_parallel_token_logprobs(x[k], ids, temperature, chunk_size=2, fused=k == "fused")
+                  for k in x}
+            w = torch.randn(lp["fused"].shape, generator=torch.Generator().manual_seed(1))
+            for k in x:
+                (lp[k] * w).sum().backward()
+            res[key] = {k: (lp[k].detach(), x[k].grad) for k in x}
+        # bf16 logits: the fused gradient is computed in fp32 and rounded to bf16 once, like the chunked
+        # one; "fp32": the chunked kernel's gradient before that rounding (fp32 copies of the same logits)
+        logits, ids = _case(seed=6, b=2, t=4, v=300, dtype=torch.bfloat16)
+        x = {k: logits.clone().requires_grad_(True) for k in ("fused", "chunked")}
+        x["fp32"] = logits.float().requires_grad_(True)
+        lp = {k: vocab_parallel_token_logprobs(x[k], ids, fused=k == "fused") for k in x}
+        for k in x:
+            (lp[k] * 1e-3).sum().backward()  # GRPO-sized upstream gradients
+        res["bf16"] = {k: (lp[k].detach(), x[k].grad) for k in x}
+    else:
+        logits, ids = _case(seed=3, v=48)
+        v_local = logits.shape[-1] // world
+        mine = logits[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        lp = vocab_parallel_token_logprobs(mine, ids, 0.9, vocab_start=rank * v_local, group=dist.group.WORLD,
+                                           fused=True)
+        (lp * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+        res = (lp.detach(), mine.grad)
+        dist.destroy_process_group()
+    out[rank] = res
+
+
+def _run_fused(world, monkeypatch):
+    import socket
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.start_processes(_fused_worker, args=(world, port, out), nprocs=world, join=True, start_method="spawn")
+    return dict(out)
+
+
+def test_fused_kernel_equals_the_chunked_one(monkeypatch):
+    """Values and gradients of the one-pass Triton kernel equal the chunked kernel's (fp32: to 1e-5 /
+    1e-6, with a temperature and with a vocabulary spanning several blocks), and with bf16 logits
+    its gradient is the chunked one's up to one bf16 rounding step (both round once)."""
+    res = _run_fused(1, monkeypatch)[0]
+    for key in ("small", "temp", "loop"):
+        (lp_f, g_f), (lp_c, g_c) = res[key]["fused"], res[key]["chunked"]
+        torch.testing.assert_close(lp_f, lp_c, rtol=0, atol=1e-5)
+        torch.testing.assert_close(g_f, g_c, rtol=0, atol=1e-6)
+        assert (lp_f[:, 0] == 0).all() and (g_f[:, -1] == 0).all()
+    (lp_f, g_f), (lp_c, g_c), (_, g_32) = (res["bf16"][k] for k in ("fused", "chunked", "fp32"))
+    assert g_f.dtype == torch.bfloat16 and lp_f.dtype == torch.float32
+    torch.testing.assert_close(lp_f, lp_c, rtol=0, atol=1e-5)
+    torch.testing.assert_close(g_f.float(), g_c.float(), rtol=2 ** -7, atol=1e-12)  # within one bf16 step
+    # One rounding of the fp32 gradient: Triton's interpreter casts to bf16 by truncation (the GPU rounds to
+    # nearest, as the kernel asks, like the chunked kernel's copy), so the fused gradient is the chunked fp32
+    # gradient truncated, bit for bit but for fp32 last-bit differences at a truncation boundary.
+    truncated = (g_32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    assert (g_f == truncated).float().mean() > 0.99
+
+
+def test_fused_kernel_with_tensor_parallel_shards_gives_the_full_vocab_result(monkeypatch):
+    out = _run_fused(2, monkeypatch)
+    logits, ids = _case(seed=3, v=48)
+    full = logits.clone().requires_grad_(True)
+    want = token_logprobs(full, ids, 0.9)
+    (want * torch.randn(want.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+    for rank in range(2):
+        lp, grad = out[rank]
+        torch.testing.assert_close(lp, want.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(grad, full.grad[..., rank * 24:(rank + 1) * 24], rtol=0, atol=1e-6)
+
+
+def test_fused_kernel_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    logits, ids = _case()
+    with pytest.raises(RuntimeError, match="fused=True.*chunked"):
+        vocab_parallel_token_logprobs(logits, ids, fused=True)

@@ -92,7 +92,8 @@ def test_world_size_and_config_errors():
                       "pipeline_model_parallel_size"),
                      (dict(megatron_cfg={"tensor_model_parallel_size": 2}), "tensor_model_parallel_size"),
                      (dict(megatron_cfg={"logprob_kernel": "te"}), "logprob_kernel: 'te'"),
-                     (dict(megatron_cfg={"enabled": True, "logprob_kernel": "fused"}), "logprob_kernel"),
+                     (dict(megatron_cfg={"logprob_kernel": "fused"}), "logprob_kernel: 'fused'"),
+                     (dict(megatron_cfg={"enabled": True, "logprob_kernel": "triton"}), "logprob_kernel"),
                      (dict(megatron_cfg={"enabled": True, "optimizer": {"fp16": True}}), "bf16 and fp16")]:
         with pytest.raises((ValidationError, ValueError), match=key):
             PolicyConfig(model_name="m", **bad)

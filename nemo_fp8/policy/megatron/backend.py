@@ -17,7 +17,8 @@ FP8: megatron-core enters TE's ``fp8_autocast`` per decoder layer with the recip
 right padded to the recipe's multiple (``settings.sequence_pad_multiple``).
 
 Log-probs: ``vocab_parallel_token_logprobs`` on the vocab-parallel logits, chunked, so no
-full-vocabulary fp32 logits exist for the batch, or (``megatron_cfg.logprob_kernel: te``)
+full-vocabulary fp32 logits exist for the batch (``megatron_cfg.logprob_kernel: fused``: the same
+math in one Triton pass each way), or (``megatron_cfg.logprob_kernel: te``)
 TransformerEngine's fused ``parallel_cross_entropy`` through ``fused_token_logprobs``; loss and
 metrics through the same ``LossFn`` and ``MetricAccumulator`` as the torch backend.
 
@@ -251,7 +252,8 @@ class MegatronPolicyBackend:
         else:
             lp = vocab_parallel_token_logprobs(logits, ids_p, self.temperature,
                                                vocab_start=self.tp_rank * logits.shape[-1], group=self.tp_group,
-                                               chunk_size=DEFAULT_CHUNK_SIZE)
+                                               chunk_size=DEFAULT_CHUNK_SIZE,
+                                               fused=self.cfg.megatron_cfg.logprob_kernel == "fused")
         return lp[:, :mb.token_ids.shape[1]] * mb.token_mask
 
     @torch.no_grad()

@@ -97,7 +97,7 @@ class ChunkedVocabParallelLogprobs(torch.autograd.Function):
 
 def vocab_parallel_token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0,
                                   vocab_start: int = 0, group: Optional[dist.ProcessGroup] = None,
-                                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+                                  chunk_size: int = DEFAULT_CHUNK_SIZE, fused: bool = False) -> Tensor:
     """Log-prob of each token aligned to the token, from (vocab-parallel) logits.
 
     Same result as ``nemo_fp8.models.hf.token_logprobs`` (and the same gradient), without
@@ -111,12 +111,16 @@ def vocab_parallel_token_logprobs(logits: Tensor, token_ids: Tensor, temperature
         vocab_start: first global vocabulary id held by this rank.
         group: the tensor-parallel process group (None: the whole vocabulary is here).
         chunk_size: positions per chunk (trades memory for kernel launches).
+        fused: one Triton pass each way (``FusedVocabParallelLogprobs``) instead of torch chunks;
+            same math, fp32 inside, the gradient rounded to the logits' dtype once.
 
     Returns:
         [B, T] float32; column t = log p(token_t | tokens_<t); column 0 is 0.
 
     Raises:
         ValueError: shapes that do not match, or ``temperature <= 0`` / ``chunk_size < 1``.
+        RuntimeError: ``fused`` where Triton cannot run (no triton, or CPU tensors outside
+            ``TRITON_INTERPRET=1``).
     """
     if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
         raise ValueError(f"logits must be [B, T, V_local] and token_ids [B, T]; got {tuple(logits.shape)} "
@@ -127,8 +131,12 @@ def vocab_parallel_token_logprobs(logits: Tensor, token_ids: Tensor, temperature
     # Position t-1 predicts token t. Every position is scored (the last against token 0, then
     # dropped) so the logits are viewed, not copied.
     targets = torch.cat([token_ids[:, 1:], torch.zeros_like(token_ids[:, :1])], dim=1).reshape(-1)  # [B*T]
-    picked = ChunkedVocabParallelLogprobs.apply(logits.reshape(b * t, v), targets, vocab_start, float(temperature),
-                                                group, chunk_size).view(b, t)
+    if fused and not fused_kernels_available(logits.device):
+        raise RuntimeError(f"vocab_parallel_token_logprobs(fused=True): Triton cannot run here (triton "
+                           f"{'missing' if triton is None else 'present'}, logits on {logits.device}); use "
+                           "the chunked kernel (fused=False)")
+    fn = FusedVocabParallelLogprobs if fused else ChunkedVocabParallelLogprobs
+    picked = fn.apply(logits.reshape(b * t, v), targets, vocab_start, float(temperature), group, chunk_size).view(b, t)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked[:, :-1]], dim=1)  # [B, T]
 
 
@@ -190,3 +198,108 @@ def torch_cross_entropy(inp: Tensor, target: Tensor, group: Optional[dist.Proces
     b, t, v = inp.shape
     return torch.nn.functional.cross_entropy(inp.float().reshape(b * t, v), target.reshape(-1),
                                              ignore_index=IGNORE_INDEX, reduction="none").view(b, t)
+
+
+# ----------------------------------------------------------------------------- one fused pass each way
+# ``logprob_kernel: fused``: the chunked kernel's math (fp32 softmax, gradient rounded to the logits'
+# dtype once) in one Triton pass per direction: the forward reads the logits once (online max and sum
+# of exponentials, the target's logit), the backward reads them once and writes the gradient once.
+# Against TransformerEngine's ``parallel_cross_entropy`` (``logprob_kernel: te``), which stores its
+# gradient in the bf16 logits during the forward and scales it there in the backward (two roundings),
+# this keeps the chunked kernel's gradient. On CPU the kernels run under Triton's interpreter
+# (``TRITON_INTERPRET=1``), which is how the tests pin them to the chunked kernel.
+try:  # Triton ships with CUDA builds of torch; on CPU it is a dev dependency (the tests' interpreter)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+FUSED_BLOCK = 2048  # vocabulary columns per loop iteration (a power of two)
+
+if triton is not None:
+
+    @triton.jit
+    def _row_stats_kernel(x_ptr, x_stride, tgt_ptr, m_ptr, s_ptr, picked_ptr, v_local, vocab_start, inv_t,
+                          BLOCK: tl.constexpr):
+        """Per row: m = max_j z_j, s = sum_j exp(z_j - m), picked = z_y (0 if y is on another rank); z = x / T."""
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.zeros([], tl.float32)
+        for off in range(0, v_local, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            z = tl.load(x_row + cols, mask=cols < v_local, other=float("-inf")).to(tl.float32) * inv_t
+            new_m = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - new_m) + tl.sum(tl.exp(z - new_m), 0)
+            m = new_m
+        y = tl.load(tgt_ptr + row) - vocab_start
+        inside = (y >= 0) & (y < v_local)
+        z_y = tl.load(x_row + tl.where(inside, y, 0)).to(tl.float32) * inv_t
+        tl.store(m_ptr + row, m)
+        tl.store(s_ptr + row, s)
+        tl.store(picked_ptr + row, tl.where(inside, z_y, 0.0))
+
+    @triton.jit
+    def _grad_kernel(x_ptr, x_stride, tgt_ptr, lse_ptr, g_ptr, out_ptr, out_stride, v_local, vocab_start, inv_t,
+                     BLOCK: tl.constexpr):
+        """Per row: d logp_y / d x_j * g = (1[j == y] - exp(z_j - lse)) * g / T, computed in fp32, stored once."""
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        out_row = out_ptr + row * out_stride
+        lse = tl.load(lse_ptr + row)
+        g = tl.load(g_ptr + row) * inv_t
+        y = tl.load(tgt_ptr + row) - vocab_start
+        for off in range(0, v_local, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            mask = cols < v_local
+            z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
+            grad = (tl.where(cols == y, 1.0, 0.0) - tl.exp(z - lse)) * g
+            tl.store(out_row + cols, grad.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def fused_kernels_available(device: torch.device) -> bool:
+    """True where ``FusedVocabParallelLogprobs`` can run: Triton importable and the tensors on CUDA,
+    or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton's import)."""
+    import os
+
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+class FusedVocabParallelLogprobs(torch.autograd.Function):
+    """``ChunkedVocabParallelLogprobs`` (same arguments and results, ``chunk_size`` ignored) in one
+    Triton pass per direction. Tensor parallelism: each rank's (max, sum of exponentials relative to
+    it, target logit) are combined as ``M = max m``, ``S = sum s * exp(m - M)``, ``picked = sum``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_start: int, temperature: float,
+                group: Optional[dist.ProcessGroup], chunk_size: int) -> Tensor:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        n, v_local = logits.shape
+        targets = targets.contiguous()
+        m, s, picked = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
+        if n:
+            _row_stats_kernel[(n,)](logits, logits.stride(0), targets, m, s, picked, v_local, vocab_start,
+                                    1.0 / temperature, BLOCK=FUSED_BLOCK)
+        if group is not None and dist.get_world_size(group) > 1:
+            m_all = m.clone()
+            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+            s = s * torch.exp(m - m_all)
+            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
+            m = m_all
+        lse = m + s.log()
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.vocab_start, ctx.temperature = vocab_start, temperature
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        n, v_local = logits.shape
+        if n:
+            _grad_kernel[(n,)](logits, logits.stride(0), targets, lse, grad_out.float().contiguous(), grad,
+                               grad.stride(0), v_local, ctx.vocab_start, 1.0 / ctx.temperature, BLOCK=FUSED_BLOCK)
+        return grad, None, None, None, None, None
