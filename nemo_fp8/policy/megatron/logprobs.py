@@ -16,6 +16,8 @@ Gradient (per position, ``z = logits / temperature``, target ``y``)::
     d logp_y / d logits_j = (1[j == y] - softmax(z)_j) / temperature
 
 Pure torch; runs on CPU (with or without a process group) so tests pin down what the GPU does.
+``FusedVocabParallelLogprobs`` (``logprob_kernel: fused``) is the same math as two Triton kernels;
+on CPU they run under Triton's interpreter, which is how the tests pin them to the chunked kernel.
 """
 
 from __future__ import annotations
