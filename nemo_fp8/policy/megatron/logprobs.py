@@ -22,6 +22,7 @@ on CPU they run under Triton's interpreter, which is how the tests pin them to t
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -262,8 +263,6 @@ if triton is not None:
 def fused_kernels_available(device: torch.device) -> bool:
     """True where ``FusedVocabParallelLogprobs`` can run: Triton importable and the tensors on CUDA,
     or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton's import)."""
-    import os
-
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -284,14 +283,10 @@ class FusedVocabParallelLogprobs(torch.autograd.Function):
         if n:
             _row_stats_kernel[(n,)](logits, logits.stride(0), targets, m, s, picked, v_local, vocab_start,
                                     1.0 / temperature, BLOCK=FUSED_BLOCK)
-        if group is not None and dist.get_world_size(group) > 1:
-            m_all = m.clone()
-            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
-            s = s * torch.exp(m - m_all)
-            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=group)
-            m = m_all
-        lse = m + s.log()
+        m_all = _all_reduce(m.clone(), dist.ReduceOp.MAX, group)
+        s = _all_reduce(s * torch.exp(m - m_all), dist.ReduceOp.SUM, group)  # rescaled to the global max
+        _all_reduce(picked, dist.ReduceOp.SUM, group)
+        lse = m_all + s.log()
         ctx.save_for_backward(logits, targets, lse)
         ctx.vocab_start, ctx.temperature = vocab_start, temperature
         return picked - lse
