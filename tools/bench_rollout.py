@@ -123,16 +123,34 @@ def engine_settings(llm) -> dict:
     return out
 
 
+def engine_config(precision: str, gpu_mem: float, max_model_len: int):
+    """The ``VllmConfig`` of one ``PRECISIONS`` entry (DeepGEMM ones with power-of-two scales, as its E8M0 needs)."""
+    from nemo_fp8.generation.config import VllmConfig
+
+    p = PRECISIONS[precision]
+    return VllmConfig(precision="fp8" if p.fp8 else "bfloat16", use_deep_gemm=p.deep_gemm,
+                      pow2_weight_scaling_factors=p.deep_gemm, pow2_activation_scaling_factors=p.deep_gemm,
+                      kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=gpu_mem, max_model_len=max_model_len)
+
+
+def child_result(cmd: list[str], precision: str, timeout: int) -> dict:
+    """Run one engine child (``VLLM_USE_DEEP_GEMM`` as ``precision`` needs); the dict of its last
+    ``RESULT {json}`` line, or ``{"error": ...}`` (its output's tail, or the timeout)."""
+    env = dict(os.environ, VLLM_USE_DEEP_GEMM="1" if PRECISIONS[precision].deep_gemm else "0")
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout}s"}
+
+
 def run_engine(a) -> dict:
     """Child: start one engine, measure, return one row (printed as a JSON line by ``main``)."""
-    from nemo_fp8.generation.config import VllmConfig
     from nemo_fp8.generation.vllm.engine_args import init_fp8
 
     p = PRECISIONS[a.precision]
-    cfg = VllmConfig(precision="fp8" if p.fp8 else "bfloat16", use_deep_gemm=p.deep_gemm,
-                     pow2_weight_scaling_factors=p.deep_gemm, pow2_activation_scaling_factors=p.deep_gemm,
-                     kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=a.gpu_mem,
-                     max_model_len=a.input_len + a.output_len + 16)
+    cfg = engine_config(a.precision, a.gpu_mem, a.input_len + a.output_len + 16)
     spec = init_fp8(cfg, a.model, a.model, colocated=False, extra={"max_num_seqs": a.max_num_seqs})
     import torch
     from vllm import LLM, SamplingParams
@@ -313,13 +331,7 @@ def run_child(a, model: Path, prec: str, timeout: int, refit: bool) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if refit:
         cmd.append("--refit")
-    env = dict(os.environ, VLLM_USE_DEEP_GEMM="1" if PRECISIONS[prec].deep_gemm else "0")
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        return json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout after {timeout}s"}
+    return child_result(cmd, prec, timeout)
 
 
 def like_for_like(rows) -> list[str]:

@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import PRECISIONS, SHAPES, write_config  # noqa: E402
+from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, write_config  # noqa: E402
 
 CATEGORIES = ("gemm", "moe", "attention", "quant", "sampler", "norm_act", "other")
 # (category, substrings of the lower-cased kernel name), first match wins: MoE and attention before the
@@ -123,14 +122,9 @@ def profile_engine(a) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from nemo_fp8.generation.config import VllmConfig
     from nemo_fp8.generation.vllm.engine_args import init_fp8
 
-    p = PRECISIONS[a.precision]
-    cfg = VllmConfig(precision="fp8" if p.fp8 else "bfloat16", use_deep_gemm=p.deep_gemm,
-                     pow2_weight_scaling_factors=p.deep_gemm, pow2_activation_scaling_factors=p.deep_gemm,
-                     kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=a.gpu_mem,
-                     max_model_len=a.input_len + a.output_len + 16)
+    cfg = engine_config(a.precision, a.gpu_mem, a.input_len + a.output_len + 16)
     extra = {"max_num_seqs": max(a.batch, 8)}
     if a.eager:
         extra["enforce_eager"] = True
@@ -164,13 +158,7 @@ def run_child(a, model: Path, prec: str) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.eager:
         cmd.append("--eager")
-    env = dict(os.environ, VLLM_USE_DEEP_GEMM="1" if PRECISIONS[prec].deep_gemm else "0")
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        return json.loads(line[-1][7:]) if line else {"precision": prec, "error": (p.stderr or p.stdout)[-1500:]}
-    except subprocess.TimeoutExpired:
-        return {"precision": prec, "error": f"timeout after {a.timeout}s"}
+    return {"precision": prec, **child_result(cmd, prec, a.timeout)}
 
 
 def parse_args(argv=None):
