@@ -82,6 +82,7 @@ def variant_command(backend: str, name: str, config: str, out_dir: Path, overrid
 
 
 _GPU_MEM_KEY = "policy.generation.vllm_cfg.gpu_memory_utilization"
+_KV_BYTES_KEY = "policy.generation.vllm_cfg.kv_cache_memory_bytes"
 
 
 def shared_gpu_memory_utilization(parallel: int, engines_share: float = 0.45) -> float:
@@ -92,6 +93,27 @@ def shared_gpu_memory_utilization(parallel: int, engines_share: float = 0.45) ->
     ``parallel`` Megatron trainers (weights, gradients, Adam state and activations of the small model).
     """
     return round(engines_share / parallel, 3)
+
+
+def parallel_overrides(overrides: list[str], parallel: int, kv_cache_gib: float) -> list[str]:
+    """``overrides`` plus each engine's memory keys when ``parallel`` > 1 GPU variants share one GPU.
+
+    ``gpu_memory_utilization`` (vLLM's start-up check: that much must be free) is set to
+    :func:`shared_gpu_memory_utilization`, and ``kv_cache_memory_bytes`` to ``kv_cache_gib`` GiB: a
+    fixed KV cache skips vLLM's memory profiling, whose measure of the engine's own use is the GPU's
+    free memory before and after (``vllm/v1/worker/gpu_worker.py``, ``determine_available_memory``)
+    and fails when another variant's engine sleeps or its trainer offloads meanwhile. A key given
+    in ``overrides`` wins.
+    """
+    out = list(overrides)
+    if parallel <= 1:
+        return out
+    given = {o.split("=", 1)[0] for o in out}
+    if _GPU_MEM_KEY not in given:
+        out.append(f"{_GPU_MEM_KEY}={shared_gpu_memory_utilization(parallel)}")
+    if _KV_BYTES_KEY not in given:
+        out.append(f"{_KV_BYTES_KEY}={int(kv_cache_gib * 2**30)}")
+    return out
 
 
 def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 1,
@@ -172,10 +194,16 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print each variant's command and exit")
     p.add_argument("--parallel", type=int, default=1,
                    help="variants run at once (GPU: on the same GPU, each engine's gpu_memory_utilization "
-                        "set to 0.45/N unless given; step times then include the sharing)")
+                        "set to 0.45/N and its KV cache to --kv-cache-gib unless given; step times then include "
+                        "the sharing)")
     p.add_argument("--stagger-s", type=float, default=None,
                    help="seconds between two starts (default: 45 on gpu, so engines size their memory one at a "
                         "time; 0 on cpu)")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0,
+                   help="GPU with --parallel > 1: each engine's fixed KV cache (vLLM kv_cache_memory_bytes) in GiB, "
+                        "instead of vLLM's memory profiling, which other variants' sleep/wake on the same GPU upset "
+                        "(default %(default)s: a step's 16 prompts x 8 x 512 tokens of the small model need 2 GiB; "
+                        "what does not fit, vLLM queues)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every variant")
     args = p.parse_args(argv)
     if args.parallel < 1:
@@ -193,8 +221,8 @@ def main(argv=None) -> int:
     failed = []
     if not args.report_only:
         overrides = list(args.overrides)
-        if args.parallel > 1 and args.backend == "gpu" and not any(o.startswith(_GPU_MEM_KEY + "=") for o in overrides):
-            overrides.append(f"{_GPU_MEM_KEY}={shared_gpu_memory_utilization(args.parallel)}")
+        if args.backend == "gpu":
+            overrides = parallel_overrides(overrides, args.parallel, args.kv_cache_gib)
         commands = {name: variant_command(args.backend, name, config, out_dir, overrides) for name in names}
         for name, cmd in commands.items():
             print(f"[{name}] {' '.join(cmd[1:])}", flush=True)

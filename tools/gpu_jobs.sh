@@ -11,8 +11,9 @@
 #           rollout + FP8 training, all BF16, FP8 rollout + FP16 training with loss scaling)
 #   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
-#   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS)
-#   wait    sleep to the deadline, then show the background logs    sh      bash -c "$CMD"
+#   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS), after a running `small`
+#   wait    sleep until the deadline or the background jobs end, then show their logs     sh      bash -c "$CMD"
+#   report  the parity plot/table from the logs so far (compare_precision --report-only) + small model report, to $OUT
 #   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
 #   prof    tools/profile_rollout.py (PROF_ARGS): kernel time per decode step by category, BF16 vs FP8
 #   dgwarm  compile DeepGEMM's kernels for a shape (DG_MODEL, default dense) with a 1-layer engine at 10% of the GPU,
@@ -62,13 +63,22 @@ for job in "$@"; do
                --num-prompts 512 --output-len 1536} --timeout $((L-20)) 2>&1 | tee "$OUT/kvbench.log" | tail -30 ;;
     btrain) timeout $((L-5)) python3 tools/bench_train.py ${BT_ARGS:---shapes dense --recipes bf16,e4m3-tensorwise,e4m3-blockwise} \
               2>&1 | tee "$OUT/btrain.log" | tail -30 ;;
-    small) setsid nohup python3 tools/make_small_model.py --out models/small-qwen3 ${SMALL_ARGS:-} > "$OUT/small.log" 2>&1 \
-             < /dev/null & sleep 30; tail -5 "$OUT/small.log" ;;
-    parity) setsid nohup python3 tools/compare_precision.py --backend gpu ${PARITY_ARGS:-} > "$OUT/parity.log" 2>&1 \
-              < /dev/null & sleep 30; tail -5 "$OUT/parity.log" ;;
-    wait) sleep $(( $(left) - 15 )); tail -n ${TAIL:-15} "$OUT/small.log" "$OUT/parity.log" 2>/dev/null
+    small) mkdir -p logs; setsid nohup python3 tools/make_small_model.py --out models/small-qwen3 ${SMALL_ARGS:-} > logs/small.log \
+             2>&1 < /dev/null & sleep 30; tail -5 logs/small.log ;;
+    parity) # starts once a running `small` build has written the model (or right away when none runs)
+            mkdir -p logs; setsid nohup bash -c 'while pgrep -f make_small_mode[l] > /dev/null; do sleep 5; done
+              [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
+              exec python3 tools/compare_precision.py --backend gpu '"${PARITY_ARGS:-}" > logs/parity.log 2>&1 < /dev/null &
+            sleep 20; tail -5 logs/parity.log ;;
+    wait) # until the deadline or until no background job (small, parity, dgwarm) runs, whichever is first
+          while [ "$(left)" -gt 25 ] && pgrep -f "make_small_mode[l]|compare_precisio[n]|bench_rollou[t]" > /dev/null; do sleep 10; done
+          tail -n ${TAIL:-15} logs/small.log logs/parity.log 2>/dev/null
+          for m in logs/compare/gpu/*/metrics.jsonl; do [ -f "$m" ] && echo "$m: $(wc -l < "$m") rows"; done ;;
+    report) # the parity plot and table from whatever the variants logged so far, and the small model's report, into $OUT
+          python3 tools/compare_precision.py --backend gpu --report-only ${PARITY_ARGS:-} 2>&1 | tail -40
           cp models/small-qwen3/small_model_spec.json logs/compare/gpu/parity.md logs/compare/gpu/parity.png "$OUT"/ 2>/dev/null
-          tar czf "$OUT/parity_metrics.tgz" logs/compare/gpu/*/metrics.jsonl 2>/dev/null ;;
+          cp logs/parity.log "$OUT"/ 2>/dev/null
+          tar czf "$OUT/parity_logs.tgz" logs/compare/gpu/*/metrics.jsonl logs/compare/gpu/*/run.log 2>/dev/null ;;
     dgcache) if [ -d "$DG_JIT_CACHE_DIR" ]; then
                tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
              else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;

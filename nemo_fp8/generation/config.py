@@ -29,6 +29,9 @@ class VllmConfig(StrictConfig):
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     kv_scale_margin: float = Field(1.0, ge=1.0, description="FP8 KV scale = amax * margin / 448 (head-room >= 1)")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    kv_cache_memory_bytes: Optional[int] = Field(
+        None, ge=1, description="vLLM's kv_cache_memory_bytes: a fixed KV cache size per GPU that skips vLLM's "
+        "memory profiling (which fails when another process on the GPU frees memory while it profiles)")
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: Optional[int] = Field(None, ge=1)
     enforce_eager: bool = False

@@ -29,6 +29,9 @@ def test_fp8_engine_args():
     assert kw["kv_cache_dtype"] == "fp8" and kw["worker_extension_cls"] == WORKER_EXTENSION_CLS
     assert kw["weight_transfer_config"] == {"backend": "ipc"} and kw["max_model_len"] == 1024 and kw["model"] == "/m"
     assert "model.layers.1.self_attn.q_proj" in spec.fp8_modules and "model.layers.0.self_attn.q_proj" not in spec.fp8_modules
+    assert "kv_cache_memory_bytes" not in kw  # vLLM sizes the KV cache from gpu_memory_utilization
+    sized = build_engine_spec(VllmConfig(kv_cache_memory_bytes=2**30), DENSE).engine_kwargs
+    assert sized["kv_cache_memory_bytes"] == 2**30
 
 
 def test_bf16_engine_has_no_quantization():

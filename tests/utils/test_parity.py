@@ -141,7 +141,19 @@ def test_parallel_dry_run_shares_the_gpu_between_engines(tmp_path, capsys):
     assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path),
                         "policy.generation.vllm_cfg.gpu_memory_utilization=0.1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert all(line.count("gpu_memory_utilization") == 1 and line.endswith("=0.1") for line in lines)
+    assert all(line.count("gpu_memory_utilization") == 1 and "gpu_memory_utilization=0.1 " in line for line in lines)
+
+
+def test_parallel_engines_get_a_fixed_kv_cache_instead_of_profiling():
+    """Sharing the GPU, each engine's KV cache is fixed (vLLM's profiling reads the GPU's free memory, which the
+    other variants change); one variant at a time keeps vLLM's own sizing; a given key wins."""
+    po = tool().parallel_overrides
+    assert po(["a=1"], 1, 4.0) == ["a=1"]
+    out = po(["a=1"], 7, 4.0)
+    assert "policy.generation.vllm_cfg.kv_cache_memory_bytes=4294967296" in out
+    assert "policy.generation.vllm_cfg.gpu_memory_utilization=0.064" in out
+    mine = po(["policy.generation.vllm_cfg.kv_cache_memory_bytes=1000"], 7, 4.0)
+    assert [o for o in mine if "kv_cache_memory_bytes" in o] == ["policy.generation.vllm_cfg.kv_cache_memory_bytes=1000"]
 
 
 def test_run_variants_overlaps_runs_and_reports_failures(tmp_path, capsys):

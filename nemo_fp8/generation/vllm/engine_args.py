@@ -153,6 +153,8 @@ def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[s
         kwargs["model"] = str(model_path)
     if cfg.max_model_len is not None:
         kwargs["max_model_len"] = cfg.max_model_len
+    if cfg.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     qc = quantization_config(cfg, ignored)
     if qc is not None:
         kwargs["hf_overrides"] = {"quantization_config": qc}
