@@ -151,3 +151,28 @@ def test_package_import_does_not_import_vllm():
     assert callable(nemo_fp8.init_fp8)
     import nemo_fp8.generation.vllm  # noqa: F401
     assert "vllm" not in sys.modules or sys.modules["vllm"] is not None
+
+
+def test_sleep_patch_lets_only_the_shared_gpu_memory_check_pass(caplog):
+    """vLLM's Worker.sleep asserts after releasing the memory that the whole GPU's free memory did not fall:
+    the patch logs that one failure; other assertion errors and normal returns pass through."""
+    from nemo_fp8.generation.vllm.patches import SLEEP_CHECK_MESSAGE, _wrap_worker_sleep
+
+    calls = []
+
+    def sleep(self, level=1, fail=None):
+        calls.append(level)
+        if fail:
+            raise AssertionError(fail)
+        return "slept"
+
+    patched = _wrap_worker_sleep(sleep)
+    assert patched(None, 2) == "slept" and patched._nemo_fp8_patched
+    with caplog.at_level("WARNING"):
+        assert patched(None, 1, fail=SLEEP_CHECK_MESSAGE + ".") is None
+    assert calls == [2, 1] and "another process" in caplog.text
+    with pytest.raises(AssertionError, match="other"):
+        patched(None, 1, fail="other")
+    sleep_patch = next(p for p in PATCHES if p.name == "worker_sleep_shared_gpu")
+    assert not sleep_patch.fp8_only and sleep_patch.attr == "Worker.sleep"
+    assert all(p.fp8_only for p in PATCHES if p.name == "quantfp8_pow2_act")

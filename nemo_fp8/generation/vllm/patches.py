@@ -1,11 +1,18 @@
 """Every place where nemo_fp8 replaces a vLLM function, in one table, with the versions tested.
 
 vLLM's extension points (``hf_overrides`` quantization config, ``worker_extension_cls``,
-``weight_transfer_config``, ``logprobs_mode``, sleep mode) cover the FP8 engine except one
-thing: vLLM picks the activation quantizer's scale format from the GEMM kernel
-(CUTLASS: fp32; DeepGEMM: E8M0 iff ``VLLM_USE_DEEP_GEMM_E8M0``), while our config has its own
-``pow2_activation_scaling_factors``. Patch ``quantfp8_pow2_act`` wraps ``QuantFP8.__init__`` so
-that dynamic per-token-group quantizers use ``use_ue8m0 = NEMO_FP8_POW2_ACT_SCALES``.
+``weight_transfer_config``, ``logprobs_mode``, sleep mode) cover the FP8 engine except two
+things:
+
+- vLLM picks the activation quantizer's scale format from the GEMM kernel (CUTLASS: fp32;
+  DeepGEMM: E8M0 iff ``VLLM_USE_DEEP_GEMM_E8M0``), while our config has its own
+  ``pow2_activation_scaling_factors``. Patch ``quantfp8_pow2_act`` wraps ``QuantFP8.__init__`` so
+  that dynamic per-token-group quantizers use ``use_ue8m0 = NEMO_FP8_POW2_ACT_SCALES`` (FP8 engines).
+- ``Worker.sleep`` asserts that the whole GPU's free memory (``torch.cuda.mem_get_info``) did not
+  fall while the engine slept. Its memory is released before that check, but another process on the
+  same GPU (a colocated trainer, or other engines: ``compare_precision.py --parallel``) can allocate
+  meanwhile, and the failed assertion then kills a healthy run. Patch ``worker_sleep_shared_gpu``
+  turns that one assertion into a warning (every engine, BF16 too).
 
 ``check_installed_vllm()`` runs at start-up (``init_fp8``) and in each worker before a patch
 is applied: an untested vLLM version or a missing target raises RuntimeError naming the patch,
@@ -35,6 +42,7 @@ class Patch:
         tested_versions: vLLM versions this patch was tested on (exact ``vllm.__version__``).
         why: what the original does that we must change.
         wrap: ``original -> replacement``.
+        fp8_only: applied in FP8 engines only (False: in every engine).
     """
 
     name: str
@@ -43,6 +51,7 @@ class Patch:
     tested_versions: tuple[str, ...]
     why: str
     wrap: Callable[[Callable], Callable]
+    fp8_only: bool = True
 
 
 def _wrap_quantfp8_init(original: Callable) -> Callable:
@@ -56,6 +65,25 @@ def _wrap_quantfp8_init(original: Callable) -> Callable:
     return __init__
 
 
+SLEEP_CHECK_MESSAGE = "Memory usage increased after sleeping"
+
+
+def _wrap_worker_sleep(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def sleep(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except AssertionError as e:
+            if SLEEP_CHECK_MESSAGE not in str(e):
+                raise
+            # vllm/v1/worker/gpu_worker.py: the check runs after CuMemAllocator.sleep() released the engine's memory
+            logger.warning("vLLM engine asleep; its check of the GPU's free memory failed (%s): another process on "
+                           "this GPU allocated while the engine released its memory", e)
+
+    sleep._nemo_fp8_patched = True
+    return sleep
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="quantfp8_pow2_act",
@@ -65,6 +93,16 @@ PATCHES: tuple[Patch, ...] = (
         why="vLLM derives the per-token-group activation scale format (use_ue8m0) from the GEMM kernel; "
             "pow2_activation_scaling_factors must decide it",
         wrap=_wrap_quantfp8_init,
+    ),
+    Patch(
+        name="worker_sleep_shared_gpu",
+        module="vllm.v1.worker.gpu_worker",
+        attr="Worker.sleep",
+        tested_versions=("0.22.0",),
+        why="Worker.sleep asserts the whole GPU's free memory did not fall during sleep; another process on the "
+            "GPU allocating meanwhile fails it after the engine's memory was already released",
+        wrap=_wrap_worker_sleep,
+        fp8_only=False,
     ),
 )
 
@@ -113,8 +151,14 @@ def check_installed_vllm(patches: tuple[Patch, ...] = PATCHES) -> str:
     return version
 
 
-def apply_patches(patches: tuple[Patch, ...] = PATCHES) -> list[str]:
-    """Check, then apply every patch once in this process; returns the names applied."""
+def apply_patches(patches: tuple[Patch, ...] = PATCHES, fp8: bool = True) -> list[str]:
+    """Check, then apply each patch once in this process (``fp8=False``: those not ``fp8_only``);
+    returns the names applied.
+
+    Raises:
+        RuntimeError: see :func:`check_installed_vllm`.
+    """
+    patches = tuple(p for p in patches if fp8 or not p.fp8_only)
     check_installed_vllm(patches)
     applied = []
     for p in patches:

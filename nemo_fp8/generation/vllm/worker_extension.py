@@ -1,7 +1,8 @@
 """Mixed into every vLLM worker (``worker_extension_cls``); importing it applies the patch table.
 
 vLLM imports this module in each worker process before the model is built, so the patches in
-``patches.py`` are in place when the Linear kernels are created. The methods are called by name
+``patches.py`` are in place when the Linear kernels are created (FP8 engines: all of them; BF16
+engines: those not marked ``fp8_only``). The methods are called by name
 through ``LLM.collective_rpc`` (no insecure serialization needed) by tests and the backend.
 """
 
@@ -11,10 +12,9 @@ import os
 
 import torch
 
-if os.environ.get("NEMO_FP8_PRECISION") == "fp8":
-    from nemo_fp8.generation.vllm.patches import apply_patches
+from nemo_fp8.generation.vllm.patches import apply_patches  # noqa: E402
 
-    apply_patches()
+apply_patches(fp8=os.environ.get("NEMO_FP8_PRECISION") == "fp8")
 
 
 class Fp8WorkerExtension:
