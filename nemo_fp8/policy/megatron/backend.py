@@ -26,7 +26,8 @@ Refit: ``named_weights`` streams Megatron-Bridge's ``export_hf_weights`` (HF nam
 parallel shards gathered; every tensor-parallel rank must iterate it, see ``drain_weights``).
 Colocated with the engine, ``offload_before_refit`` moves gradients and optimizer state to host
 memory and ``offload_after_refit`` the weights too (mcore's ``offload_to_cpu`` on the DDP
-buffers, as NeMo-RL's megatron worker does).
+buffers, as NeMo-RL's megatron worker does; the optimizer state into pinned host buffers kept
+across steps, ``nemo_fp8.policy.offload``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
+from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.torch_backend import ShardTrainResult, batched_logprobs, global_batches, reduce_train_results
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ class MegatronPolicyBackend:
             self._load_fp8_params_and_main_params()
         self.num_updates = 0
         self._offloaded: set[str] = set()
+        self._host = HostBuffers()  # optimizer state's host copies, reused at every colocated refit
         logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
                     rank, world_size, self.tp_rank, self.dp_rank,
                     m.fp8_cfg.fp8 if m.fp8_cfg.enabled else None, m.fp8_cfg.fp8_recipe if m.fp8_cfg.enabled else None,
@@ -383,12 +386,19 @@ class MegatronPolicyBackend:
                     buf.reload_from_cpu(move_params=params, move_grads=grads)
 
     def _move_optimizer_state(self, device: str) -> None:
-        """Adam moments (and any other per-parameter state) to ``device``."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for s in opt._get_state().values():
+        """Adam moments (and any other per-parameter state) to host memory (``device="cpu"``: into
+        buffers kept across steps, ``HostBuffers``) or to the GPU."""
+        for i, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
+            for j, s in enumerate(opt._get_state().values()):
                 for k, v in s.items():
-                    if torch.is_tensor(v):
-                        s[k] = v.to(device)
+                    if not torch.is_tensor(v):
+                        continue
+                    if device == "cpu" and v.is_cuda:
+                        s[k] = self._host.offload((i, j, k), v)
+                    elif device != "cpu" and not v.is_cuda:
+                        s[k] = self._host.reload(v, device)
+        if device == "cpu":
+            self._host.synchronize()  # the GPU copies must not be freed (empty_cache) while still being read
 
     def prepare_for_training(self) -> None:
         """Bring back whatever ``offload_*`` moved to host memory."""
