@@ -197,8 +197,8 @@ def main(argv=None) -> int:
                         "set to 0.45/N and its KV cache to --kv-cache-gib unless given; step times then include "
                         "the sharing)")
     p.add_argument("--stagger-s", type=float, default=None,
-                   help="seconds between two starts (default: 45 on gpu, so engines size their memory one at a "
-                        "time; 0 on cpu)")
+                   help="seconds between two starts (default: 45 on gpu, to spread the engines' start-up work: "
+                        "compilation, CUDA graph capture; 0 on cpu)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="GPU with --parallel > 1: each engine's fixed KV cache (vLLM kv_cache_memory_bytes) in GiB, "
                         "instead of vLLM's memory profiling, which other variants' sleep/wake on the same GPU upset "

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from nemo_fp8.generation.vllm.patches import apply_patches  # noqa: E402
+from nemo_fp8.generation.vllm.patches import apply_patches
 
 apply_patches(fp8=os.environ.get("NEMO_FP8_PRECISION") == "fp8")
 
