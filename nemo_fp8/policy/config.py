@@ -47,12 +47,33 @@ class MegatronOptimizerConfig(StrictConfig):
     # hysteresis of 2 every halving costs two skipped updates: 32 lost GRPO steps before 2^16.
     initial_loss_scale: float = Field(2.0**16, gt=0)
     use_distributed_optimizer: bool = True
+    # megatron-core's precision-aware optimizer (TransformerEngine's FusedAdam): Adam's moments stored in 16 bits,
+    # and with bf16 weights the fp32 main params kept as 16-bit remainders (megatron-core's store_param_remainders);
+    # computation stays fp32. 16 -> 8 bytes of optimizer state per parameter: what lets an 8B model train on one H200.
     use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    exp_avg_sq_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def config_errors(self) -> list[str]:
+        errs = []
         if self.bf16 and self.fp16:
-            return ["bf16 and fp16 are both true; pick one (fp16 trains with dynamic loss scaling)"]
-        return []
+            errs.append("bf16 and fp16 are both true; pick one (fp16 trains with dynamic loss scaling)")
+        low = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(self, k) != "float32"]
+        if low and not self.use_precision_aware_optimizer:
+            errs.append(f"{', '.join(f'{k}={getattr(self, k)}' for k in low)} needs use_precision_aware_optimizer=true "
+                        "(megatron-core stores optimizer state in 16 bits only in its precision-aware optimizer)")
+        if self.use_precision_aware_optimizer and (self.optimizer != "adam" or not self.use_distributed_optimizer):
+            errs.append(f"use_precision_aware_optimizer needs optimizer=adam and use_distributed_optimizer=true (got "
+                        f"optimizer={self.optimizer}, use_distributed_optimizer={self.use_distributed_optimizer})")
+        return errs
+
+
+class DistributedDataParallelConfig(StrictConfig):
+    """megatron-core's ``DistributedDataParallelConfig`` keys that a user may change (NeMo-RL's section name)."""
+
+    # fp32 gradient buffer (4 bytes per parameter); false: gradients accumulate and reduce in the weights' dtype
+    # (bf16: 2 bytes), as NeMo-RL's large-model recipes set it
+    grad_reduce_in_fp32: bool = True
 
 
 class MegatronConfig(StrictConfig):
@@ -68,6 +89,7 @@ class MegatronConfig(StrictConfig):
         "recomputed in backward), 'fused' (the same math in one Triton pass each way) or 'te' "
         "(TransformerEngine's fused parallel_cross_entropy, its gradient stored in the bf16 logits in the forward)")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
+    distributed_data_parallel_config: DistributedDataParallelConfig = DistributedDataParallelConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
 
     def config_errors(self) -> list[str]:
@@ -85,6 +107,11 @@ class MegatronConfig(StrictConfig):
         if self.logprob_kernel != "chunked" and not self.enabled:
             errs.append(f"logprob_kernel: {self.logprob_kernel!r} is a kernel of the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
+        if not self.enabled and (self.optimizer.use_precision_aware_optimizer
+                                 or not self.distributed_data_parallel_config.grad_reduce_in_fp32):
+            errs.append("optimizer.use_precision_aware_optimizer / distributed_data_parallel_config.grad_reduce_in_fp32 "
+                        "set the megatron backend's memory (policy.megatron_cfg.enabled=true); the torch backend "
+                        "trains with fp32 AdamW (policy.optimizer)")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")

@@ -51,13 +51,13 @@ def any_ckpt(request, tmp_path_factory):
     return save(tmp_path_factory.mktemp(request.param) / request.param)
 
 
-def _policy_cfg(path, fp8=None, first=0, last=0, lr=1e-5, megatron=True, **megatron_cfg):
+def _policy_cfg(path, fp8=None, first=0, last=0, lr=1e-5, megatron=True, optimizer=None, **megatron_cfg):
     """One-rank policy config; ``megatron=False``: the torch reference backend on the same model."""
     fp8_cfg = {"enabled": False} if fp8 is None else {"enabled": True, **fp8}
     return PolicyConfig(model_name=str(path), precision="bfloat16", device="cuda", train_global_batch_size=8,
                         train_micro_batch_size=4, logprob_batch_size=4, max_total_sequence_length=512,
                         megatron_cfg={"enabled": megatron, **megatron_cfg, "fp8_cfg": fp8_cfg,
-                                      "optimizer": {"lr": lr, "min_lr": lr, "weight_decay": 0.0}},
+                                      "optimizer": {"lr": lr, "min_lr": lr, "weight_decay": 0.0, **(optimizer or {})}},
                         generation={"vllm_cfg": {"precision": "fp8", "num_first_layers_in_bf16": first,
                                                  "num_last_layers_in_bf16": last}})
 
@@ -211,6 +211,45 @@ def test_one_training_step_lowers_the_loss(ckpt, fp8):
         print(f"{fp8}: loss {first['loss']:.5f} -> {second['loss']:.5f}, grad_norm {first['grad_norm']:.3f}")
         assert torch.isfinite(torch.tensor(first["grad_norm"])) and first["grad_norm"] > 0
         assert second["loss"] < first["loss"] - 1e-4
+    finally:
+        _close(be)
+
+
+def _optimizer_state(be) -> dict[str, torch.Tensor]:
+    """'<optimizer>.<param>.<key>' -> tensor of every optimizer's per-parameter state."""
+    opts = getattr(be.optimizer, "chained_optimizers", [be.optimizer])
+    return {f"{i}.{j}.{k}": v for i, opt in enumerate(opts) for j, st in enumerate(opt._get_state().values())
+            for k, v in st.items() if torch.is_tensor(v)}
+
+
+@pytest.mark.parametrize("fp8", [None, dict(fp8="e4m3", fp8_recipe="blockwise")], ids=["bf16", "e4m3-blockwise"])
+def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloads(ckpt, fp8):
+    """The 8B-on-one-GPU memory settings: Adam's moments in bf16 (megatron-core's precision-aware optimizer,
+    TransformerEngine's FusedAdam) and a bf16 gradient buffer. Training lowers the loss, and the colocated
+    offload (optimizer state into pinned host buffers) and reload give the state back bit for bit."""
+    cfg = _policy_cfg(ckpt, fp8=fp8, lr=3e-5, optimizer=dict(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16",
+                                                    exp_avg_sq_dtype="bfloat16"),
+                      distributed_data_parallel_config=dict(grad_reduce_in_fp32=False))
+    batch = _batch()
+    be = _backend(cfg)
+    try:
+        first, second = _train_twice(be, batch)
+        state = _optimizer_state(be)
+        print("precision-aware optimizer state:", sorted({(k.rsplit(".", 1)[1], str(v.dtype)) for k, v in state.items()}),
+              f"loss {first['loss']:.5f} -> {second['loss']:.5f}")
+        moments = {k: v for k, v in state.items() if k.rsplit(".", 1)[1] in ("exp_avg", "exp_avg_sq")}
+        assert moments and all(v.dtype == torch.bfloat16 for v in moments.values())
+        assert second["loss"] < first["loss"] - 1e-4
+        before = {k: v.clone() for k, v in state.items()}
+        be.offload_before_refit()
+        be.offload_after_refit()
+        off = _optimizer_state(be)
+        assert all(not v.is_cuda for k, v in off.items() if before[k].is_cuda)
+        be.prepare_for_training()
+        back = _optimizer_state(be)
+        assert all(back[k].device == v.device and torch.equal(back[k], v) for k, v in before.items())
+        third = be.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
+        assert torch.isfinite(torch.tensor(third["grad_norm"]))
     finally:
         _close(be)
 

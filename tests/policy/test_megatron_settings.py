@@ -106,3 +106,22 @@ def test_policy_group_gives_tensor_parallel_ranks_their_groups_rows():
     assert group._first_of_groups(["a", "b", "c", "d"]) == ["a", "c"]
     with pytest.raises(ValueError, match="multiple"):
         PolicyGroup(workers=["r0", "r1", "r2"], global_batch_size=4, tp_size=2)
+
+
+def test_precision_aware_optimizer_and_bf16_gradients_map_to_megatron_core():
+    """16-bit Adam moments (megatron-core's precision-aware optimizer) and bf16 gradient buffers: the memory that
+    lets an 8B model train on one GPU; a 16-bit dtype without the precision-aware optimizer is refused up front."""
+    cfg = _cfg(optimizer=dict(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16",
+                              exp_avg_sq_dtype="bfloat16"), distributed_data_parallel_config=dict(grad_reduce_in_fp32=False))
+    opt = settings.optimizer_config_kwargs(cfg)
+    assert opt["use_precision_aware_optimizer"] is True
+    assert opt["exp_avg_dtype"] == opt["exp_avg_sq_dtype"] == torch.bfloat16
+    assert settings.ddp_config_kwargs(cfg)["grad_reduce_in_fp32"] is False
+    default = settings.optimizer_config_kwargs(_cfg())
+    assert default["exp_avg_dtype"] == default["exp_avg_sq_dtype"] == torch.float32
+    with pytest.raises(ValidationError, match="exp_avg_sq_dtype=float16 needs use_precision_aware_optimizer=true"):
+        _cfg(optimizer=dict(exp_avg_sq_dtype="float16"))
+    with pytest.raises(ValidationError, match="use_precision_aware_optimizer needs optimizer=adam and use_distributed"):
+        _cfg(optimizer=dict(use_precision_aware_optimizer=True, use_distributed_optimizer=False))
+    with pytest.raises(ValidationError, match="torch backend trains with fp32 AdamW"):
+        PolicyConfig(model_name="m", megatron_cfg={"distributed_data_parallel_config": {"grad_reduce_in_fp32": False}})

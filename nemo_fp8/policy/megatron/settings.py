@@ -27,7 +27,7 @@ import torch
 
 from nemo_fp8.policy.config import PolicyConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def train_dtype(cfg: PolicyConfig) -> torch.dtype:
@@ -87,20 +87,22 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
 
 def ddp_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     """``DistributedDataParallelConfig``: gradients summed (not averaged) across ranks, reduced
-    in fp32, the distributed optimizer when configured, FP8 parameter all-gather with ``fp8_param``.
+    in fp32 (unless ``distributed_data_parallel_config.grad_reduce_in_fp32`` is false: the weights'
+    dtype), the distributed optimizer when configured, FP8 parameter all-gather with ``fp8_param``.
 
     NaN gradients stop training (``check_for_nan_in_grad``) except in fp16: there an overflow is
     expected now and then, and the loss scaler handles it (skips the update, lowers the scale),
     as with Megatron-LM's fp16 training."""
     m = cfg.megatron_cfg
-    return dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-                average_in_collective=False, check_for_nan_in_grad=train_dtype(cfg) != torch.float16,
+    return dict(grad_reduce_in_fp32=m.distributed_data_parallel_config.grad_reduce_in_fp32, overlap_grad_reduce=False,
+                overlap_param_gather=False, average_in_collective=False, check_for_nan_in_grad=train_dtype(cfg) != torch.float16,
                 use_distributed_optimizer=m.optimizer.use_distributed_optimizer,
                 fp8_param_gather=m.fp8_cfg.enabled and m.fp8_cfg.fp8_param)
 
 
 def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
-    """``OptimizerConfig``: Adam (decoupled weight decay) or SGD with fp32 master weights; the
+    """``OptimizerConfig``: Adam (decoupled weight decay) or SGD with fp32 master weights (Adam's moments in
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` with the precision-aware optimizer); the
     gradient-norm clip is ``policy.max_grad_norm`` unless ``megatron_cfg.optimizer.clip_grad`` is set;
     fp16 gets dynamic loss scaling (megatron-core's ``DynamicGradScaler``); ``fp8_recipe`` tells the
     optimizer how FP8 parameters are scaled (as Megatron-Bridge sets it from its mixed-precision config)."""
@@ -112,6 +114,7 @@ def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
                 clip_grad=o.clip_grad if o.clip_grad is not None else cfg.max_grad_norm,
                 use_distributed_optimizer=o.use_distributed_optimizer,
                 use_precision_aware_optimizer=o.use_precision_aware_optimizer,
+                exp_avg_dtype=_DTYPES[o.exp_avg_dtype], exp_avg_sq_dtype=_DTYPES[o.exp_avg_sq_dtype],
                 fp8_recipe=cfg.megatron_cfg.fp8_cfg.fp8_recipe if cfg.megatron_cfg.fp8_cfg.enabled else None,
                 loss_scale=None, initial_loss_scale=o.initial_loss_scale)
 
