@@ -30,6 +30,7 @@ FLAGS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
          "max_minutes": "max_minutes", "warmup_steps": "warmup_steps", "gsm8k_fraction": "gsm8k_fraction",
          "num_synthetic_sft": "num_synthetic_sft", "num_synthetic_val": "num_synthetic_val",
          "num_gsm8k_val": "num_gsm8k_val", "num_synthetic_rl": "num_synthetic_rl",
+         "num_gsm8k_rl": "num_gsm8k_rl",
          "synthetic_max_operand": "synthetic_max_operand", "max_seq_len": "max_seq_len",
          "eval_max_new_tokens": "eval_max_new_tokens", "eval_batch_size": "eval_batch_size", "seed": "seed"}
 

@@ -79,6 +79,10 @@ class SmallModelSpec:
     num_synthetic_val: int = 256
     num_gsm8k_val: int = 256
     num_synthetic_rl: int = 8192
+    # GSM8K train questions among GRPO's problems: few, since the ~200M model solves 1-3% of GSM8K after its SFT
+    # (2026-11-23, one H200): their groups are nearly always all wrong (no advantage) while their long responses set
+    # the rollout's length. All 7,473: -1.
+    num_gsm8k_rl: int = 1024
     gsm8k_fraction: float = 0.3  # share of SFT steps drawn from GSM8K train solutions
     max_seq_len: int = 512  # SFT rows longer than this are dropped
     # training
@@ -121,6 +125,8 @@ def check_spec(spec: SmallModelSpec) -> None:
         errs.append(f"num_hidden_layers={spec.num_hidden_layers} must be >= 1")
     if spec.vocab_size < 512:
         errs.append(f"vocab_size={spec.vocab_size} must be >= 512 (256 byte tokens + specials + merges)")
+    if spec.num_gsm8k_rl < -1:
+        errs.append(f"num_gsm8k_rl={spec.num_gsm8k_rl} must be >= 0, or -1 for all GSM8K train questions")
     if not 0.0 <= spec.gsm8k_fraction <= 1.0:
         errs.append(f"gsm8k_fraction={spec.gsm8k_fraction} must be in [0, 1]")
     for name in ("batch_size", "max_steps", "eval_batch_size", "eval_max_new_tokens", "max_seq_len",
@@ -142,7 +148,7 @@ class SmallData:
         sft: (example, response text) pairs for supervised training.
         val: held-out problems (synthetic first, then GSM8K test), for the greedy evaluation and
             as GRPO's validation set.
-        rl_train: GRPO's training problems (fresh synthetic + GSM8K train questions).
+        rl_train: GRPO's training problems (fresh synthetic + a sample of GSM8K train questions).
     """
 
     sft: list[tuple[MathExample, str]]
@@ -175,8 +181,9 @@ def build_data(spec: SmallModelSpec, gsm8k_dir: str | Path | None) -> SmallData:
     """Make the SFT, validation and RL sets (see :class:`SmallData`), deterministically for ``spec.seed``.
 
     Synthetic problems come from three seed streams; validation problems are removed from the
-    SFT and RL synthetic sets by problem text. GSM8K: train solutions for SFT, train questions
-    for RL, the first ``num_gsm8k_val`` test problems for validation. ``gsm8k_dir=None`` uses
+    SFT and RL synthetic sets by problem text. GSM8K: train solutions for SFT, ``num_gsm8k_rl``
+    train questions (a seeded sample; -1: all) for RL, the first ``num_gsm8k_val`` test problems
+    for validation. ``gsm8k_dir=None`` uses
     synthetic problems only.
 
     Raises:
@@ -198,11 +205,14 @@ def build_data(spec: SmallModelSpec, gsm8k_dir: str | Path | None) -> SmallData:
             if not (d / name).is_file():
                 raise FileNotFoundError(f"GSM8K: {d / name} not found (--gsm8k-dir; --no-gsm8k for synthetic only)")
         train_rows, test_rows = _read_gsm8k(d / "train.jsonl"), _read_gsm8k(d / "test.jsonl")
+        n_rl = len(train_rows) if spec.num_gsm8k_rl < 0 else min(spec.num_gsm8k_rl, len(train_rows))
+        rl_rows = set(random.Random(spec.seed + 3).sample(range(len(train_rows)), n_rl))
         for i, r in enumerate(train_rows):
             ex = MathExample(problem=r["question"], answer=parse_gsm8k_answer(r["answer"]), data_source="gsm8k",
                              index=i)
             sft.append((ex, gsm8k_response(r["answer"])))
-            rl.append(ex)
+            if i in rl_rows:
+                rl.append(ex)
         val += [MathExample(problem=r["question"], answer=parse_gsm8k_answer(r["answer"]), data_source="gsm8k",
                             index=i) for i, r in enumerate(test_rows[: spec.num_gsm8k_val])]
     return SmallData(sft=sft, val=val, rl_train=rl)

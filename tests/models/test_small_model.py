@@ -136,6 +136,22 @@ def test_build_data_is_disjoint_and_deterministic():
     assert all(resp == f"Answer: {ex.answer}" for ex, resp in a.sft)
 
 
+def test_gsm8k_share_of_the_rl_problems_is_a_seeded_sample(gsm8k_dir):
+    """GRPO sees ``num_gsm8k_rl`` GSM8K train questions (the same ones on every build), -1: all of them; the SFT
+    keeps every GSM8K train solution either way."""
+    base = dict(num_synthetic_sft=200, num_synthetic_val=8, num_gsm8k_val=8, num_synthetic_rl=50, synthetic_max_operand=20)
+    n_train = len((gsm8k_dir / "train.jsonl").read_text().splitlines())
+    some = build_data(SmallModelSpec(**base, num_gsm8k_rl=100), gsm8k_dir)
+    again = build_data(SmallModelSpec(**base, num_gsm8k_rl=100), gsm8k_dir)
+    every = build_data(SmallModelSpec(**base, num_gsm8k_rl=-1), gsm8k_dir)
+    gsm = lambda d: [e.problem for e in d.rl_train if e.data_source == "gsm8k"]  # noqa: E731
+    assert len(gsm(some)) == 100 and gsm(some) == gsm(again) and len(gsm(every)) == n_train
+    assert set(gsm(some)) < set(gsm(every)) and gsm(some) != gsm(every)[:100]  # a sample, not the file's head
+    assert sum(ex.data_source == "gsm8k" for ex, _ in some.sft) == n_train
+    assert "num_gsm8k_rl=-2 must be >= 0" in str(pytest.raises(ValueError, check_spec,
+                                                                SmallModelSpec(num_gsm8k_rl=-2)).value)
+
+
 class _AnswerModel:
     """generate(): appends "Answer: <gold>" for rows whose index is even, "Answer: -1" otherwise (+ EOS)."""
 
