@@ -1,50 +1,66 @@
-"""Host buffers for GPU state that leaves the GPU around every colocated refit (no engine imports).
+"""Host memory for GPU state that leaves the GPU around every colocated refit (no engine imports).
 
-Colocated, the trainer moves its optimizer state (Adam's ``exp_avg`` / ``exp_avg_sq``, fp32: 8 bytes
-per parameter) to host memory before the engine wakes and back before training, once per step.
-``tensor.to("cpu")`` would allocate fresh pageable host memory and copy synchronously each time (the
-page faults of a new allocation cost as much as the copy); :class:`HostBuffers` keeps one host
-buffer per slot across steps, pinned where CUDA is present, filled by non-blocking copies, as
-megatron-core keeps ``param_data_cpu`` for its DDP buffers (``_ParamAndGradBuffer.offload_to_cpu``).
+Colocated, the trainer moves its optimizer state (Adam's ``exp_avg`` / ``exp_avg_sq``: 8 bytes per
+parameter in fp32, 4 with the precision-aware optimizer's bf16 moments) to host memory before the
+engine wakes and back before training, once per step. ``tensor.to("cpu")`` would allocate fresh
+pageable host memory and copy synchronously each time (the page faults of a new allocation cost as
+much as the copy). :class:`HostBuffers` keeps one pinned host arena across steps (one allocation:
+torch's pinned-memory allocator rounds every allocation up to a power of two, so one buffer per
+tensor could waste up to half of it) and fills views of it with non-blocking copies, as
+megatron-core keeps one pinned ``param_data_cpu`` per DDP buffer (``_ParamAndGradBuffer.offload_to_cpu``).
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+_ALIGN = 64  # bytes: every view starts aligned for any dtype (and for the copy engines)
+
 
 class HostBuffers:
-    """One reusable host buffer per slot (a hashable key: e.g. optimizer, parameter index, state name).
+    """A host arena reused while the offloaded tensors keep their slots, shapes and dtypes.
 
     Args:
-        pin: page-locked buffers (default: when CUDA is available; pinning needs it).
+        pin: page-locked memory (default: when CUDA is available; pinning needs it).
     """
 
     def __init__(self, pin: Optional[bool] = None):
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._buffers: dict[Hashable, Tensor] = {}
+        self._arena: Optional[Tensor] = None
+        self._layout: list[tuple[Hashable, tuple[int, ...], torch.dtype, int]] = []
 
-    def offload(self, slot: Hashable, tensor: Tensor) -> Tensor:
-        """Copy ``tensor`` (any shape and dtype) into ``slot``'s host buffer and return that buffer.
+    def offload(self, items: Sequence[tuple[Hashable, Tensor]]) -> list[Tensor]:
+        """Copy each ``(slot, tensor)`` (any shape and dtype) into the arena; returns the host views, in order.
 
-        The buffer is reused while the slot's shape and dtype stay the same. From a CUDA tensor the copy
-        is asynchronous: call :meth:`synchronize` before reading the buffer or freeing GPU memory.
+        The arena is reallocated only when the list of slots, shapes or dtypes changes, so the same state
+        offloaded step after step lands in the same host memory. From CUDA tensors the copies are
+        asynchronous: call :meth:`synchronize` before reading the views or freeing the GPU tensors' memory.
+        The views stay valid until the next ``offload``, which overwrites them.
         """
-        buf = self._buffers.get(slot)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin)
-            self._buffers[slot] = buf
-        buf.copy_(tensor, non_blocking=self.pin and tensor.is_cuda)
-        return buf
+        layout, offset = [], 0
+        for slot, t in items:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            layout.append((slot, tuple(t.shape), t.dtype, offset))
+            offset += t.numel() * t.element_size()
+        if self._arena is None or layout != self._layout:
+            self._arena = torch.empty(max(offset, 1), dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            self._layout = layout
+        views = []
+        for (_, shape, dtype, start), (_, t) in zip(layout, items):
+            n = t.numel() * t.element_size()
+            view = self._arena[start:start + n].view(dtype).view(shape)
+            view.copy_(t, non_blocking=self.pin and t.is_cuda)
+            views.append(view)
+        return views
 
     @staticmethod
-    def reload(buffer: Tensor, device: torch.device | str) -> Tensor:
-        """A new tensor on ``device`` with ``buffer``'s values (never the buffer itself, which the next
-        offload overwrites); asynchronous from a pinned buffer, ordered on the current stream."""
-        return buffer.to(device, non_blocking=True, copy=True)
+    def reload(view: Tensor, device: torch.device | str) -> Tensor:
+        """A new tensor on ``device`` with ``view``'s values (never the host memory itself, which the next
+        offload overwrites); asynchronous from pinned memory, ordered on the current stream."""
+        return view.to(device, non_blocking=True, copy=True)
 
     @staticmethod
     def synchronize() -> None:
@@ -54,5 +70,5 @@ class HostBuffers:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held (the buffers live as long as this object)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Host bytes held (the arena lives as long as this object)."""
+        return 0 if self._arena is None else self._arena.numel()

@@ -226,7 +226,7 @@ def _optimizer_state(be) -> dict[str, torch.Tensor]:
 def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloads(ckpt, fp8):
     """The 8B-on-one-GPU memory settings: Adam's moments in bf16 (megatron-core's precision-aware optimizer,
     TransformerEngine's FusedAdam) and a bf16 gradient buffer. Training lowers the loss, and the colocated
-    offload (optimizer state into pinned host buffers) and reload give the state back bit for bit."""
+    offload (optimizer state into the pinned host arena) and reload give the state back bit for bit."""
     cfg = _policy_cfg(ckpt, fp8=fp8, lr=3e-5, optimizer=dict(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16",
                                                     exp_avg_sq_dtype="bfloat16"),
                       distributed_data_parallel_config=dict(grad_reduce_in_fp32=False))

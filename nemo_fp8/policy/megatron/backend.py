@@ -26,7 +26,7 @@ Refit: ``named_weights`` streams Megatron-Bridge's ``export_hf_weights`` (HF nam
 parallel shards gathered; every tensor-parallel rank must iterate it, see ``drain_weights``).
 Colocated with the engine, ``offload_before_refit`` moves gradients and optimizer state to host
 memory and ``offload_after_refit`` the weights too (mcore's ``offload_to_cpu`` on the DDP
-buffers, as NeMo-RL's megatron worker does; the optimizer state into pinned host buffers kept
+buffers, as NeMo-RL's megatron worker does; the optimizer state into one pinned host arena kept
 across steps, ``nemo_fp8.policy.offload``).
 """
 
@@ -151,7 +151,7 @@ class MegatronPolicyBackend:
             self._load_fp8_params_and_main_params()
         self.num_updates = 0
         self._offloaded: set[str] = set()
-        self._host = HostBuffers()  # optimizer state's host copies, reused at every colocated refit
+        self._host = HostBuffers()  # the optimizer state's host memory, reused at every colocated refit
         logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
                     rank, world_size, self.tp_rank, self.dp_rank,
                     m.fp8_cfg.fp8 if m.fp8_cfg.enabled else None, m.fp8_cfg.fp8_recipe if m.fp8_cfg.enabled else None,
@@ -386,19 +386,21 @@ class MegatronPolicyBackend:
                     buf.reload_from_cpu(move_params=params, move_grads=grads)
 
     def _move_optimizer_state(self, device: str) -> None:
-        """Adam moments (and any other per-parameter state) to host memory (``device="cpu"``: into
-        buffers kept across steps, ``HostBuffers``) or to the GPU."""
+        """Adam moments (and any other per-parameter state) to host memory (``device="cpu"``: into one
+        pinned arena kept across steps, ``HostBuffers``) or to the GPU."""
+        moves = []  # (state dict, key, slot, tensor)
         for i, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
             for j, s in enumerate(opt._get_state().values()):
                 for k, v in s.items():
-                    if not torch.is_tensor(v):
-                        continue
-                    if device == "cpu" and v.is_cuda:
-                        s[k] = self._host.offload((i, j, k), v)
-                    elif device != "cpu" and not v.is_cuda:
-                        s[k] = self._host.reload(v, device)
+                    if torch.is_tensor(v) and v.is_cuda == (device == "cpu"):
+                        moves.append((s, k, (i, j, k), v))
         if device == "cpu":
+            for (s, k, _, _), host in zip(moves, self._host.offload([(slot, v) for _, _, slot, v in moves])):
+                s[k] = host
             self._host.synchronize()  # the GPU copies must not be freed (empty_cache) while still being read
+        else:
+            for s, k, _, v in moves:
+                s[k] = self._host.reload(v, device)
 
     def prepare_for_training(self) -> None:
         """Bring back whatever ``offload_*`` moved to host memory."""
