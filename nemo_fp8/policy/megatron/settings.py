@@ -94,8 +94,9 @@ def ddp_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     expected now and then, and the loss scaler handles it (skips the update, lowers the scale),
     as with Megatron-LM's fp16 training."""
     m = cfg.megatron_cfg
-    return dict(grad_reduce_in_fp32=m.distributed_data_parallel_config.grad_reduce_in_fp32, overlap_grad_reduce=False,
-                overlap_param_gather=False, average_in_collective=False, check_for_nan_in_grad=train_dtype(cfg) != torch.float16,
+    return dict(grad_reduce_in_fp32=m.distributed_data_parallel_config.grad_reduce_in_fp32,
+                overlap_grad_reduce=False, overlap_param_gather=False, average_in_collective=False,
+                check_for_nan_in_grad=train_dtype(cfg) != torch.float16,
                 use_distributed_optimizer=m.optimizer.use_distributed_optimizer,
                 fp8_param_gather=m.fp8_cfg.enabled and m.fp8_cfg.fp8_param)
 
