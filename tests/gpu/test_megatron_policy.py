@@ -224,21 +224,34 @@ def _optimizer_state(be) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("fp8", [None, dict(fp8="e4m3", fp8_recipe="blockwise")], ids=["bf16", "e4m3-blockwise"])
 def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloads(ckpt, fp8):
-    """The 8B-on-one-GPU memory settings: Adam's moments in bf16 (megatron-core's precision-aware optimizer,
-    TransformerEngine's FusedAdam) and a bf16 gradient buffer. Training lowers the loss, and the colocated
-    offload (optimizer state into the pinned host arena) and reload give the state back bit for bit."""
-    cfg = _policy_cfg(ckpt, fp8=fp8, lr=3e-5, optimizer=dict(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16",
-                                                    exp_avg_sq_dtype="bfloat16"),
+    """Adam's moments in bf16 (megatron-core's precision-aware optimizer, TransformerEngine's FusedAdam) and a
+    bf16 gradient buffer. One step gives the loss of the standard optimizer's step (Adam's first update is
+    lr * m / sqrt(v) = lr * sign(g) whatever the moments' precision) and lowers it; the colocated offload
+    (optimizer state into the pinned host arena) and reload give the state back bit for bit.
+
+    Layers: as in the recipe test, the first and last stay bf16. With all 4 layers in FP8 a first step at lr
+    3e-5 did not lower this random model's loss with either optimizer (0.12849 -> 0.13948, the same with
+    both; one H200, 2026-11-23): a 1.5e-3 relative update moves few weights across e4m3's 6% steps, so the
+    re-quantized forward hardly sees it. Bf16 layers: 0.12849 -> 0.04962."""
+    first_last = 0 if fp8 is None else 1
+    opt = dict(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16")
+    cfg = _policy_cfg(ckpt, fp8=fp8, first=first_last, last=first_last, lr=3e-5, optimizer=opt,
                       distributed_data_parallel_config=dict(grad_reduce_in_fp32=False))
     batch = _batch()
+    ref = _backend(_policy_cfg(ckpt, fp8=fp8, first=first_last, last=first_last, lr=3e-5))
+    try:
+        _, ref_second = _train_twice(ref, _batch())
+    finally:
+        _close(ref)
     be = _backend(cfg)
     try:
         first, second = _train_twice(be, batch)
         state = _optimizer_state(be)
         print("precision-aware optimizer state:", sorted({(k.rsplit(".", 1)[1], str(v.dtype)) for k, v in state.items()}),
-              f"loss {first['loss']:.5f} -> {second['loss']:.5f}")
+              f"loss {first['loss']:.5f} -> {second['loss']:.5f} (standard optimizer: -> {ref_second['loss']:.5f})")
         moments = {k: v for k, v in state.items() if k.rsplit(".", 1)[1] in ("exp_avg", "exp_avg_sq")}
         assert moments and all(v.dtype == torch.bfloat16 for v in moments.values())
+        assert abs(second["loss"] - ref_second["loss"]) < 2e-3
         assert second["loss"] < first["loss"] - 1e-4
         before = {k: v.clone() for k, v in state.items()}
         be.offload_before_refit()
