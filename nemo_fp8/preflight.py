@@ -1,7 +1,8 @@
 """Preflight: checks that run before anything expensive (the model build, Ray, the actors).
 
 ``preflight(cfg)`` opens the data files and parses their first records, checks the model path,
-and compares the resources the actors will ask Ray for with what the cluster has. Every error
+compares the resources the actors will ask Ray for with what the cluster has, and the megatron
+trainer's weights, gradients and optimizer state with one GPU's memory. Every error
 names the file (and line) or the config key; all problems are reported at once in one
 ``PreflightError``.
 """
@@ -126,6 +127,43 @@ def check_cluster(cfg: MasterConfig) -> None:
         raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
 
 
+def gpu_total_bytes() -> int | None:
+    """Total memory of GPU 0 from ``nvidia-smi`` (None without it). Not through torch: that would make a
+    CUDA context in the driver process, memory the engine and trainer then lack."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return int(out.split()[0]) * 2**20  # MiB
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None
+
+
+def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None) -> list[str]:
+    """The megatron trainer's weights, gradients and optimizer state against one GPU's memory
+    (``nemo_fp8.policy.megatron.memory``). Skipped without the megatron backend, a local
+    safetensors checkpoint at ``policy.model_name`` or a GPU (``gpu_bytes`` None: ``gpu_total_bytes``)."""
+    from nemo_fp8.policy.megatron.memory import count_checkpoint_parameters, trainer_memory_errors
+
+    if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
+        return []
+    path = Path(cfg.policy.model_name)
+    if not any(path.glob("*.safetensors")):
+        return []
+    gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
+    if not gpu_bytes:
+        return []
+    try:
+        n = count_checkpoint_parameters(path)
+    except ValueError as e:
+        return [f"policy.model_name: {e}"]
+    return trainer_memory_errors(cfg.policy, gpu_bytes, n)
+
+
 def preflight(cfg: MasterConfig) -> None:
     """Hardware/engine support, data, model and resources checks, before the model build and Ray.
 
@@ -136,6 +174,8 @@ def preflight(cfg: MasterConfig) -> None:
 
     # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
     errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg)
+    if not errs:  # the model folder and resources are fine: is the trainer's state smaller than a GPU?
+        errs = check_trainer_memory(cfg)
     if errs:
         raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
-    logger.info("preflight: data, model path and resources (%s) ok", required_resources(cfg))
+    logger.info("preflight: data, model path, resources (%s) and trainer memory ok", required_resources(cfg))

@@ -49,7 +49,9 @@ class MegatronOptimizerConfig(StrictConfig):
     use_distributed_optimizer: bool = True
     # megatron-core's precision-aware optimizer (TransformerEngine's FusedAdam): Adam's moments stored in 16 bits,
     # and with bf16 weights the fp32 main params kept as 16-bit remainders (megatron-core's store_param_remainders);
-    # computation stays fp32. 16 -> 8 bytes of optimizer state per parameter: what lets an 8B model train on one H200.
+    # computation stays fp32. 12 -> 6 bytes of optimizer state per parameter between steps; during the step
+    # TransformerEngine 2.11's FusedAdam holds fp32 copies of every 16-bit moment, so the peak hardly falls: an 8B model
+    # still ran out of memory on one H200 (nemo_fp8/policy/megatron/memory.py; the preflight refuses such layouts).
     use_precision_aware_optimizer: bool = False
     exp_avg_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     exp_avg_sq_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

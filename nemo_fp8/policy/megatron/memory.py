@@ -1,0 +1,153 @@
+"""What the megatron trainer's weights, gradients and optimizer state take on each GPU at the optimizer step.
+
+Pure arithmetic on the config and the checkpoint's parameter count (safetensors headers, nothing
+loaded): the preflight refuses a layout whose state cannot fit before Ray, vLLM or Megatron start.
+It is a lower bound of the trainer's memory: activations, logits, TransformerEngine's FP8 weight
+copies and the colocated engine's memory come on top.
+
+Bytes per parameter, megatron-core 0.18's distributed optimizer with TransformerEngine 2.11's FusedAdam
+(``megatron/core/optimizer/distrib_optimizer.py``, ``transformer_engine/pytorch/optimizers/fused_adam.py``):
+
+* every data-parallel rank: the weights (2 in bf16/fp16, 1 with ``fp8_param``) and the gradient
+  buffer (4 with ``grad_reduce_in_fp32``, else 2);
+* sharded over data parallel (the distributed optimizer; replicated without it):
+  standard Adam: fp32 main params 4 + fp32 moments 8, plus an fp32 copy of the gradient shard 4
+  when the buffer is 16-bit (``shard_main_param.grad = shard_model_grad.float()``);
+  precision-aware Adam without FP8 training: main params 2 (``store_param_remainders``: the 16
+  bits bf16 weights lack) or 4, the moments in their dtypes, no gradient copy (``decoupled_grad``);
+  with FP8 training (a recipe other than delayed scaling) megatron-core keeps the standard fp32 main
+  params and gradient copy and FusedAdam only the moments. Either way, during the step an fp32 copy
+  of every 16-bit moment of the whole parameter group: FusedAdam's ``step`` unscales them all
+  (``get_unscaled_state``) before its one multi-tensor kernel. 16-bit moments shrink the state
+  between steps, hardly its peak;
+  SGD: main params 4 + momentum 4 (+ the gradient copy).
+
+Seen on one H200 (2026-11-23): a Qwen3-8B-shaped model (8.19B parameters) with bf16 moments and a
+bf16 gradient buffer, BF16 or FP8 (e4m3 blockwise) training, ran out of memory inside FusedAdam's step with 125.5 GiB allocated by PyTorch
+and 7.8 GiB more of the trainer process outside PyTorch's allocator (CUDA context, cuBLAS, NCCL,
+TransformerEngine workspaces): ``NON_TORCH_BYTES``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nemo_fp8.policy.config import PolicyConfig
+
+GiB = 2**30
+# The trainer process's GPU memory outside PyTorch's allocator, one H200, 8B model (see the module docstring).
+NON_TORCH_BYTES = int(7.8 * GiB)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Per-GPU bytes of the trainer's state at the optimizer step (``estimate_trainer_memory``).
+
+    Attributes:
+        parameters: the whole model's parameter count.
+        per_gpu: bytes per GPU, weights + gradients + optimizer state at the step's peak.
+        parts: name -> bytes per GPU (``weights``, ``grads``, ``main_params``, ``moments``,
+            ``grad_copy``, ``unscaled_moments``), the terms of ``per_gpu``.
+        bytes_per_param: name -> bytes per parameter before dividing over the ranks.
+    """
+
+    parameters: int
+    per_gpu: float
+    parts: dict[str, float] = field(default_factory=dict)
+    bytes_per_param: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``'18.0 B/param: weights 2, grads 2, ... -> 137.3 GiB per GPU'``."""
+        total = sum(self.bytes_per_param.values())
+        terms = ", ".join(f"{k} {v:g}" for k, v in self.bytes_per_param.items() if v)
+        return f"{total:g} B/param ({terms}) -> {self.per_gpu / GiB:.1f} GiB per GPU"
+
+
+def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMemory:
+    """Bytes per GPU of the megatron trainer's weights, gradients and optimizer state at the optimizer step.
+
+    Args:
+        num_parameters: the model's parameter count (``count_checkpoint_parameters``).
+        cfg: the policy config (``megatron_cfg``: optimizer, DDP, ``fp8_param``, tensor parallel size;
+            ``data_parallel_size``).
+
+    Returns:
+        TrainerMemory: per GPU; tensor parallelism divides everything, data parallelism the optimizer
+        state (with the distributed optimizer). Formulas and sources: the module docstring.
+    """
+    m = cfg.megatron_cfg
+    o = m.optimizer
+    tp, dp = m.tensor_model_parallel_size, cfg.data_parallel_size
+    grad = 4 if m.distributed_data_parallel_config.grad_reduce_in_fp32 else 2
+    per_param = {"weights": 1 if m.fp8_cfg.fp8_param else 2, "grads": grad}
+    grad_copy = 4 if grad != 4 else 0
+    moments = ([_DTYPE_BYTES[o.exp_avg_dtype], _DTYPE_BYTES[o.exp_avg_sq_dtype]]
+               if o.use_precision_aware_optimizer else [4, 4])
+    unscaled = sum(4 for b in moments if b < 4)
+    if o.optimizer == "sgd":
+        opt = {"main_params": 4, "moments": 4, "grad_copy": grad_copy}
+    elif o.use_precision_aware_optimizer and not m.fp8_cfg.enabled:
+        # megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8: FusedAdam holds the main params
+        opt = {"main_params": 2 if o.bf16 else 4, "moments": sum(moments), "unscaled_moments": unscaled}
+    else:  # standard Adam, or precision-aware with FP8 training (tensorwise / blockwise): megatron-core's fp32
+        # main params and the gradient's fp32 copy, FusedAdam's moments in their dtypes
+        opt = {"main_params": 4, "moments": sum(moments), "grad_copy": grad_copy, "unscaled_moments": unscaled}
+    shard = dp if o.use_distributed_optimizer else 1
+    parts = {k: num_parameters / tp * v for k, v in per_param.items()}
+    parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
+    return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt})
+
+
+def count_checkpoint_parameters(model_dir: str | Path) -> int:
+    """Parameter count of an HF checkpoint folder from its safetensors headers (no tensor is read).
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
+        ValueError: a file whose header is not safetensors (names the file).
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors file")
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            try:
+                (n,) = struct.unpack("<Q", raw)
+                header = json.loads(fh.read(n))
+            except (struct.error, ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{f}: not a safetensors file ({e})") from None
+        for name, meta in header.items():
+            if name != "__metadata__":
+                count = 1
+                for d in meta["shape"]:
+                    count *= d
+                total += count
+    return total
+
+
+def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int) -> list[str]:
+    """One line when the trainer's state at the optimizer step plus ``NON_TORCH_BYTES`` exceeds ``gpu_bytes``.
+
+    The line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
+    and the colocated engine are not counted, so a layout that passes may still run out of memory.
+    """
+    est = estimate_trainer_memory(num_parameters, cfg)
+    if est.per_gpu + NON_TORCH_BYTES <= gpu_bytes:
+        return []
+    m = cfg.megatron_cfg
+    hints = [f"policy.megatron_cfg.tensor_model_parallel_size (now {m.tensor_model_parallel_size}) divides all of it",
+             f"more data-parallel ranks (policy.data_parallel_size, now {cfg.data_parallel_size}) divide the optimizer "
+             "state" + ("" if m.optimizer.use_distributed_optimizer else " with optimizer.use_distributed_optimizer=true")]
+    if m.distributed_data_parallel_config.grad_reduce_in_fp32:
+        hints.append("distributed_data_parallel_config.grad_reduce_in_fp32=false halves the gradient buffer")
+    if est.bytes_per_param.get("unscaled_moments"):
+        hints.append("16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) save memory between steps but TransformerEngine's "
+                     "FusedAdam unscales them all to fp32 during the step")
+    return [f"policy.megatron_cfg: the trainer's weights, gradients and optimizer state need {est.describe()} at the "
+            f"optimizer step for {num_parameters / 1e9:.2f}B parameters, plus ~{NON_TORCH_BYTES / GiB:.1f} GiB outside "
+            f"PyTorch's allocator, more than the GPU's {gpu_bytes / GiB:.1f} GiB; " + "; ".join(hints)]

@@ -1,0 +1,102 @@
+"""The megatron trainer's memory estimate and the preflight that refuses a layout that cannot fit (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nemo_fp8.config import load_config
+from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, count_checkpoint_parameters,
+                                             estimate_trainer_memory, trainer_memory_errors)
+from nemo_fp8.preflight import check_trainer_memory
+
+QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint on the H200 (untied embeddings)
+H200 = int(139.80 * GiB)  # torch's total_memory of one H200
+CONFIG_8B = "examples/configs/grpo_math_8B_megatron.yaml"
+# The one-GPU layout that ran out of memory in FusedAdam's step on one H200 (2026-11-23; README, "GPU: learning parity")
+ONE_GPU = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
+           "policy.megatron_cfg.sequence_parallel=false", "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true",
+           "policy.megatron_cfg.optimizer.exp_avg_dtype=bfloat16", "policy.megatron_cfg.optimizer.exp_avg_sq_dtype=bfloat16",
+           "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false"]
+
+
+def _policy(*overrides):
+    return load_config(CONFIG_8B, list(overrides)).policy
+
+
+def test_one_gpu_precision_aware_8b_counts_the_fp32_unscaled_moments_and_is_refused():
+    est = estimate_trainer_memory(QWEN3_8B, _policy(*ONE_GPU))
+    # 2 weights + 2 grads + 2 main-param remainders + 2 + 2 bf16 moments + 4 + 4 fp32 copies during the step
+    assert est.bytes_per_param == {"weights": 2, "grads": 2, "main_params": 2, "moments": 4, "unscaled_moments": 8}
+    assert est.per_gpu == pytest.approx(QWEN3_8B * 18)
+    # the OOM seen on the H200: 125.5 GiB allocated part-way through the unscaling, 7.8 GiB outside PyTorch
+    assert est.per_gpu / GiB > 125.5 and est.per_gpu + NON_TORCH_BYTES > H200
+    (err,) = trainer_memory_errors(_policy(*ONE_GPU), H200, QWEN3_8B)
+    assert "18 B/param" in err and "8.19B parameters" in err and "139.8 GiB" in err
+    assert "tensor_model_parallel_size (now 1)" in err and "FusedAdam" in err
+    assert "grad_reduce_in_fp32=false" not in err  # already set
+
+
+def test_the_configs_two_way_tensor_parallel_fits_one_h200_each():
+    policy = _policy()  # tensor parallel 2, fp32 gradient buffer, standard Adam: 2 + 4 + 4 + 8 B/param
+    est = estimate_trainer_memory(QWEN3_8B, policy)
+    assert est.bytes_per_param == {"weights": 2, "grads": 4, "main_params": 4, "moments": 8, "grad_copy": 0,
+                                    "unscaled_moments": 0}
+    assert est.per_gpu == pytest.approx(QWEN3_8B / 2 * 18)
+    assert trainer_memory_errors(policy, H200, QWEN3_8B) == []
+
+
+def test_a_16_bit_gradient_buffer_costs_an_fp32_copy_in_the_standard_optimizer():
+    est = estimate_trainer_memory(QWEN3_8B, _policy(
+        "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false"))
+    assert est.bytes_per_param["grads"] == 2 and est.bytes_per_param["grad_copy"] == 4
+    assert sum(est.bytes_per_param.values()) == 20
+
+
+def test_data_parallel_shards_only_the_optimizer_state():
+    one = estimate_trainer_memory(QWEN3_8B, _policy("policy.megatron_cfg.tensor_model_parallel_size=1"))
+    two = estimate_trainer_memory(QWEN3_8B, _policy("policy.megatron_cfg.tensor_model_parallel_size=1",
+                                                    "policy.data_parallel_size=2"))
+    assert two.parts["weights"] == one.parts["weights"] and two.parts["grads"] == one.parts["grads"]
+    assert two.parts["moments"] == one.parts["moments"] / 2 and two.parts["main_params"] == one.parts["main_params"] / 2
+
+
+def test_fp8_training_keeps_megatron_cores_fp32_main_params_under_the_precision_aware_optimizer():
+    # megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8 is false for the blockwise recipe: on the H200 the
+    # e4m3-blockwise optimizer state held bf16 moments and no FusedAdam master_param (the BF16 run: int16 remainders)
+    est = estimate_trainer_memory(QWEN3_8B, _policy(*ONE_GPU, "policy.megatron_cfg.fp8_cfg.enabled=true"))
+    assert est.bytes_per_param == {"weights": 2, "grads": 2, "main_params": 4, "moments": 4, "grad_copy": 4,
+                                   "unscaled_moments": 8}
+
+
+def test_fp8_params_and_fp16_training_change_weights_and_main_params():
+    fp8 = estimate_trainer_memory(1000, _policy("policy.megatron_cfg.fp8_cfg.enabled=true",
+                                                "policy.megatron_cfg.fp8_cfg.fp8_param=true"))
+    assert fp8.bytes_per_param["weights"] == 1
+    fp16 = estimate_trainer_memory(1000, _policy(*ONE_GPU, "policy.megatron_cfg.optimizer.bf16=false",
+                                                 "policy.megatron_cfg.optimizer.fp16=true"))
+    assert fp16.bytes_per_param["main_params"] == 4  # remainders only complete bf16 weights
+
+
+def test_count_checkpoint_parameters_reads_headers_of_every_shard(tmp_path):
+    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, str(tmp_path / "m-1.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "m-2.safetensors"))
+    assert count_checkpoint_parameters(tmp_path) == 15 + 7 + 8
+    (tmp_path / "m-3.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ValueError, match="m-3.safetensors: not a safetensors file"):
+        count_checkpoint_parameters(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        count_checkpoint_parameters(tmp_path / "nothing")
+
+
+def test_preflight_refuses_a_trainer_bigger_than_the_gpu(tmp_path):
+    save_file({"w": torch.zeros(1024, 1024)}, str(tmp_path / "model.safetensors"))
+    cfg = load_config(CONFIG_8B, [f"policy.model_name={tmp_path}", *ONE_GPU])
+    need = 1024 * 1024 * 18
+    (err,) = check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need - 1)
+    assert err.startswith("policy.megatron_cfg:")
+    assert check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need) == []
+    torch_backend = load_config(CONFIG_8B, [f"policy.model_name={tmp_path}", "policy.megatron_cfg.enabled=false",
+                                                "policy.megatron_cfg.tensor_model_parallel_size=1"])
+    assert check_trainer_memory(torch_backend, gpu_bytes=1) == []  # the megatron backend's estimate only
