@@ -125,19 +125,21 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     Raises:
         ValueError: ``in_process`` requested for backends that run in Ray actors.
     """
-    from nemo_fp8.distributed.weight_sync import InProcessWeightSync, ObjectStoreWeightSync
+    from nemo_fp8.distributed.weight_sync import CudaIpcWeightSync, InProcessWeightSync, ObjectStoreWeightSync
     from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
 
     ws = cfg.policy.weight_sync
     bucket_bytes = int(ws.bucket_size_mb * 2**20)
     remote = isinstance(policy, PolicyGroup) and isinstance(generation, GenerationGroup)
+    if remote and ws.method == "cuda_ipc":  # config checks: vLLM, colocated, one policy rank, CUDA
+        return CudaIpcWeightSync(policy.weight_source, generation.worker, bucket_bytes)
     if remote and ws.method in ("auto", "object_store"):
         return ObjectStoreWeightSync(policy.weight_source, generation.worker, bucket_bytes, peers=policy.weight_peers)
     if not remote and ws.method in ("auto", "in_process"):
         return InProcessWeightSync(policy, generation, bucket_bytes)
+    valid = "'auto', 'object_store', 'cuda_ipc'" if remote else "'auto', 'in_process'"
     raise ValueError(f"policy.weight_sync.method={ws.method!r} does not fit backends that run "
-                     f"{'in Ray actors' if remote else 'in this process'} (valid: 'auto', "
-                     f"{'object_store' if remote else 'in_process'})")
+                     f"{'in Ray actors' if remote else 'in this process'} (valid: {valid})")
 
 
 def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:

@@ -8,7 +8,8 @@
 # Megatron-Bridge importable. Logs (and metrics) go to $OUT (default logs/gpu_jobs).
 #   mtest   megatron GPU tests (K: pytest -k filter, default all)   vtest   vLLM FP8 tests (dense + MoE)
 #   kvtest  FP8 KV cache tests                                      e2e     tiny megatron GRPO: E2E="fp8 bf16 fp16" (FP8
-#           rollout + FP8 training, all BF16, FP8 rollout + FP16 training with loss scaling)
+#           rollout + FP8 training, all BF16, FP8 rollout + FP16 training with loss scaling; fp8ipc: fp8 with the
+#           refit over CUDA IPC, policy.weight_sync.method=cuda_ipc)
 #   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
 #   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS), after a running `small`
@@ -52,6 +53,7 @@ for job in "$@"; do
              fp8) ex="" ;;
              bf16) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16" ;;
              fp16) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.megatron_cfg.optimizer.bf16=false policy.megatron_cfg.optimizer.fp16=true" ;;
+             fp8ipc) ex="policy.weight_sync.method=cuda_ipc" ;;  # = fp8, refit over CUDA IPC: same step-1 metrics
            esac
            VLLM_USE_DEEP_GEMM=0 timeout $(( $(left) / n )) python3 examples/run_grpo_math.py --config $TINY \
              grpo.max_num_steps=${STEPS:-5} logger.log_dir=logs/e2e_$v checkpointing.enabled=false $ex 2>&1 \

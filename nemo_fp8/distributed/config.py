@@ -24,9 +24,12 @@ class WeightSyncConfig(StrictConfig):
         method: ``auto`` picks ``object_store`` when the backends are Ray actors and
             ``in_process`` when they live in the driver. ``object_store``: buckets travel
             policy actor -> Ray object store -> engine actor, one bucket in flight at a time.
+            ``cuda_ipc``: the policy quantizes on its GPU and hands the colocated vLLM engine CUDA
+            IPC handles, bucket by bucket (one policy rank, ``generation.backend: vllm``,
+            ``generation.colocated.enabled``, a CUDA device).
         bucket_size_mb: bytes per bucket (MiB); a tensor larger than a bucket travels alone.
             Peak extra memory of a refit is about one bucket plus the largest tensor.
     """
 
-    method: Literal["auto", "in_process", "object_store"] = "auto"
+    method: Literal["auto", "in_process", "object_store", "cuda_ipc"] = "auto"
     bucket_size_mb: float = Field(256.0, gt=0)

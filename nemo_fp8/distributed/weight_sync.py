@@ -20,8 +20,13 @@ Transports (``policy.weight_sync.method``):
   the engine actor one bucket at a time (back-pressure keeps at most one more in flight), and
   the engine unpacks views of the shared buffer and copies them into its parameters.
 
-CUDA IPC (colocated GPUs) and NCCL broadcast (separate GPUs) plug in behind the same
-``WeightSync`` protocol with the vLLM backend.
+* ``cuda_ipc``: Ray actors, the vLLM engine colocated with a one-rank policy on one GPU. The
+  policy quantizes each bucket on its GPU and hands the engine CUDA IPC handles (vLLM's IPC
+  weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
+  memory. Nothing goes through host memory, and FP8 layers travel as FP8 + ``scale_inv`` (about
+  half the bytes of bf16).
+
+NCCL broadcast (separate GPUs) plugs in behind the same ``WeightSync`` protocol with the vLLM backend.
 """
 
 from __future__ import annotations
@@ -237,6 +242,36 @@ class ObjectStoreWeightSync:
             stats.add_bucket(*ray.get(self.generation_worker.receive_packed_bucket.remote(ref)))
             del ref  # its object can be freed now
         ray.get(draining)
+        _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+class CudaIpcWeightSync:
+    """Ray actors on one GPU: the policy's rank 0 quantizes and sends CUDA IPC handles to the vLLM engine.
+
+    The policy actor drives the transfer (``PolicyWorker.send_weights_cuda_ipc``): per bucket it
+    calls the engine actor, which loads the bucket through ``LLM.update_weights`` before the call
+    returns, so at most one bucket of converted tensors exists besides the policy's weights.
+
+    Args:
+        policy_worker: the policy's only rank (``PolicyWorker``), on the engine's GPU.
+        generation_worker: the engine's actor (``GenerationWorker`` with the vLLM backend).
+        bucket_bytes: bucket size in bytes (of the converted tensors).
+    """
+
+    def __init__(self, policy_worker, generation_worker, bucket_bytes: int):
+        self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
+
+    def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
+        import ray
+
+        t0 = time.perf_counter()
+        stats = SyncStats(version)
+        ray.get(self.generation_worker.start_weight_update.remote(version))
+        for num_tensors, nbytes in ray.get(self.policy_worker.send_weights_cuda_ipc.remote(self.generation_worker,
+                                                                                          self.bucket_bytes, kv_scales)):
+            stats.add_bucket(num_tensors, nbytes)
         _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
         stats.seconds = time.perf_counter() - t0
         return stats

@@ -18,6 +18,7 @@ actor to actor, never through the driver.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -184,6 +185,44 @@ class PolicyWorker(_MemoryProbe):
         for bucket in iter_buckets(weight_stream(self.backend.named_weights(), kv_scales), bucket_bytes):
             yield pack_bucket(bucket)
 
+    def send_weights_cuda_ipc(self, generation_worker, bucket_bytes: int,
+                              kv_scales: Optional[KvScales]) -> list[tuple[int, int]]:
+        """The refit straight from this rank's GPU into a colocated vLLM engine (``CudaIpcWeightSync``).
+
+        The weights (and KV scales) are quantized here as the engine's ``direct_refit_spec`` says and
+        handed over bucket by bucket as CUDA IPC handles (vLLM's IPC weight-transfer engine): the engine
+        actor passes each bucket's handles to ``LLM.update_weights`` and its worker copies from this
+        process's memory, which stays alive until the call returns. Returns (tensors, bytes) per bucket.
+
+        Raises:
+            KeyError: a weight the engine's model does not have (raised before that tensor is quantized).
+        """
+        from nemo_fp8.generation.vllm.refit import send_weights_ipc
+
+        spec = ray.get(generation_worker.direct_refit_spec.remote())
+        plan, skip = spec["plan"], spec["skip"]
+        names: list[str] = []
+        buckets: list[tuple[int, int]] = []
+
+        def stream():
+            for name, t in weight_stream(self.backend.named_weights(), kv_scales):
+                if name in skip:
+                    continue
+                plan.checked_names([name])
+                names.append(name)
+                yield name, t
+
+        def update(payload: dict) -> None:
+            info = payload["update_info"]
+            ray.get(generation_worker.receive_update.remote(payload))
+            nbytes = sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, d)).element_size()
+                         for d, shape in zip(info["dtype_names"], info["shapes"]))
+            buckets.append((len(info["names"]), nbytes))
+
+        n = send_weights_ipc(stream(), update, plan, bucket_bytes)
+        ray.get(generation_worker.note_sent.remote(names, n))
+        return buckets
+
     def drain_weights(self) -> int:
         """Take part in an export another rank sends (Megatron tensor-parallel gathers)."""
         return self.backend.drain_weights()
@@ -229,6 +268,15 @@ class GenerationWorker(_MemoryProbe):
 
     def update_weights(self, named_tensors) -> None:
         self.backend.update_weights(named_tensors)
+
+    def direct_refit_spec(self) -> dict:
+        return self.backend.direct_refit_spec()
+
+    def receive_update(self, payload: dict) -> None:
+        self.backend.receive_update(payload)
+
+    def note_sent(self, names: list[str], num_tensors: int) -> None:
+        self.backend.note_sent(names, num_tensors)
 
     def receive_packed_bucket(self, bucket: PackedBucket) -> tuple[int, int]:
         """Load one bucket (read straight from the object store); returns (tensors, bytes)."""

@@ -179,4 +179,13 @@ class PolicyConfig(StrictConfig):
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")
+        if self.weight_sync.method == "cuda_ipc":
+            why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
+                                    ("generation.colocated.enabled: true", not self.generation.colocated.enabled),
+                                    (f"one policy rank (world size {self.world_size})", self.world_size != 1),
+                                    ("device: cuda or auto", self.device == "cpu")) if bad]
+            if why:
+                errs.append(f"weight_sync.method: 'cuda_ipc' hands CUDA IPC handles from the policy's one rank to the "
+                            f"vLLM engine on its GPU; it needs {', '.join(why)} (valid otherwise: 'auto', "
+                            "'object_store')")
         return errs

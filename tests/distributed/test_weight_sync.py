@@ -180,3 +180,37 @@ def test_torch_engine_fp8_kv_cache_needs_scales_and_uses_them(tiny_cfg, tok):
     InProcessWeightSync(policy, kv, 2**20).sync(version=1, kv_scales=tiny)
     c = kv.generate(prompts, sampling)
     assert not torch.equal(c.token_ids, b.token_ids)
+
+
+TINY_MEGATRON = "examples/configs/grpo_math_tiny_megatron_fp8.yaml"
+
+
+def test_cuda_ipc_refit_is_refused_where_it_cannot_run():
+    from nemo_fp8.config import ConfigError, load_config
+
+    ok = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc"])
+    assert ok.policy.weight_sync.method == "cuda_ipc"
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.generation.backend=torch",
+                                    "policy.generation.colocated.enabled=false", "policy.data_parallel_size=2",
+                                    "policy.train_global_batch_size=16"])
+    msg = str(e.value)
+    assert "weight_sync.method: 'cuda_ipc'" in msg and "generation.backend: vllm" in msg
+    assert "generation.colocated.enabled: true" in msg and "one policy rank (world size 2)" in msg
+
+
+def test_make_weight_sync_picks_the_configured_transport():
+    from nemo_fp8.config import load_config
+    from nemo_fp8.distributed.weight_sync import CudaIpcWeightSync, ObjectStoreWeightSync
+    from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
+    from nemo_fp8.trainer import make_weight_sync
+
+    rank0, engine = object(), object()  # actor handles; nothing is called while the transport is chosen
+    policy, generation = PolicyGroup([rank0], global_batch_size=8), GenerationGroup(engine)
+    cfg = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.weight_sync.bucket_size_mb=64"])
+    ws = make_weight_sync(cfg, policy, generation)
+    assert isinstance(ws, CudaIpcWeightSync)
+    assert (ws.policy_worker, ws.generation_worker, ws.bucket_bytes) == (rank0, engine, 64 * 2**20)
+    assert isinstance(make_weight_sync(load_config(TINY_MEGATRON), policy, generation), ObjectStoreWeightSync)
+    with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
+        make_weight_sync(cfg, object(), object())

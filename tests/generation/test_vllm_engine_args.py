@@ -176,3 +176,13 @@ def test_sleep_patch_lets_only_the_shared_gpu_memory_check_pass(caplog):
     sleep_patch = next(p for p in PATCHES if p.name == "worker_sleep_shared_gpu")
     assert not sleep_patch.fp8_only and sleep_patch.attr == "Worker.sleep"
     assert all(p.fp8_only for p in PATCHES if p.name == "quantfp8_pow2_act")
+
+
+def test_refit_names_are_checked_before_anything_is_sent():
+    """``checked_names``: what the engine's completeness check counts, and a clear error for a weight the engine's
+    model lacks (the CUDA IPC refit checks each name in the trainer before quantizing it)."""
+    plan, _ = build_refit_plan(VllmConfig(precision="fp8"), MOE)
+    assert plan.checked_names(["model.layers.1.mlp.experts.down_proj", "model.layers.0.self_attn.k_scale"]) == [
+        *(f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)), "model.layers.0.self_attn.k_scale"]
+    with pytest.raises(KeyError, match="has no weight 'model.layers.9.mlp.up_proj.weight'"):
+        plan.checked_names(["model.embed_tokens.weight", "model.layers.9.mlp.up_proj.weight"])

@@ -91,18 +91,32 @@ class VllmGenerationBackend:
             raise RuntimeError("update_weights before start_weight_update")
         items = [(n, t) for n, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
                  if n not in self._tied]
-        names = [c for n, _ in items for c in self.plan.canonical_names(n)]
-        if self.plan.expected is not None:
-            unknown = [n for n in names if n not in self.plan.expected and not is_kv_scale_name(n)]
-            if unknown:
-                raise KeyError(f"refit: the generation model has no weight {unknown[0]!r} "
-                               f"(e.g. {sorted(self.plan.expected)[:3]})")
-        self._seen.update(names)
+        self._seen.update(self.plan.checked_names(n for n, _ in items))
         self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes)
 
+    def direct_refit_spec(self) -> dict:
+        """What a trainer needs to send straight to this engine (``send_weights_ipc`` in its own process):
+        ``plan`` (``RefitPlan``) and ``skip`` (HF names the engine does not take: a tied ``lm_head``)."""
+        return {"plan": self.plan, "skip": set(self._tied)}
+
+    def receive_update(self, payload: dict) -> None:
+        """One bucket a trainer sent directly: ``payload`` is ``{"update_info": ...}`` of vLLM's weight-transfer
+        engine (CUDA IPC handles), loaded by ``LLM.update_weights``. ``note_sent`` records the names after.
+
+        Raises:
+            RuntimeError: no refit in progress (``start_weight_update`` first).
+        """
+        if self._pending is None:
+            raise RuntimeError("receive_update before start_weight_update")
+        self.llm.update_weights(payload)
+
     def note_sent(self, names: Iterable[str], num_tensors: int) -> None:
-        """Record tensors the trainer sent directly (``send_weights_ipc``/``_nccl``) for the checks."""
-        self._seen.update(c for n in names for c in self.plan.canonical_names(n))
+        """Record tensors the trainer sent directly (``send_weights_ipc``/``_nccl``) for the checks.
+
+        Raises:
+            KeyError: a name the generation model has no weight for.
+        """
+        self._seen.update(self.plan.checked_names(names))
         self._sent += num_tensors
 
     def finish_weight_update(self, require_kv_scales: bool = True) -> WeightVersion:

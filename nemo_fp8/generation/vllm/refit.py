@@ -82,6 +82,20 @@ class RefitPlan:
         projs = ("gate_proj", "up_proj") if m.group("kind") == "gate_up_proj" else ("down_proj",)
         return [f"{m.group('prefix')}.{e}.{p}.weight" for e in range(self.num_experts[m.group("prefix")]) for p in projs]
 
+    def checked_names(self, names: Iterable[str]) -> list[str]:
+        """The canonical names of HF tensor ``names`` (``canonical_names``), checked against ``expected``.
+
+        Raises:
+            KeyError: a name the generation model has no weight for (KV scale names pass).
+        """
+        out = [c for n in names for c in self.canonical_names(n)]
+        if self.expected is not None:
+            unknown = [n for n in out if n not in self.expected and not is_kv_scale_name(n)]
+            if unknown:
+                raise KeyError(f"refit: the generation model has no weight {unknown[0]!r} "
+                               f"(e.g. {sorted(self.expected)[:3]})")
+        return out
+
     def _quant(self, name: str, w: Tensor) -> Iterator[tuple[str, Tensor]]:
         from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
 
