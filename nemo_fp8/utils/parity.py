@@ -117,3 +117,60 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+def peak_gpu_memory(csv_path: str | Path) -> dict[int, float]:
+    """Peak used memory (GiB) per GPU index from ``nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv``.
+
+    Raises:
+        ValueError: a file without the ``index`` and ``memory.used`` columns, or without rows.
+    """
+    import csv
+
+    with open(csv_path, newline="") as f:
+        rows = [[c.strip() for c in r] for r in csv.reader(f) if r]
+    if not rows:
+        raise ValueError(f"{csv_path}: empty")
+    head = [h.split(" [")[0] for h in rows[0]]
+    if "index" not in head or "memory.used" not in head:
+        raise ValueError(f"{csv_path}: columns {rows[0]}; expected nvidia-smi's timestamp, index, memory.used")
+    i, m = head.index("index"), head.index("memory.used")
+    peaks: dict[int, float] = {}
+    for r in rows[1:]:
+        if len(r) > max(i, m) and r[i].isdigit():  # the header repeats when nvidia-smi restarts; skip it
+            mib = float(r[m].split()[0])
+            peaks[int(r[i])] = max(peaks.get(int(r[i]), 0.0), mib / 1024)
+    if not peaks:
+        raise ValueError(f"{csv_path}: no rows")
+    return peaks
+
+
+def step_table(rows: list[dict]) -> str:
+    """Markdown table of one run's training steps: seconds per phase, the step, rollout tokens/s."""
+    head = ["step", "gen s", "refit s", "logprobs s", "train s", "step s", "rollout tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted((r for r in rows if _num(r.get("train/reward_mean"))), key=lambda r: r["step"]):
+        cells = [str(r["step"])] + [f"{r.get(f'timing/{p}', 0.0):.2f}" for p in PHASES]
+        cells += [f"{r.get('timing/step', 0.0):.2f}", f"{r.get('perf/rollout_tokens_per_s', float('nan')):,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def side_by_side_table(summaries: dict[str, dict], peaks: dict[str, dict[int, float]], baseline: str) -> str:
+    """Markdown table, a row per run: :func:`summarize_run` times (first step left out), rollout tokens/s,
+    peak GiB per GPU (``peaks``: run -> {GPU index: GiB}) and the ratios to ``baseline``."""
+    base = summaries.get(baseline)
+    head = ["run", "steps", "gen s", "refit s", "logprobs s", "train s", "step s", "rollout tok/s", "peak GiB per GPU",
+            f"step / {baseline}", f"tok/s / {baseline}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def ratio(a: float, b: float | None) -> str:
+        return f"{a / b:.2f}" if b and _num(a) and _num(b) else "-"
+
+    for name, s in summaries.items():
+        mem = ", ".join(f"{i}: {g:.1f}" for i, g in sorted(peaks.get(name, {}).items())) or "-"
+        cells = [name, str(s["steps"])] + [f"{s[f'{p}_s']:.2f}" for p in PHASES]
+        cells += [f"{s['step_s']:.2f}", f"{s['tokens_per_s']:,.0f}", mem, ratio(s["step_s"], base and base["step_s"]),
+                  ratio(s["tokens_per_s"], base and base["tokens_per_s"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

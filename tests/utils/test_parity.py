@@ -185,3 +185,48 @@ def test_report_states_concurrency(tmp_path):
     assert "Up to 4 variants ran at once" in md.read_text()
     _, md = tool().write_report(tmp_path, ["bf16", "fp8+tis"])
     assert "ran at once" not in md.read_text()
+
+
+def mission_tool():
+    spec = importlib.util.spec_from_file_location("mission_report", REPO / "tools" / "mission_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(d: Path, rows: list[dict]) -> Path:
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_peak_gpu_memory_reads_nvidia_smi_csv_per_gpu(tmp_path):
+    from nemo_fp8.utils.parity import peak_gpu_memory
+
+    csv = tmp_path / "mem.csv"
+    csv.write_text("timestamp, index, memory.used [MiB]\n2026/11/23 21:50:13.379, 0, 117926 MiB\n"
+                   "2026/11/23 21:50:13.379, 1, 2048 MiB\n2026/11/23 21:50:16.380, 0, 86726 MiB\n"
+                   "timestamp, index, memory.used [MiB]\n2026/11/23 21:51:28.393, 1, 4096 MiB\n")
+    assert peak_gpu_memory(csv) == {0: pytest.approx(117926 / 1024), 1: 4.0}
+    (tmp_path / "bad.csv").write_text("time, used\n1, 2\n")
+    with pytest.raises(ValueError, match="expected nvidia-smi's timestamp, index, memory.used"):
+        peak_gpu_memory(tmp_path / "bad.csv")
+
+
+def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
+    fp8 = _write_run(tmp_path / "mission_fp8", fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]))
+    bf16 = _write_run(tmp_path / "mission_bf16", fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
+    (tmp_path / "fp8.csv").write_text("timestamp, index, memory.used [MiB]\nt, 0, 61440 MiB\nt, 1, 30720 MiB\n")
+    out = tmp_path / "mission.md"
+    rc = mission_tool().main([f"fp8={fp8},{tmp_path / 'fp8.csv'}", f"bf16={bf16}", "--out", str(out)])
+    md = out.read_text()
+    assert rc == 0 and "### fp8" in md and "### bf16" in md
+    # steps 2-4: gen 2.0 vs 4.0 s, refit every other step (0.2 at step 3: mean 0.067), tokens/s 500 vs 250
+    fp8_row = next(line for line in md.splitlines() if line.startswith("| fp8 |"))
+    cells = [c.strip() for c in fp8_row.strip("|").split("|")]
+    assert cells[:4] == ["fp8", "4", "2.00", "0.07"] and cells[7] == "500" and cells[8] == "0: 60.0, 1: 30.0"
+    step_ratio = (2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1) / (4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1)
+    assert cells[9] == f"{step_ratio:.2f}" and cells[10] == "2.00"
+    bf16_row = next(line for line in md.splitlines() if line.startswith("| bf16 |"))
+    assert bf16_row.split("|")[9].strip() == "-"  # no memory log given
+    assert mission_tool().main([f"x={tmp_path / 'none'}"]) == 2
