@@ -17,8 +17,9 @@
 #   report  the parity plot/table from the logs so far (compare_precision --report-only) + small model report, to $OUT
 #   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
 #   prof    tools/profile_rollout.py (PROF_ARGS): kernel time per decode step by category, BF16 vs FP8
-#   mission the 8B mission command, FP8 then BF16 (STEPS, MISSION_ARGS: more overrides, MISSION_TOKENIZER), then
-#           tools/mission_report.py: per-step phases, rollout tokens/s and peak memory per GPU side by side
+#   mission the 8B mission command, FP8 then BF16 (MISSION_RUNS="fp8 bf16", STEPS, MISSION_ARGS: more overrides,
+#           MISSION_TOKENIZER), then tools/mission_report.py on every run so far: per-step phases, rollout tokens/s and
+#           peak memory per GPU side by side
 #   dgwarm  compile DeepGEMM's kernels for a shape (DG_MODEL, default dense) with a 1-layer engine at 10% of the GPU,
 #           in the background (about 4.5 min on the H200): a later kvbench with fp8-deepgemm* starts warm
 set -u
@@ -95,7 +96,7 @@ for job in "$@"; do
           [ -f models/qwen3-8b-random/config.json ] || python3 tools/write_random_checkpoint.py --out models/qwen3-8b-random \
             ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
           D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; runs=""
-          for v in fp8 bf16; do
+          for v in ${MISSION_RUNS:-fp8 bf16}; do
             [ "$(left)" -lt 60 ] && { echo "mission $v skipped: deadline"; continue; }
             mkdir -p logs; nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500 > "logs/gpu_mem_$v.csv" \
               2> /dev/null & SMI=$!
@@ -106,10 +107,13 @@ for job in "$@"; do
               grpo.num_prompts_per_step=8 grpo.num_generations_per_prompt=8 policy.train_global_batch_size=64 \
               policy.generation.max_new_tokens=1024 logger.log_dir=logs/mission_$v ${MISSION_ARGS:-} > "$OUT/mission_$v.log" 2>&1
             echo "mission $v: rc=$?"; kill $SMI 2> /dev/null; grep -v "Warning\|warn(" "$OUT/mission_$v.log" | tail -8
+          done
+          for v in fp8 bf16; do  # every run with metrics so far (an earlier call's too: MISSION_RUNS=bf16 after fp8)
+            [ -f "logs/mission_$v/metrics.jsonl" ] || continue
             if [ -s "logs/gpu_mem_$v.csv" ]; then cp "logs/gpu_mem_$v.csv" "$OUT/"; runs="$runs $v=logs/mission_$v,logs/gpu_mem_$v.csv"
             else runs="$runs $v=logs/mission_$v"; fi
           done
-          python3 tools/mission_report.py $runs --out "$OUT/mission.md" ;;
+          [ -n "$runs" ] && python3 tools/mission_report.py $runs --out "$OUT/mission.md" ;;
     sh) bash -c "$CMD" 2>&1 | tail -60 ;;
     *) echo "unknown job $job (see the head of $0)" ;;
   esac
