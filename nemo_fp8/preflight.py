@@ -151,17 +151,14 @@ def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None) -> lis
 
     if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
         return []
-    path = Path(cfg.policy.model_name)
-    if not any(path.glob("*.safetensors")):
-        return []
-    gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
-    if not gpu_bytes:
-        return []
     try:
-        n = count_checkpoint_parameters(path)
+        n = count_checkpoint_parameters(cfg.policy.model_name)
+    except FileNotFoundError:  # no local safetensors checkpoint (yet): nothing to estimate from
+        return []
     except ValueError as e:
         return [f"policy.model_name: {e}"]
-    return trainer_memory_errors(cfg.policy, gpu_bytes, n)
+    gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
+    return trainer_memory_errors(cfg.policy, gpu_bytes, n) if gpu_bytes else []
 
 
 def preflight(cfg: MasterConfig) -> None:

@@ -215,7 +215,7 @@ class PolicyWorker(_MemoryProbe):
         def update(payload: dict) -> None:
             info = payload["update_info"]
             ray.get(generation_worker.receive_update.remote(payload))
-            nbytes = sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, d)).element_size()
+            nbytes = sum(math.prod(shape) * getattr(torch, d).itemsize
                          for d, shape in zip(info["dtype_names"], info["shapes"]))
             buckets.append((len(info["names"]), nbytes))
 

@@ -21,6 +21,11 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
 
 
+def _ratio(a: float, b: float | None) -> str:
+    """``a / b`` for a table cell ("-" without a baseline value)."""
+    return f"{a / b:.2f}" if b and _num(a) and _num(b) else "-"
+
+
 def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     """Summary of one run.
 
@@ -73,15 +78,11 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
     head = ["variant", "steps", "final acc", "best acc", "reward", "gen_kl_error", "mult_prob_err", "gen s", "refit s",
             "logprobs s", "train s", "step s", f"step / {baseline}", f"gen / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-
-    def ratio(a: float, b: float | None) -> str:
-        return f"{a / b:.2f}" if b and _num(a) and _num(b) else "-"
-
     for name, s in summaries.items():
         cells = [name, str(s["steps"]), f"{s['final_acc']:.4f}", f"{s['best_acc']:.4f}", f"{s['reward_mean']:.4f}",
                  f"{s['gen_kl_error']:.3e}", f"{s['token_mult_prob_error']:.4f}", f"{s['generation_s']:.2f}",
                  f"{s['refit_s']:.2f}", f"{s['logprobs_s']:.2f}", f"{s['training_s']:.2f}", f"{s['step_s']:.2f}",
-                 ratio(s["step_s"], base and base["step_s"]), ratio(s["generation_s"], base and base["generation_s"])]
+                 _ratio(s["step_s"], base and base["step_s"]), _ratio(s["generation_s"], base and base["generation_s"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -163,14 +164,10 @@ def side_by_side_table(summaries: dict[str, dict], peaks: dict[str, dict[int, fl
     head = ["run", "steps", "gen s", "refit s", "logprobs s", "train s", "step s", "rollout tok/s", "peak GiB per GPU",
             f"step / {baseline}", f"tok/s / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-
-    def ratio(a: float, b: float | None) -> str:
-        return f"{a / b:.2f}" if b and _num(a) and _num(b) else "-"
-
     for name, s in summaries.items():
         mem = ", ".join(f"{i}: {g:.1f}" for i, g in sorted(peaks.get(name, {}).items())) or "-"
         cells = [name, str(s["steps"])] + [f"{s[f'{p}_s']:.2f}" for p in PHASES]
-        cells += [f"{s['step_s']:.2f}", f"{s['tokens_per_s']:,.0f}", mem, ratio(s["step_s"], base and base["step_s"]),
-                  ratio(s["tokens_per_s"], base and base["tokens_per_s"])]
+        cells += [f"{s['step_s']:.2f}", f"{s['tokens_per_s']:,.0f}", mem, _ratio(s["step_s"], base and base["step_s"]),
+                  _ratio(s["tokens_per_s"], base and base["tokens_per_s"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
