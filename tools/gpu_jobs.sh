@@ -9,7 +9,8 @@
 #   mtest   megatron GPU tests (K: pytest -k filter, default all)   vtest   vLLM FP8 tests (dense + MoE)
 #   kvtest  FP8 KV cache tests                                      e2e     tiny megatron GRPO: E2E="fp8 bf16 fp16" (FP8
 #           rollout + FP8 training, all BF16, FP8 rollout + FP16 training with loss scaling; fp8ipc: fp8 with the
-#           refit over CUDA IPC, policy.weight_sync.method=cuda_ipc)
+#           refit over CUDA IPC, policy.weight_sync.method=cuda_ipc; bf16ipc, kv, kvipc: the same pairs for BF16 and
+#           for the FP8 KV cache)
 #   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
 #   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS), after a running `small`
@@ -18,7 +19,7 @@
 #   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
 #   prof    tools/profile_rollout.py (PROF_ARGS): kernel time per decode step by category, BF16 vs FP8
 #   mission the 8B mission command, FP8 then BF16 (MISSION_RUNS="fp8 bf16", STEPS, MISSION_ARGS: more overrides,
-#           MISSION_TOKENIZER), then tools/mission_report.py on every run so far: per-step phases, rollout tokens/s and
+#           MISSION_TOKENIZER, MISSION_ONE_GPU=1: the one-GPU layout ONE_GPU_8B below), then tools/mission_report.py on every run so far: per-step phases, rollout tokens/s and
 #           peak memory per GPU side by side
 #   dgwarm  compile DeepGEMM's kernels for a shape (DG_MODEL, default dense) with a 1-layer engine at 10% of the GPU,
 #           in the background (about 4.5 min on the H200): a later kvbench with fp8-deepgemm* starts warm
@@ -35,6 +36,13 @@ export PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PWD:${
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.dgcache}
 OUT=${OUT:-logs/gpu_jobs}; mkdir -p "$OUT"
 TINY="examples/configs/grpo_math_tiny_megatron_fp8.yaml"
+# MISSION_ONE_GPU=1: the 8B mission on one GPU (README): tensor parallel 1, half of Adam's state offloaded to the host
+# (megatron-core's HybridDeviceOptimizer), bf16 gradient buffer, the refit over CUDA IPC (no host copy of the weights)
+ONE_GPU_8B="cluster.gpus_per_node=1 policy.megatron_cfg.tensor_model_parallel_size=1 policy.megatron_cfg.sequence_parallel=false
+  policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true policy.megatron_cfg.optimizer.optimizer_cpu_offload=true
+  policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5
+  policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false policy.weight_sync.method=cuda_ipc
+  policy.generation.vllm_cfg.gpu_memory_utilization=0.3"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: no GPU here"
 for job in "$@"; do
   L=$(left); echo "=== $job (${L}s left) $(date +%T)"
@@ -57,6 +65,9 @@ for job in "$@"; do
              bf16) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16" ;;
              fp16) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.megatron_cfg.optimizer.bf16=false policy.megatron_cfg.optimizer.fp16=true" ;;
              fp8ipc) ex="policy.weight_sync.method=cuda_ipc" ;;  # = fp8, refit over CUDA IPC: same step-1 metrics
+             bf16ipc) ex="policy.megatron_cfg.fp8_cfg.enabled=false policy.generation.vllm_cfg.precision=bfloat16 policy.weight_sync.method=cuda_ipc" ;;
+             kvipc) ex="policy.generation.vllm_cfg.kv_cache_dtype=fp8 policy.weight_sync.method=cuda_ipc" ;;  # KV scales over IPC
+             kv) ex="policy.generation.vllm_cfg.kv_cache_dtype=fp8" ;;
            esac
            VLLM_USE_DEEP_GEMM=0 timeout $(( $(left) / n )) python3 examples/run_grpo_math.py --config $TINY \
              grpo.max_num_steps=${STEPS:-5} logger.log_dir=logs/e2e_$v checkpointing.enabled=false $ex 2>&1 \
@@ -105,7 +116,8 @@ for job in "$@"; do
               policy.model_name=models/qwen3-8b-random grpo.max_num_steps=${STEPS:-3} grpo.val_at_end=false \
               checkpointing.enabled=false data.dataset=gsm8k data.train_path=$D/train.jsonl data.val_path=$D/test.jsonl \
               grpo.num_prompts_per_step=8 grpo.num_generations_per_prompt=8 policy.train_global_batch_size=64 \
-              policy.generation.max_new_tokens=1024 logger.log_dir=logs/mission_$v ${MISSION_ARGS:-} > "$OUT/mission_$v.log" 2>&1
+              policy.generation.max_new_tokens=1024 logger.log_dir=logs/mission_$v ${MISSION_ONE_GPU:+$ONE_GPU_8B} \
+              ${MISSION_ARGS:-} > "$OUT/mission_$v.log" 2>&1
             echo "mission $v: rc=$?"; kill $SMI 2> /dev/null; grep -v "Warning\|warn(" "$OUT/mission_$v.log" | tail -8
           done
           for v in fp8 bf16; do  # every run with metrics so far (an earlier call's too: MISSION_RUNS=bf16 after fp8)

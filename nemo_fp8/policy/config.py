@@ -55,9 +55,31 @@ class MegatronOptimizerConfig(StrictConfig):
     use_precision_aware_optimizer: bool = False
     exp_avg_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     exp_avg_sq_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # megatron-core's optimizer CPU offload (HybridDeviceOptimizer; the keys of NeMo-RL, verl and slime): Adam's fp32
+    # main params and moments of `optimizer_offload_fraction` of the parameters live in pinned host memory and are
+    # stepped there by torch's CPU Adam, the rest on the GPU by TransformerEngine's FusedAdam (fp32 moments).
+    # How an 8B trainer and its state can fit one H200 next to the sleeping engine (memory.py estimates both
+    # the GPU and the host side); needs use_precision_aware_optimizer (as megatron-core's recipes set it).
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    overlap_cpu_optimizer_d2h_h2d: bool = True
 
     def config_errors(self) -> list[str]:
         errs = []
+        if self.optimizer_cpu_offload:
+            need = [w for w, bad in (("optimizer=adam", self.optimizer != "adam"),
+                                     ("use_distributed_optimizer=true", not self.use_distributed_optimizer),
+                                     ("use_precision_aware_optimizer=true", not self.use_precision_aware_optimizer),
+                                     ("exp_avg_dtype=float32 and exp_avg_sq_dtype=float32 (the offloaded optimizer "
+                                      "keeps fp32 moments)",
+                                      self.exp_avg_dtype != "float32" or self.exp_avg_sq_dtype != "float32"),
+                                     ("fp16=false (HybridDeviceOptimizer supports bf16 mixed precision)", self.fp16))
+                    if bad]
+            if need:
+                errs.append(f"optimizer_cpu_offload=true (megatron-core's HybridDeviceOptimizer) needs {', '.join(need)}")
+            if self.optimizer_offload_fraction == 0.0:
+                errs.append("optimizer_cpu_offload=true with optimizer_offload_fraction=0.0 offloads nothing; "
+                            "set a fraction in (0, 1] (1.0: all optimizer state on the host)")
         if self.bf16 and self.fp16:
             errs.append("bf16 and fp16 are both true; pick one (fp16 trains with dynamic loss scaling)")
         low = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(self, k) != "float32"]

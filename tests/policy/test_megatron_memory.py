@@ -13,6 +13,7 @@ from nemo_fp8.preflight import check_trainer_memory
 
 QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint on the H200 (untied embeddings)
 H200 = int(139.80 * GiB)  # torch's total_memory of one H200
+HOST = 128 * GiB  # the one-H200 host's memory
 CONFIG_8B = "examples/configs/grpo_math_8B_megatron.yaml"
 # The one-GPU layout that ran out of memory in FusedAdam's step on one H200 (2026-11-23; README, "GPU: learning parity")
 ONE_GPU = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
@@ -32,7 +33,7 @@ def test_one_gpu_precision_aware_8b_counts_the_fp32_unscaled_moments_and_is_refu
     assert est.per_gpu == pytest.approx(QWEN3_8B * 18)
     # the OOM seen on the H200: 125.5 GiB allocated part-way through the unscaling, 7.8 GiB outside PyTorch
     assert est.per_gpu / GiB > 125.5 and est.per_gpu + NON_TORCH_BYTES > H200
-    (err,) = trainer_memory_errors(_policy(*ONE_GPU), H200, QWEN3_8B)
+    (err,) = trainer_memory_errors(_policy(*ONE_GPU), H200, QWEN3_8B, HOST)
     assert "18 B/param" in err and "8.19B parameters" in err and "139.8 GiB" in err
     assert "tensor_model_parallel_size (now 1)" in err and "FusedAdam" in err
     assert "grad_reduce_in_fp32=false" not in err  # already set
@@ -44,7 +45,8 @@ def test_the_configs_two_way_tensor_parallel_fits_one_h200_each():
     assert est.bytes_per_param == {"weights": 2, "grads": 4, "main_params": 4, "moments": 8, "grad_copy": 0,
                                     "unscaled_moments": 0}
     assert est.per_gpu == pytest.approx(QWEN3_8B / 2 * 18)
-    assert trainer_memory_errors(policy, H200, QWEN3_8B) == []
+    assert trainer_memory_errors(policy, H200, QWEN3_8B, HOST) == []
+    assert est.host == pytest.approx(QWEN3_8B / 2 * 8)  # colocated: each rank's fp32 moments, out around generation
 
 
 def test_a_16_bit_gradient_buffer_costs_an_fp32_copy_in_the_standard_optimizer():
@@ -94,9 +96,56 @@ def test_preflight_refuses_a_trainer_bigger_than_the_gpu(tmp_path):
     save_file({"w": torch.zeros(1024, 1024)}, str(tmp_path / "model.safetensors"))
     cfg = load_config(CONFIG_8B, [f"policy.model_name={tmp_path}", *ONE_GPU])
     need = 1024 * 1024 * 18
-    (err,) = check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need - 1)
+    (err,) = check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need - 1, host_bytes=HOST)
     assert err.startswith("policy.megatron_cfg:")
-    assert check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need) == []
+    assert check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need, host_bytes=HOST) == []
     torch_backend = load_config(CONFIG_8B, [f"policy.model_name={tmp_path}", "policy.megatron_cfg.enabled=false",
                                                 "policy.megatron_cfg.tensor_model_parallel_size=1"])
     assert check_trainer_memory(torch_backend, gpu_bytes=1) == []  # the megatron backend's estimate only
+
+
+OFFLOAD = [*ONE_GPU[:4], "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false",
+           "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true"]
+
+
+def test_optimizer_cpu_offload_moves_the_offloaded_fraction_of_adam_to_the_host():
+    # half offloaded: on the GPU 2 weights + 2 grads + (4 main params + 8 moments + 4 fp32 grad copy) / 2;
+    # on the host 16 / 2 (main params, moments, pinned grad copy) + the GPU half's moments around generation 8 / 2
+    half = _policy(*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5")
+    est = estimate_trainer_memory(QWEN3_8B, half)
+    assert est.bytes_per_param == {"weights": 2, "grads": 2, "main_params": 2, "moments": 4, "grad_copy": 2}
+    assert est.per_gpu == pytest.approx(QWEN3_8B * 12) and est.host == pytest.approx(QWEN3_8B * 12)
+    assert trainer_memory_errors(half, H200, QWEN3_8B, HOST) == []  # 91.5 GiB + 7.8 on the GPU, 91.5 GiB host
+    assert "91.5 GiB of optimizer state in host memory" in est.describe()
+    # all of it: 4 B/param on the GPU, but 16 B/param (122.1 GiB) does not leave room on a 128 GiB host
+    full = _policy(*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.0")
+    assert estimate_trainer_memory(QWEN3_8B, full).per_gpu == pytest.approx(QWEN3_8B * 4)
+    (err,) = trainer_memory_errors(full, H200, QWEN3_8B, HOST)
+    assert "optimizer_offload_fraction=1" in err and "122.1 GiB" in err and "lower the fraction" in err
+    assert trainer_memory_errors(full, H200, QWEN3_8B, 0) == []  # host size unknown: not checked
+    # the refused one-GPU layout's error points at the offload
+    (err,) = trainer_memory_errors(_policy(*ONE_GPU), H200, QWEN3_8B, HOST)
+    assert "optimizer_cpu_offload=true" in err
+
+
+def test_optimizer_cpu_offload_config_names_what_it_needs():
+    from nemo_fp8.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG_8B, ["policy.megatron_cfg.optimizer.optimizer_cpu_offload=true"])
+    msg = str(e.value)
+    assert "use_precision_aware_optimizer=true" in msg and "optimizer_offload_fraction=0.0 offloads nothing" in msg
+    with pytest.raises(ConfigError, match="exp_avg_dtype=float32"):
+        load_config(CONFIG_8B, [*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5",
+                                "policy.megatron_cfg.optimizer.exp_avg_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="optimizer_offload_fraction"):
+        load_config(CONFIG_8B, [*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.5"])
+
+
+def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
+    from nemo_fp8.policy.megatron.settings import optimizer_config_kwargs
+
+    kw = optimizer_config_kwargs(_policy(*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5"))
+    assert (kw["optimizer_cpu_offload"], kw["optimizer_offload_fraction"], kw["overlap_cpu_optimizer_d2h_h2d"]) == \
+        (True, 0.5, True)
+    assert kw["use_precision_aware_optimizer"] and kw["use_distributed_optimizer"]

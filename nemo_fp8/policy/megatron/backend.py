@@ -152,6 +152,7 @@ class MegatronPolicyBackend:
         self.num_updates = 0
         self._offloaded: set[str] = set()
         self._host = HostBuffers()  # the optimizer state's host memory, reused at every colocated refit
+        self._state_on_host: list[tuple[dict, str]] = []  # (optimizer state dict, key) that _move_optimizer_state moved
         logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
                     rank, world_size, self.tp_rank, self.dp_rank,
                     m.fp8_cfg.fp8 if m.fp8_cfg.enabled else None, m.fp8_cfg.fp8_recipe if m.fp8_cfg.enabled else None,
@@ -386,21 +387,24 @@ class MegatronPolicyBackend:
                     buf.reload_from_cpu(move_params=params, move_grads=grads)
 
     def _move_optimizer_state(self, device: str) -> None:
-        """Adam moments (and any other per-parameter state) to host memory (``device="cpu"``: into one
-        pinned arena kept across steps, ``HostBuffers``) or to the GPU."""
-        moves = []  # (state dict, key, slot, tensor)
-        for i, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
-            for j, s in enumerate(opt._get_state().values()):
-                for k, v in s.items():
-                    if torch.is_tensor(v) and v.is_cuda == (device == "cpu"):
-                        moves.append((s, k, (i, j, k), v))
+        """Adam moments (and any other per-parameter state) on the GPU to host memory (``device="cpu"``: into
+        one pinned arena kept across steps, ``HostBuffers``), or back to the GPU: only what was moved, so the
+        optimizer CPU offload's own host state (``HybridDeviceOptimizer``) stays where megatron-core keeps it."""
         if device == "cpu":
+            moves = []  # (state dict, key, slot, tensor)
+            for i, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
+                for j, s in enumerate(opt._get_state().values()):
+                    for k, v in s.items():
+                        if torch.is_tensor(v) and v.is_cuda:
+                            moves.append((s, k, (i, j, k), v))
             for (s, k, _, _), host in zip(moves, self._host.offload([(slot, v) for _, _, slot, v in moves])):
                 s[k] = host
             self._host.synchronize()  # the GPU copies must not be freed (empty_cache) while still being read
+            self._state_on_host = [(s, k) for s, k, _, _ in moves]
         else:
-            for s, k, _, v in moves:
-                s[k] = self._host.reload(v, device)
+            for s, k in self._state_on_host:
+                s[k] = self._host.reload(s[k], device)
+            self._state_on_host = []
 
     def prepare_for_training(self) -> None:
         """Bring back whatever ``offload_*`` moved to host memory."""

@@ -20,7 +20,16 @@ Bytes per parameter, megatron-core 0.18's distributed optimizer with Transformer
   of every 16-bit moment of the whole parameter group: FusedAdam's ``step`` unscales them all
   (``get_unscaled_state``) before its one multi-tensor kernel. 16-bit moments shrink the state
   between steps, hardly its peak;
-  SGD: main params 4 + momentum 4 (+ the gradient copy).
+  SGD: main params 4 + momentum 4 (+ the gradient copy);
+  optimizer CPU offload (``optimizer_cpu_offload``, megatron-core's ``HybridDeviceOptimizer`` in
+  ``megatron/core/optimizer/cpu_offloading``, with the precision-aware optimizer, so megatron-core keeps
+  no main params of its own): the fraction ``f = optimizer_offload_fraction`` of the parameters has fp32
+  main params, fp32 moments and a pinned fp32 gradient copy in host memory (16 bytes each on the host),
+  the rest fp32 main params + moments on the GPU (12) plus an fp32 copy of a 16-bit gradient (4).
+
+Host memory (``TrainerMemory.host``): the optimizer CPU offload's part, plus, when the engine is
+colocated, the optimizer state that stays on the GPU during training (the moments), which the backend
+moves into a pinned host arena around every generation (``offload_before_refit``).
 
 Seen on one H200 (2026-11-23): a Qwen3-8B-shaped model (8.19B parameters) with bf16 moments and a
 bf16 gradient buffer, BF16 or FP8 (e4m3 blockwise) training, ran out of memory inside FusedAdam's step with 125.5 GiB allocated by PyTorch
@@ -59,12 +68,14 @@ class TrainerMemory:
     per_gpu: float
     parts: dict[str, float] = field(default_factory=dict)
     bytes_per_param: dict[str, float] = field(default_factory=dict)
+    host: float = 0.0
 
     def describe(self) -> str:
-        """``'18.0 B/param: weights 2, grads 2, ... -> 137.3 GiB per GPU'``."""
+        """``'18.0 B/param: weights 2, grads 2, ... -> 137.3 GiB per GPU'`` (and the host part, if any)."""
         total = sum(self.bytes_per_param.values())
         terms = ", ".join(f"{k} {v:g}" for k, v in self.bytes_per_param.items() if v)
-        return f"{total:g} B/param ({terms}) -> {self.per_gpu / GiB:.1f} GiB per GPU"
+        host = f", {self.host / GiB:.1f} GiB of optimizer state in host memory" if self.host else ""
+        return f"{total:g} B/param ({terms}) -> {self.per_gpu / GiB:.1f} GiB per GPU{host}"
 
 
 def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMemory:
@@ -77,7 +88,9 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
 
     Returns:
         TrainerMemory: per GPU; tensor parallelism divides everything, data parallelism the optimizer
-        state (with the distributed optimizer). Formulas and sources: the module docstring.
+        state (with the distributed optimizer); ``host``: bytes of host memory per rank (the optimizer
+        CPU offload and, colocated, the state moved out around generation). Formulas and sources: the
+        module docstring.
     """
     m = cfg.megatron_cfg
     o = m.optimizer
@@ -88,7 +101,12 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     moments = ([_DTYPE_BYTES[o.exp_avg_dtype], _DTYPE_BYTES[o.exp_avg_sq_dtype]]
                if o.use_precision_aware_optimizer else [4, 4])
     unscaled = sum(4 for b in moments if b < 4)
-    if o.optimizer == "sgd":
+    host_per_param = 0.0
+    if o.optimizer_cpu_offload:  # HybridDeviceOptimizer: fp32 params + moments (+ fp32 gradient) per device part
+        f = o.optimizer_offload_fraction
+        opt = {"main_params": 4 * (1 - f), "moments": 8 * (1 - f), "grad_copy": grad_copy * (1 - f)}
+        host_per_param = 16 * f
+    elif o.optimizer == "sgd":
         opt = {"main_params": 4, "moments": 4, "grad_copy": grad_copy}
     elif o.use_precision_aware_optimizer and not m.fp8_cfg.enabled:
         # megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8: FusedAdam holds the main params
@@ -99,7 +117,9 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     shard = dp if o.use_distributed_optimizer else 1
     parts = {k: num_parameters / tp * v for k, v in per_param.items()}
     parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
-    return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt})
+    arena = opt["moments"] if cfg.generation.colocated.enabled else 0  # moved to host around each generation
+    return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
+                         host=num_parameters / tp / shard * (host_per_param + arena))
 
 
 def count_checkpoint_parameters(model_dir: str | Path) -> int:
@@ -130,15 +150,46 @@ def count_checkpoint_parameters(model_dir: str | Path) -> int:
     return total
 
 
-def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int) -> list[str]:
-    """One line when the trainer's state at the optimizer step plus ``NON_TORCH_BYTES`` exceeds ``gpu_bytes``.
+# Share of the machine's memory the optimizer state in host memory may take: the rest is for Ray's object store,
+# the engine's and the trainer's processes, and the checkpoint being read.
+HOST_OFFLOAD_SHARE = 0.75
 
-    The line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
+
+def host_total_bytes() -> int:
+    """This machine's physical memory in bytes (``sysconf``; 0 where it is not available)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int,
+                          host_bytes: int | None = None) -> list[str]:
+    """One line when the trainer's state at the optimizer step plus ``NON_TORCH_BYTES`` exceeds ``gpu_bytes``,
+    and one when the optimizer CPU offload's host part (all local ranks) exceeds ``HOST_OFFLOAD_SHARE`` of
+    ``host_bytes`` (None: ``host_total_bytes()``; 0: not checked).
+
+    Each line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
     and the colocated engine are not counted, so a layout that passes may still run out of memory.
     """
     est = estimate_trainer_memory(num_parameters, cfg)
+    errs = []
+    host_bytes = host_total_bytes() if host_bytes is None else host_bytes
+    host_need = est.host * cfg.world_size
+    if host_need and host_bytes and host_need > HOST_OFFLOAD_SHARE * host_bytes:
+        o = cfg.megatron_cfg.optimizer
+        why = (f"optimizer_cpu_offload with optimizer_offload_fraction={o.optimizer_offload_fraction:g}"
+               if o.optimizer_cpu_offload else "the colocated engine (the optimizer state leaves the GPU while it runs)")
+        errs.append(f"policy.megatron_cfg.optimizer: {why} puts {host_need / GiB:.1f} GiB of optimizer state in host "
+                    f"memory for {num_parameters / 1e9:.2f}B parameters, more than {HOST_OFFLOAD_SHARE:.0%} of this "
+                    f"machine's {host_bytes / GiB:.1f} GiB; "
+                    + ("lower the fraction" if o.optimizer_cpu_offload else
+                       "16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) halve it; generation on other GPUs "
+                       "(policy.generation.colocated.enabled=false) keeps it on the GPU"))
     if est.per_gpu + NON_TORCH_BYTES <= gpu_bytes:
-        return []
+        return errs
     m = cfg.megatron_cfg
     hints = [f"policy.megatron_cfg.tensor_model_parallel_size (now {m.tensor_model_parallel_size}) divides all of it",
              f"more data-parallel ranks (policy.data_parallel_size, now {cfg.data_parallel_size}) divide the optimizer "
@@ -148,6 +199,9 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     if est.bytes_per_param.get("unscaled_moments"):
         hints.append("16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) save memory between steps but TransformerEngine's "
                      "FusedAdam unscales them all to fp32 during the step")
-    return [f"policy.megatron_cfg: the trainer's weights, gradients and optimizer state need {est.describe()} at the "
+    if not m.optimizer.optimizer_cpu_offload or m.optimizer.optimizer_offload_fraction < 1:
+        hints.append("optimizer.optimizer_cpu_offload=true with a larger optimizer_offload_fraction (and "
+                     "use_precision_aware_optimizer=true) moves Adam's state to host memory")
+    return errs + [f"policy.megatron_cfg: the trainer's weights, gradients and optimizer state need {est.describe()} at the "
             f"optimizer step for {num_parameters / 1e9:.2f}B parameters, plus ~{NON_TORCH_BYTES / GiB:.1f} GiB outside "
             f"PyTorch's allocator, more than the GPU's {gpu_bytes / GiB:.1f} GiB; " + "; ".join(hints)]

@@ -106,7 +106,9 @@ def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` with the precision-aware optimizer); the
     gradient-norm clip is ``policy.max_grad_norm`` unless ``megatron_cfg.optimizer.clip_grad`` is set;
     fp16 gets dynamic loss scaling (megatron-core's ``DynamicGradScaler``); ``fp8_recipe`` tells the
-    optimizer how FP8 parameters are scaled (as Megatron-Bridge sets it from its mixed-precision config)."""
+    optimizer how FP8 parameters are scaled (as Megatron-Bridge sets it from its mixed-precision config);
+    ``optimizer_cpu_offload`` / ``optimizer_offload_fraction`` / ``overlap_cpu_optimizer_d2h_h2d`` select
+    megatron-core's ``HybridDeviceOptimizer`` (``megatron/core/optimizer/cpu_offloading``)."""
     o = cfg.megatron_cfg.optimizer
     dtype = train_dtype(cfg)
     return dict(optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -117,7 +119,9 @@ def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
                 use_precision_aware_optimizer=o.use_precision_aware_optimizer,
                 exp_avg_dtype=_DTYPES[o.exp_avg_dtype], exp_avg_sq_dtype=_DTYPES[o.exp_avg_sq_dtype],
                 fp8_recipe=cfg.megatron_cfg.fp8_cfg.fp8_recipe if cfg.megatron_cfg.fp8_cfg.enabled else None,
-                loss_scale=None, initial_loss_scale=o.initial_loss_scale)
+                loss_scale=None, initial_loss_scale=o.initial_loss_scale,
+                optimizer_cpu_offload=o.optimizer_cpu_offload, optimizer_offload_fraction=o.optimizer_offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=o.overlap_cpu_optimizer_d2h_h2d)
 
 
 def scheduler_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
