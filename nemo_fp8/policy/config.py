@@ -30,6 +30,12 @@ class Fp8TrainingConfig(StrictConfig):
         return ["fp8_param: true needs policy.megatron_cfg.fp8_cfg.enabled=true"]
 
 
+def _warmup_errors(lr: float, init: float) -> list[str]:
+    if init > lr:
+        return [f"lr_warmup_init={init:g} must not exceed lr={lr:g} (the warm-up rises from lr_warmup_init to lr)"]
+    return []
+
+
 class MegatronOptimizerConfig(StrictConfig):
     optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = Field(5e-7, gt=0)
@@ -63,9 +69,13 @@ class MegatronOptimizerConfig(StrictConfig):
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
     overlap_cpu_optimizer_d2h_h2d: bool = True
+    # linear warm-up over this many optimizer updates from lr_warmup_init to lr, then constant (megatron-core's
+    # OptimizerParamScheduler lr_warmup_steps / init_lr; NeMo-RL's scheduler.lr_warmup_iters / lr_warmup_init)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_init: float = Field(0.0, ge=0)
 
     def config_errors(self) -> list[str]:
-        errs = []
+        errs = _warmup_errors(self.lr, self.lr_warmup_init)
         if self.optimizer_cpu_offload:
             need = [w for w, bad in (("optimizer=adam", self.optimizer != "adam"),
                                      ("use_distributed_optimizer=true", not self.use_distributed_optimizer),
@@ -143,12 +153,19 @@ class MegatronConfig(StrictConfig):
 
 
 class OptimizerConfig(StrictConfig):
-    """AdamW for the torch reference policy."""
+    """AdamW for the torch reference policy; the learning rate warms up linearly from ``lr_warmup_init``
+    over ``lr_warmup_steps`` optimizer updates, then stays at ``lr`` (``nemo_fp8.policy.schedule``, the
+    megatron backend's schedule)."""
 
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_init: float = Field(0.0, ge=0)
+
+    def config_errors(self) -> list[str]:
+        return _warmup_errors(self.lr, self.lr_warmup_init)
 
 
 class TokenizerConfig(StrictConfig):

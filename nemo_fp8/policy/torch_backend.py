@@ -31,6 +31,7 @@ from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_preci
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, token_logprobs
 from nemo_fp8.policy.interfaces import LossFn
+from nemo_fp8.policy.schedule import warmup_lr
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +224,7 @@ class TorchPolicyBackend:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(f"train: non-finite gradient norm {grad_norm} at update {self.num_updates}")
+            self._set_lr()
             self.optimizer.step()
             self.num_updates += 1
             result.accumulators.append(acc.cpu())
@@ -352,8 +354,17 @@ class TorchPolicyBackend:
         extra = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(extra["optimizer"])
         for group in self.optimizer.param_groups:  # the config's values win over the checkpoint's
-            group["lr"], group["weight_decay"] = self.cfg.optimizer.lr, self.cfg.optimizer.weight_decay
+            group["weight_decay"] = self.cfg.optimizer.weight_decay
         self.num_updates = int(extra["num_updates"])
+        self._set_lr()  # the config's schedule at the checkpoint's update count
+
+    def _set_lr(self) -> None:
+        """The learning rate of the next update: ``policy.optimizer``'s warm-up, then ``lr`` (the megatron
+        backend's schedule, ``nemo_fp8.policy.schedule``)."""
+        opt = self.cfg.optimizer
+        lr = warmup_lr(self.num_updates, opt.lr, opt.lr_warmup_steps, opt.lr_warmup_init)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -198,3 +198,38 @@ def test_train_reads_nothing_per_micro_batch(tiny_cfg, tok):
         counts[mbs] = c.count
     per_micro_batch = (counts[1] - counts[4]) / (8 - 2)
     assert per_micro_batch <= 1, counts  # the HF forward's own padding-mask check
+
+
+
+def _record_lrs(pol):
+    """A list that receives the learning rate of each of ``pol``'s real optimizer updates."""
+    seen, step = [], pol.optimizer.step
+
+    def recording_step(*a, **k):
+        seen.append(pol.optimizer.param_groups[0]["lr"])
+        return step(*a, **k)
+
+    pol.optimizer.step = recording_step
+    return seen
+
+
+def test_the_lr_warm_up_runs_update_by_update_and_continues_after_a_resume(tiny_cfg, tok, tmp_path):
+    from nemo_fp8.algorithms.loss import ClippedPGLossFn
+    from nemo_fp8.config import ConfigError
+
+    cfg = tiny_cfg("policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=8",
+                   "grpo.num_generations_per_prompt=1", "policy.optimizer.lr=1e-3", "policy.optimizer.lr_warmup_steps=4",
+                   "policy.optimizer.lr_warmup_init=1e-4")
+    pol = TorchPolicyBackend(cfg.policy, CPU)
+    batch = _advantage_batch(pol, make_generation(cfg, tok, precision="bfloat16"), tok)
+    seen = _record_lrs(pol)
+    pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # 8 rows, global batch 4: two updates
+    assert seen == pytest.approx([1e-4, 3.25e-4])  # 1e-4 + 9e-4 * n / 4 after n updates (megatron-core's warm-up)
+    pol.save(tmp_path / "p")
+    resumed = TorchPolicyBackend(cfg.policy, CPU)
+    resumed.load(tmp_path / "p")
+    seen = _record_lrs(resumed)
+    resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
+    assert resumed.num_updates == 4 and seen == pytest.approx([5.5e-4, 7.75e-4])  # the warm-up goes on, not over
+    with pytest.raises(ConfigError, match="lr_warmup_init"):
+        tiny_cfg("policy.optimizer.lr=1e-4", "policy.optimizer.lr_warmup_init=1e-3")

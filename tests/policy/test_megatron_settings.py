@@ -65,6 +65,10 @@ def test_gradients_are_summed_across_ranks_and_clip_defaults_to_max_grad_norm():
     assert settings.ddp_config_kwargs(cfg)["fp8_param_gather"] is False
     sched = settings.scheduler_kwargs(cfg)
     assert sched["lr_decay_style"] == "constant" and sched["init_lr"] == sched["max_lr"] == cfg.megatron_cfg.optimizer.lr
+    assert sched["lr_warmup_steps"] == 0
+    warm = settings.scheduler_kwargs(_cfg(optimizer=dict(lr=3e-5, lr_warmup_steps=10, lr_warmup_init=1e-6)))
+    # megatron-core asserts lr_warmup_steps < lr_decay_steps and init_lr <= max_lr
+    assert (warm["init_lr"], warm["max_lr"], warm["lr_warmup_steps"]) == (1e-6, 3e-5, 10) and warm["lr_decay_steps"] > 10
 
 
 @pytest.mark.parametrize("recipe, tp, sp, want", [

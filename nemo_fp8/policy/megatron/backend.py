@@ -496,7 +496,7 @@ class MegatronPolicyBackend:
                     shutil.copy2(f, path / f.name)
 
     def load(self, path: str | Path) -> None:
-        """Load what ``save`` wrote (learning rate and weight decay stay those of the config).
+        """Load what ``save`` wrote (learning rate and weight decay follow the config's schedule).
 
         Raises:
             FileNotFoundError: ``path`` lacks ``megatron/`` or ``optimizer.pt``.
@@ -512,7 +512,10 @@ class MegatronPolicyBackend:
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.num_updates = int(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)["num_updates"])
-        self.scheduler.step(increment=0)  # the config's (constant) learning rate and weight decay, not the checkpoint's
+        # the config's schedule at the checkpoint's update count (a warm-up continues where it was), not the
+        # checkpoint's learning rate and weight decay
+        self.scheduler.num_steps = 0
+        self.scheduler.step(increment=self.num_updates)
 
     def shutdown(self) -> None:
         """Leave the process groups and drop the model."""

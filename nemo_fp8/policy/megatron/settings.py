@@ -125,10 +125,13 @@ def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
 
 
 def scheduler_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
-    """``OptimizerParamScheduler`` with a constant learning rate and weight decay (it also applies
-    megatron-core's no-weight-decay groups: biases and norms)."""
+    """``OptimizerParamScheduler``: a linear warm-up from ``lr_warmup_init`` over ``lr_warmup_steps`` updates (none
+    by default), then a constant learning rate and weight decay (it also applies megatron-core's
+    no-weight-decay groups: biases and norms). The torch backend follows the same schedule
+    (``nemo_fp8.policy.schedule.warmup_lr``)."""
     o = cfg.megatron_cfg.optimizer
-    return dict(init_lr=o.lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=0, lr_decay_steps=1,
+    return dict(init_lr=o.lr_warmup_init if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+                lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=o.lr_warmup_steps + 1,  # must exceed the warm-up
                 lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
                 wd_incr_style="constant")
 
