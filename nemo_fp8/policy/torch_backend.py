@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -55,7 +55,7 @@ def enable_fp8_training(model: nn.Module, cfg: PolicyConfig) -> list[str]:
 
 @dataclass
 class ShardTrainResult:
-    """One rank's part of ``train``: per global batch, its metric accumulator and the grad norm.
+    """One rank's part of ``train``: per global batch, its metric accumulator, the grad norm and the learning rate.
 
     ``reduce_train_results`` merges the ranks' results (``MetricAccumulator.merge``) and
     averages over global batches.
@@ -63,6 +63,7 @@ class ShardTrainResult:
 
     accumulators: list[MetricAccumulator]
     grad_norms: list[float]
+    lrs: list[float] = field(default_factory=list)  # the learning rate of each global batch's update
 
 
 def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
@@ -79,7 +80,8 @@ def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
         acc = results[0].accumulators[g]
         for r in results[1:]:
             acc = acc.merge(r.accumulators[g])
-        history.append({**acc.result(), "grad_norm": results[0].grad_norms[g]})
+        history.append({**acc.result(), "grad_norm": results[0].grad_norms[g],
+                        **({"lr": results[0].lrs[g]} if results[0].lrs else {})})
     return {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
 
 
@@ -229,6 +231,7 @@ class TorchPolicyBackend:
             self.num_updates += 1
             result.accumulators.append(acc.cpu())
             result.grad_norms.append(grad_norm)
+            result.lrs.append(self.optimizer.param_groups[0]["lr"])
         return result
 
     def _all_reduce_grads(self) -> None:

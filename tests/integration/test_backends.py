@@ -223,8 +223,9 @@ def test_the_lr_warm_up_runs_update_by_update_and_continues_after_a_resume(tiny_
     pol = TorchPolicyBackend(cfg.policy, CPU)
     batch = _advantage_batch(pol, make_generation(cfg, tok, precision="bfloat16"), tok)
     seen = _record_lrs(pol)
-    pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # 8 rows, global batch 4: two updates
+    metrics = pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # 8 rows, global batch 4: two updates
     assert seen == pytest.approx([1e-4, 3.25e-4])  # 1e-4 + 9e-4 * n / 4 after n updates (megatron-core's warm-up)
+    assert metrics["lr"] == pytest.approx(2.125e-4)  # logged as loss/lr: the mean over the step's updates
     pol.save(tmp_path / "p")
     resumed = TorchPolicyBackend(cfg.policy, CPU)
     resumed.load(tmp_path / "p")

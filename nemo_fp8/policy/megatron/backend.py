@@ -307,6 +307,7 @@ class MegatronPolicyBackend:
                 self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
             self.model.finish_grad_sync()
+            lr = float(self.optimizer.param_groups[0]["lr"])  # this update's (the scheduler steps after it)
             ok, grad_norm, _ = self.optimizer.step()
             if ok:
                 self.scheduler.step(increment=1)
@@ -320,6 +321,7 @@ class MegatronPolicyBackend:
                 grad_norm = float("nan")
             result.accumulators.append(acc.cpu())
             result.grad_norms.append(grad_norm)
+            result.lrs.append(lr)
         return result
 
     # ----------------------------------------------------------------------- FP8 KV calibration
