@@ -16,10 +16,12 @@ H200 = int(139.80 * GiB)  # torch's total_memory of one H200
 HOST = 128 * GiB  # the one-H200 host's memory
 CONFIG_8B = "examples/configs/grpo_math_8B_megatron.yaml"
 # The one-GPU layout that ran out of memory in FusedAdam's step on one H200 (2026-11-23; README, "GPU: learning parity")
-ONE_GPU = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
-           "policy.megatron_cfg.sequence_parallel=false", "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true",
-           "policy.megatron_cfg.optimizer.exp_avg_dtype=bfloat16", "policy.megatron_cfg.optimizer.exp_avg_sq_dtype=bfloat16",
-           "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false"]
+TP1_PRECISION_AWARE = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
+                       "policy.megatron_cfg.sequence_parallel=false",
+                       "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true",
+                       "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false"]
+ONE_GPU = [*TP1_PRECISION_AWARE, "policy.megatron_cfg.optimizer.exp_avg_dtype=bfloat16",
+           "policy.megatron_cfg.optimizer.exp_avg_sq_dtype=bfloat16"]
 
 
 def _policy(*overrides):
@@ -104,8 +106,7 @@ def test_preflight_refuses_a_trainer_bigger_than_the_gpu(tmp_path):
     assert check_trainer_memory(torch_backend, gpu_bytes=1) == []  # the megatron backend's estimate only
 
 
-OFFLOAD = [*ONE_GPU[:4], "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false",
-           "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true"]
+OFFLOAD = [*TP1_PRECISION_AWARE, "policy.megatron_cfg.optimizer.optimizer_cpu_offload=true"]
 
 
 def test_optimizer_cpu_offload_moves_the_offloaded_fraction_of_adam_to_the_host():
