@@ -132,6 +132,8 @@ def run_child(a) -> dict:
         loss, _ = loss_fn(be._forward_logprobs(model, mb), mb, n_tok, n_seq)
         loss.backward()
 
+    # raw and ours reuse TE's cached FP8 weights (the micro-batches after a global batch's first); the full step
+    # (be.train) quantizes every weight once per global batch, as megatron-core's schedules do
     raw_s = _timed(raw, a.steps, a.warmup)
     kernel_s = {}
     for kernel in ("chunked", "fused", "te"):

@@ -90,6 +90,10 @@ class MegatronOptimizerConfig(StrictConfig):
             if self.optimizer_offload_fraction == 0.0:
                 errs.append("optimizer_cpu_offload=true with optimizer_offload_fraction=0.0 offloads nothing; "
                             "set a fraction in (0, 1] (1.0: all optimizer state on the host)")
+        if self.optimizer == "sgd" and self.use_distributed_optimizer and not self.optimizer_cpu_offload:
+            # megatron-core 0.18's DistributedOptimizer asserts Adam (its checkpoint format): seen on the H200
+            errs.append("optimizer=sgd needs use_distributed_optimizer=false (megatron-core's distributed optimizer "
+                        "supports only Adam)")
         if self.bf16 and self.fp16:
             errs.append("bf16 and fp16 are both true; pick one (fp16 trains with dynamic loss scaling)")
         low = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(self, k) != "float32"]

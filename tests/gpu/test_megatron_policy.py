@@ -14,6 +14,7 @@ bf16 to fp32). The log-prob bound is that measured noise floor; the others are 2
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import socket
@@ -138,6 +139,76 @@ def test_logprobs_match_torch_reference(any_ckpt):
     assert diff.mean() < 1.5 * noise.mean() and diff32.mean() < 1.5 * noise.mean() and diff.max() < 0.25
 
 
+def _reference_grads(path, batch, precision):
+    """The GRPO loss's gradient (HF name -> fp32 tensor) through the torch reference, on-policy
+    (``prev_logprobs`` its own), micro-batched and normalised as both backends train (``global_batches``)."""
+    from nemo_fp8.policy.torch_backend import TorchPolicyBackend, global_batches
+
+    ref = TorchPolicyBackend(_policy_cfg(path, megatron=False).model_copy(update={"precision": precision}),
+                             torch.device("cuda", 0))
+    batch = dataclasses.replace(batch)
+    batch.prev_logprobs = ref.get_logprobs(batch)
+    batch.generation_logprobs = batch.prev_logprobs.clone()
+    ref.model.train()
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
+    for n_tok, n_seq, mbs in global_batches(batch, 8, 4, ref.device):
+        for mb in mbs:
+            loss_fn(ref._forward_logprobs(ref.model, mb), mb, n_tok, n_seq)[0].backward()
+    grads = {n: p.grad.float().clone() for n, p in ref.model.named_parameters() if p.grad is not None}
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    return grads
+
+
+def _cosine_and_norm_ratio(a: dict, b: dict) -> tuple[float, float]:
+    x = torch.cat([a[n].flatten() for n in sorted(b)]).double()  # float64: millions of terms
+    y = torch.cat([b[n].flatten() for n in sorted(b)]).double()
+    return float(x @ y / (x.norm() * y.norm())), float(x.norm() / y.norm())
+
+
+def test_training_gradient_matches_torch_reference(ckpt):
+    """The direction and size of a Megatron training update vs the torch reference's gradient.
+
+    The log-prob test pins the forward; this pins what training does with it (loss normalisation over
+    micro-batches, the backward through the log-prob kernel and TE, the DDP gradient buffer, the
+    optimizer's view of it). Megatron steps once with SGD (lr eps, no clipping, no weight decay: the
+    update is exactly -eps * gradient in its fp32 main params); the exported HF weights before and
+    after give -eps * gradient per HF tensor (bf16 rounding of the weights: eps is chosen so a typical
+    update is ~100x the bf16 spacing of the weights). Reference: the torch backend's fp32 gradient on the
+    same batch; bound: the torch reference's own bf16 gradient against its fp32 one (the noise floor of
+    bf16 training), 3x in cosine distance and in norm ratio, or 1e-3 / 2% where the floor is smaller.
+    A sign error, an advantage applied to the wrong rows or tokens, or a loss scaled by the number of
+    micro-batches gives a cosine far below 1 or a norm ratio far from 1.
+    """
+    batch = _batch()
+    g32 = _reference_grads(ckpt, batch, "float32")
+    g16 = _reference_grads(ckpt, batch, "bfloat16")
+    rms = torch.cat([g.flatten() for g in g32.values()]).pow(2).mean().sqrt().item()
+    eps = 1e-2 / rms
+    be = _backend(_policy_cfg(ckpt, lr=eps, optimizer=dict(optimizer="sgd", clip_grad=1e9, use_distributed_optimizer=False)))
+    try:
+        before = {n: t.float().cpu() for n, t in be.named_weights()}
+        batch.prev_logprobs = be.get_logprobs(batch)
+        batch.generation_logprobs = batch.prev_logprobs.clone()
+        result = be.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
+        after = {n: t.float().cpu() for n, t in be.named_weights()}
+    finally:
+        _close(be)
+    g_m = {n: (before[n] - after[n]) / eps for n in before}  # SGD: theta' = theta - eps * g
+    names = sorted(set(g_m) & set(g32))
+    assert set(g_m) == set(names), set(g_m) ^ set(names)
+    ref = {n: g32[n].cpu() for n in names}
+    cos_m, ratio_m = _cosine_and_norm_ratio({n: g_m[n] for n in names}, ref)
+    cos_f, ratio_f = _cosine_and_norm_ratio({n: g16[n].cpu() for n in names}, ref)
+    worst = min(names, key=lambda n: _cosine_and_norm_ratio({n: g_m[n]}, {n: ref[n]})[0])
+    print(f"megatron update vs torch fp32 gradient: cosine {cos_m:.5f}, norm ratio {ratio_m:.4f} (grad_norm "
+          f"{result['grad_norm']:.4e} vs {torch.cat([g.flatten() for g in ref.values()]).norm():.4e}); bf16 "
+          f"reference: cosine {cos_f:.5f}, norm ratio {ratio_f:.4f}; least aligned tensor {worst}")
+    assert 1 - cos_m <= max(3 * (1 - cos_f), 1e-3)
+    assert abs(ratio_m - 1) <= max(3 * abs(ratio_f - 1), 0.02)
+
+
 @pytest.mark.parametrize("kernel", ["te", "fused"])
 def test_te_and_fused_logprob_kernels_match_the_chunked_one(ckpt, kernel):
     """``logprob_kernel: te`` (TE's fused parallel_cross_entropy) or ``fused`` (our Triton kernel) vs
@@ -213,6 +284,30 @@ def test_one_training_step_lowers_the_loss(ckpt, fp8):
         assert second["loss"] < first["loss"] - 1e-4
     finally:
         _close(be)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_forward_follows_the_optimizer_step(ckpt, recipe):
+    """After training steps the FP8 forward uses the updated weights: the log-probs equal those of a pass whose
+    TransformerEngine weight caches were emptied first (every FP8 weight quantized from scratch), and have moved
+    from the log-probs before the steps. Not colocated: nothing else empties the caches between passes (TE
+    refreshes them only on a marked first micro-batch; ``_requantize_fp8_weights``)."""
+    be = _backend(_policy_cfg(ckpt, fp8=dict(fp8="e4m3", fp8_recipe=recipe), lr=1e-3))
+    batch = _batch()
+    try:
+        _train_twice(be, batch)  # fills prev_logprobs before the two updates
+        cached = be.get_logprobs(batch)
+        for m in be.model.modules():
+            if hasattr(m, "_fp8_workspaces"):
+                m._fp8_workspaces.clear()
+        fresh = be.get_logprobs(batch)
+    finally:
+        _close(be)
+    mask = batch.token_mask.bool()
+    stale = (cached - fresh)[mask].abs().max().item()
+    moved = (fresh - batch.prev_logprobs)[mask].abs().mean().item()
+    print(f"{recipe}: cached vs freshly quantized weights: max |dlogp| {stale:.2e}; moved by the updates {moved:.2e}")
+    assert stale <= 1e-6 and moved > 1e-3
 
 
 def _optimizer_state(be) -> dict[str, torch.Tensor]:

@@ -48,7 +48,8 @@ def test_the_configs_two_way_tensor_parallel_fits_one_h200_each():
                                     "unscaled_moments": 0}
     assert est.per_gpu == pytest.approx(QWEN3_8B / 2 * 18)
     assert trainer_memory_errors(policy, H200, QWEN3_8B, HOST) == []
-    assert est.host == pytest.approx(QWEN3_8B / 2 * 8)  # colocated: each rank's fp32 moments, out around generation
+    # colocated: each rank's fp32 moments and bf16 weights, out around generation
+    assert est.host == pytest.approx(QWEN3_8B / 2 * (8 + 2))
 
 
 def test_a_16_bit_gradient_buffer_costs_an_fp32_copy_in_the_standard_optimizer():
@@ -111,18 +112,23 @@ OFFLOAD = [*TP1_PRECISION_AWARE, "policy.megatron_cfg.optimizer.optimizer_cpu_of
 
 def test_optimizer_cpu_offload_moves_the_offloaded_fraction_of_adam_to_the_host():
     # half offloaded: on the GPU 2 weights + 2 grads + (4 main params + 8 moments + 4 fp32 grad copy) / 2;
-    # on the host 16 / 2 (main params, moments, pinned grad copy) + the GPU half's moments around generation 8 / 2
+    # on the host 16 / 2 (main params, moments, pinned grad copy) + the bf16 weights around generation 2 (the GPU
+    # half's state stays on the GPU: moved out too, 12 / 2 more, it overflowed the one-H200 host, 2026-11-24)
     half = _policy(*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5")
     est = estimate_trainer_memory(QWEN3_8B, half)
     assert est.bytes_per_param == {"weights": 2, "grads": 2, "main_params": 2, "moments": 4, "grad_copy": 2}
-    assert est.per_gpu == pytest.approx(QWEN3_8B * 12) and est.host == pytest.approx(QWEN3_8B * 12)
-    assert trainer_memory_errors(half, H200, QWEN3_8B, HOST) == []  # 91.5 GiB + 7.8 on the GPU, 91.5 GiB host
-    assert "91.5 GiB of optimizer state in host memory" in est.describe()
-    # all of it: 4 B/param on the GPU, but 16 B/param (122.1 GiB) does not leave room on a 128 GiB host
+    assert est.per_gpu == pytest.approx(QWEN3_8B * 12) and est.host == pytest.approx(QWEN3_8B * 10)
+    assert trainer_memory_errors(half, H200, QWEN3_8B, HOST) == []  # 91.5 GiB + 7.8 on the GPU, 76.3 GiB host
+    assert "76.3 GiB in host memory" in est.describe()
+    # all of it: 4 B/param on the GPU, but 16 + 2 B/param (137.3 GiB) does not leave room on a 128 GiB host
     full = _policy(*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=1.0")
     assert estimate_trainer_memory(QWEN3_8B, full).per_gpu == pytest.approx(QWEN3_8B * 4)
     (err,) = trainer_memory_errors(full, H200, QWEN3_8B, HOST)
-    assert "optimizer_offload_fraction=1" in err and "122.1 GiB" in err and "lower the fraction" in err
+    assert "optimizer_offload_fraction=1" in err and "137.3 GiB" in err and "lower the fraction" in err
+    assert "the weights leave the GPU" in err
+    separate = _policy(*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5",
+                       "policy.generation.colocated.enabled=false")  # no generation on this GPU: nothing else moves
+    assert estimate_trainer_memory(QWEN3_8B, separate).host == pytest.approx(QWEN3_8B * 8)
     assert trainer_memory_errors(full, H200, QWEN3_8B, 0) == []  # host size unknown: not checked
     # the refused one-GPU layout's error points at the offload
     (err,) = trainer_memory_errors(_policy(*ONE_GPU), H200, QWEN3_8B, HOST)

@@ -129,3 +129,11 @@ def test_precision_aware_optimizer_and_bf16_gradients_map_to_megatron_core():
         _cfg(optimizer=dict(use_precision_aware_optimizer=True, use_distributed_optimizer=False))
     with pytest.raises(ValidationError, match="torch backend trains with fp32 AdamW"):
         PolicyConfig(model_name="m", megatron_cfg={"distributed_data_parallel_config": {"grad_reduce_in_fp32": False}})
+
+
+def test_sgd_is_refused_with_the_distributed_optimizer():
+    """megatron-core's distributed optimizer asserts Adam when it is built (seen on the H200): say so at config time."""
+    with pytest.raises(ValidationError, match="optimizer=sgd needs use_distributed_optimizer=false"):
+        _cfg(optimizer=dict(optimizer="sgd"))
+    assert settings.optimizer_config_kwargs(_cfg(optimizer=dict(optimizer="sgd", use_distributed_optimizer=False)))[
+        "optimizer"] == "sgd"

@@ -24,8 +24,9 @@ metrics through the same ``LossFn`` and ``MetricAccumulator`` as the torch backe
 
 Refit: ``named_weights`` streams Megatron-Bridge's ``export_hf_weights`` (HF names, tensor-
 parallel shards gathered; every tensor-parallel rank must iterate it, see ``drain_weights``).
-Colocated with the engine, ``offload_before_refit`` moves gradients and optimizer state to host
-memory and ``offload_after_refit`` the weights too (mcore's ``offload_to_cpu`` on the DDP
+Colocated with the engine, ``offload_before_refit`` frees the gradients and moves the optimizer state
+to host memory (not with the optimizer CPU offload, whose host part already fills the host) and
+``offload_after_refit`` the weights too (mcore's ``offload_to_cpu`` on the DDP
 buffers, as NeMo-RL's megatron worker does; the optimizer state into one pinned host arena kept
 across steps, ``nemo_fp8.policy.offload``).
 """
@@ -91,6 +92,22 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def _requantize_fp8_weights(model) -> None:
+    """Make the next forward quantize every FP8 weight afresh (then reuse it for the following micro-batches).
+
+    TransformerEngine caches each Linear's FP8 weight and refreshes the cache only on a "first micro-batch";
+    megatron-core's pipeline schedules mark it once per global batch (``MegatronModule.set_is_first_microbatch``,
+    a no-op without FP8). This backend calls the model itself, so it marks it before every pass whose weights may
+    have changed since the cache was filled: each global batch of ``train_shard``, each log-prob and calibration
+    pass. Unmarked, every forward after a module's first reused that first FP8 weight (an optimizer step did not
+    reach the FP8 forward; the colocated offload clears the cache once per GRPO step, which hid it in runs of one
+    update per step).
+    """
+    gpt = _unwrap(model)
+    if hasattr(gpt, "set_is_first_microbatch"):
+        gpt.set_is_first_microbatch()
 
 
 class MegatronPolicyBackend:
@@ -272,6 +289,7 @@ class MegatronPolicyBackend:
         if model is None:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         model.eval()
+        _requantize_fp8_weights(model)
         return batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch, self.cfg.logprob_batch_size,
                                 self.device)
 
@@ -301,6 +319,7 @@ class MegatronPolicyBackend:
                 self.device, self.dp_size, self.dp_group):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
+            _requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
             acc = MetricAccumulator(loss_fn.metric_reductions)
             for mb in micro_batches:
                 loss, metrics = loss_fn(self._forward_logprobs(self.model, mb), mb, n_tokens, n_seqs)
@@ -352,6 +371,7 @@ class MegatronPolicyBackend:
         handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook_for(layer.layer_number - 1))
                    for layer in layers]
         self.model.eval()
+        _requantize_fp8_weights(self.model)
         try:
             step_rows = self.cfg.logprob_batch_size
             for i in range(0, batch.size, step_rows):
@@ -419,11 +439,14 @@ class MegatronPolicyBackend:
         self._offloaded.clear()
 
     def offload_before_refit(self) -> None:
-        """Gradients and optimizer state to host memory (the weights stay for the export)."""
+        """Gradients freed (megatron-core zeroes them at the next step anyway) and optimizer state to host
+        memory (the weights stay for the export). With ``optimizer_cpu_offload`` the optimizer state stays
+        where megatron-core put it: its host part already fills the host (``memory.py``)."""
         if "optimizer" in self._offloaded:
             return
         self._move_ddp_buffers(True, params=False, grads=True)
-        self._move_optimizer_state("cpu")
+        if not self.cfg.megatron_cfg.optimizer.optimizer_cpu_offload:
+            self._move_optimizer_state("cpu")
         for module in self.model.modules():  # TE's cached FP8 weight copies
             if hasattr(module, "_fp8_workspaces"):
                 module._fp8_workspaces.clear()

@@ -28,8 +28,12 @@ Bytes per parameter, megatron-core 0.18's distributed optimizer with Transformer
   the rest fp32 main params + moments on the GPU (12) plus an fp32 copy of a 16-bit gradient (4).
 
 Host memory (``TrainerMemory.host``): the optimizer CPU offload's part, plus, when the engine is
-colocated, the optimizer state that stays on the GPU during training (the moments), which the backend
-moves into a pinned host arena around every generation (``offload_before_refit``).
+colocated, what the backend moves out of the GPU around every generation: the weights (megatron-core's
+pinned ``param_data_cpu``, ``offload_after_refit``; the gradient buffer is freed, not copied) and,
+without the optimizer CPU offload, the optimizer state kept on the GPU during training (the moments,
+into a pinned host arena, ``offload_before_refit``). With the offload the GPU share of the state stays
+on the GPU: moved out as well, it did not fit the host (Qwen3-8B, one H200, half offloaded: the
+trainer process reached 101 GB of the host's 125 GiB and Ray's memory monitor killed it, 2026-11-24).
 
 Seen on one H200 (2026-11-23): a Qwen3-8B-shaped model (8.19B parameters) with bf16 moments and a
 bf16 gradient buffer, BF16 or FP8 (e4m3 blockwise) training, ran out of memory inside FusedAdam's step with 125.5 GiB allocated by PyTorch
@@ -74,7 +78,7 @@ class TrainerMemory:
         """``'18.0 B/param: weights 2, grads 2, ... -> 137.3 GiB per GPU'`` (and the host part, if any)."""
         total = sum(self.bytes_per_param.values())
         terms = ", ".join(f"{k} {v:g}" for k, v in self.bytes_per_param.items() if v)
-        host = f", {self.host / GiB:.1f} GiB of optimizer state in host memory" if self.host else ""
+        host = f", {self.host / GiB:.1f} GiB in host memory" if self.host else ""
         return f"{total:g} B/param ({terms}) -> {self.per_gpu / GiB:.1f} GiB per GPU{host}"
 
 
@@ -117,9 +121,11 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     shard = dp if o.use_distributed_optimizer else 1
     parts = {k: num_parameters / tp * v for k, v in per_param.items()}
     parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
-    arena = opt["moments"] if cfg.generation.colocated.enabled else 0  # moved to host around each generation
+    colocated = cfg.generation.colocated.enabled  # moved to host around each generation (module docstring)
+    arena = opt["moments"] if colocated and not o.optimizer_cpu_offload else 0
+    weights_out = per_param["weights"] if colocated else 0
     return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
-                         host=num_parameters / tp / shard * (host_per_param + arena))
+                         host=num_parameters / tp / shard * (host_per_param + arena) + num_parameters / tp * weights_out)
 
 
 def count_checkpoint_parameters(model_dir: str | Path) -> int:
@@ -150,7 +156,7 @@ def count_checkpoint_parameters(model_dir: str | Path) -> int:
     return total
 
 
-# Share of the machine's memory the optimizer state in host memory may take: the rest is for Ray's object store,
+# Share of the machine's memory the trainer's state in host memory may take: the rest is for Ray's object store,
 # the engine's and the trainer's processes, and the checkpoint being read.
 HOST_OFFLOAD_SHARE = 0.75
 
@@ -182,7 +188,9 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
         o = cfg.megatron_cfg.optimizer
         why = (f"optimizer_cpu_offload with optimizer_offload_fraction={o.optimizer_offload_fraction:g}"
                if o.optimizer_cpu_offload else "the colocated engine (the optimizer state leaves the GPU while it runs)")
-        errs.append(f"policy.megatron_cfg.optimizer: {why} puts {host_need / GiB:.1f} GiB of optimizer state in host "
+        if o.optimizer_cpu_offload and cfg.generation.colocated.enabled:
+            why += " and the colocated engine (the weights leave the GPU while it runs)"
+        errs.append(f"policy.megatron_cfg.optimizer: {why} puts {host_need / GiB:.1f} GiB in host "
                     f"memory for {num_parameters / 1e9:.2f}B parameters, more than {HOST_OFFLOAD_SHARE:.0%} of this "
                     f"machine's {host_bytes / GiB:.1f} GiB; "
                     + ("lower the fraction" if o.optimizer_cpu_offload else
