@@ -111,6 +111,8 @@ for job in "$@"; do
             [ "$(left)" -lt 60 ] && { echo "mission $v skipped: deadline"; continue; }
             mkdir -p logs; nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500 > "logs/gpu_mem_$v.csv" \
               2> /dev/null & SMI=$!
+            # the host's used memory (MiB) every 5 s: the optimizer CPU offload and the colocated offload live there
+            while true; do echo "$(date +%T) $(free -m | awk '/^Mem:/{print $3}')"; sleep 5; done > "logs/host_mem_$v.log" & HOSTMEM=$!
             timeout $(( $(left) - 30 )) python3 examples/run_grpo_math.py --overwrite \
               --config examples/configs/grpo_math_8B_megatron$([ $v = fp8 ] && echo _fp8).yaml \
               policy.model_name=models/qwen3-8b-random grpo.max_num_steps=${STEPS:-3} grpo.val_at_end=false \
@@ -118,7 +120,9 @@ for job in "$@"; do
               grpo.num_prompts_per_step=8 grpo.num_generations_per_prompt=8 policy.train_global_batch_size=64 \
               policy.generation.max_new_tokens=1024 logger.log_dir=logs/mission_$v ${MISSION_ONE_GPU:+$ONE_GPU_8B} \
               ${MISSION_ARGS:-} > "$OUT/mission_$v.log" 2>&1
-            echo "mission $v: rc=$?"; kill $SMI 2> /dev/null; grep -v "Warning\|warn(" "$OUT/mission_$v.log" | tail -8
+            echo "mission $v: rc=$?"; kill $SMI $HOSTMEM 2> /dev/null; grep -v "Warning\|warn(" "$OUT/mission_$v.log" | tail -8
+            cp "logs/host_mem_$v.log" "$OUT/" 2> /dev/null
+            echo "mission $v: host memory used at most $(sort -k2 -n "logs/host_mem_$v.log" | tail -1 | awk '{print $2}') MiB"
           done
           for v in fp8 bf16; do  # every run with metrics so far (an earlier call's too: MISSION_RUNS=bf16 after fp8)
             [ -f "logs/mission_$v/metrics.jsonl" ] || continue
