@@ -87,10 +87,15 @@ def _batch(n=8, seed=0, width=160):
                       generation_logprobs=torch.zeros(n, width))
 
 
-def _train_twice(be, batch):
-    """Two training steps on ``batch`` from the backend's own log-probs (on-policy); their results."""
+def _on_policy(be, batch) -> None:
+    """``batch``'s ``prev_logprobs`` and ``generation_logprobs`` from the backend's own log-probs (ratio 1)."""
     batch.prev_logprobs = be.get_logprobs(batch)
     batch.generation_logprobs = batch.prev_logprobs.clone()
+
+
+def _train_twice(be, batch):
+    """Two training steps on ``batch`` from the backend's own log-probs (on-policy); their results."""
+    _on_policy(be, batch)
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     return be.train(batch, loss_fn), be.train(batch, loss_fn)
 
@@ -140,20 +145,15 @@ def test_logprobs_match_torch_reference(any_ckpt):
 
 
 def _reference_grads(path, batch, precision):
-    """The GRPO loss's gradient (HF name -> fp32 tensor) through the torch reference, on-policy
-    (``prev_logprobs`` its own), micro-batched and normalised as both backends train (``global_batches``)."""
-    from nemo_fp8.policy.torch_backend import TorchPolicyBackend, global_batches
+    """The GRPO loss's gradient (HF name -> fp32 tensor) through the torch reference's own ``train`` (one
+    global batch, on-policy; clipping off, so ``p.grad`` after its AdamW step is the loss's gradient)."""
+    from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
-    ref = TorchPolicyBackend(_policy_cfg(path, megatron=False).model_copy(update={"precision": precision}),
-                             torch.device("cuda", 0))
+    cfg = _policy_cfg(path, megatron=False).model_copy(update={"precision": precision, "max_grad_norm": 1e9})
+    ref = TorchPolicyBackend(cfg, torch.device("cuda", 0))
     batch = dataclasses.replace(batch)
-    batch.prev_logprobs = ref.get_logprobs(batch)
-    batch.generation_logprobs = batch.prev_logprobs.clone()
-    ref.model.train()
-    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
-    for n_tok, n_seq, mbs in global_batches(batch, 8, 4, ref.device):
-        for mb in mbs:
-            loss_fn(ref._forward_logprobs(ref.model, mb), mb, n_tok, n_seq)[0].backward()
+    _on_policy(ref, batch)
+    ref.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
     grads = {n: p.grad.float().clone() for n, p in ref.model.named_parameters() if p.grad is not None}
     del ref
     gc.collect()
@@ -189,8 +189,7 @@ def test_training_gradient_matches_torch_reference(ckpt):
     be = _backend(_policy_cfg(ckpt, lr=eps, optimizer=dict(optimizer="sgd", clip_grad=1e9, use_distributed_optimizer=False)))
     try:
         before = {n: t.float().cpu() for n, t in be.named_weights()}
-        batch.prev_logprobs = be.get_logprobs(batch)
-        batch.generation_logprobs = batch.prev_logprobs.clone()
+        _on_policy(be, batch)
         result = be.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
         after = {n: t.float().cpu() for n, t in be.named_weights()}
     finally:
@@ -407,8 +406,7 @@ def test_save_load_restores_weights_and_optimizer(ckpt, tmp_path):
     cfg = _policy_cfg(ckpt, lr=3e-5)
     be = _backend(cfg)
     try:
-        batch.prev_logprobs = be.get_logprobs(batch)
-        batch.generation_logprobs = batch.prev_logprobs.clone()
+        _on_policy(be, batch)
         loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
         be.train(batch, loss_fn)
         be.save(tmp_path / "policy")
@@ -465,8 +463,7 @@ def test_offload_and_refit_into_vllm_fp8_engine(ckpt):
         before = engine.generate(prompts, greedy).token_ids
         engine.finish_generation()
         batch = _batch()
-        batch.prev_logprobs = be.get_logprobs(batch)
-        batch.generation_logprobs = batch.prev_logprobs.clone()
+        _on_policy(be, batch)
         be.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
         trained = {n: t.clone() for n, t in be.named_weights() if n == "model.layers.1.mlp.down_proj.weight"}
         refit(2)

@@ -174,8 +174,9 @@ def host_total_bytes() -> int:
 def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int,
                           host_bytes: int | None = None) -> list[str]:
     """One line when the trainer's state at the optimizer step plus ``NON_TORCH_BYTES`` exceeds ``gpu_bytes``,
-    and one when the optimizer CPU offload's host part (all local ranks) exceeds ``HOST_OFFLOAD_SHARE`` of
-    ``host_bytes`` (None: ``host_total_bytes()``; 0: not checked).
+    and one when its host part (``TrainerMemory.host``, all local ranks: the optimizer CPU offload and what
+    leaves the GPU around a colocated generation) exceeds ``HOST_OFFLOAD_SHARE`` of ``host_bytes`` (None:
+    ``host_total_bytes()``; 0: not checked).
 
     Each line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
     and the colocated engine are not counted, so a layout that passes may still run out of memory.
@@ -186,11 +187,12 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     host_need = est.host * cfg.world_size
     if host_need and host_bytes and host_need > HOST_OFFLOAD_SHARE * host_bytes:
         o = cfg.megatron_cfg.optimizer
-        why = (f"optimizer_cpu_offload with optimizer_offload_fraction={o.optimizer_offload_fraction:g}"
-               if o.optimizer_cpu_offload else "the colocated engine (the optimizer state leaves the GPU while it runs)")
-        if o.optimizer_cpu_offload and cfg.generation.colocated.enabled:
-            why += " and the colocated engine (the weights leave the GPU while it runs)"
-        errs.append(f"policy.megatron_cfg.optimizer: {why} puts {host_need / GiB:.1f} GiB in host "
+        why = [f"optimizer_cpu_offload with optimizer_offload_fraction={o.optimizer_offload_fraction:g}"] \
+            if o.optimizer_cpu_offload else []
+        if cfg.generation.colocated.enabled:  # what estimate_trainer_memory moves out around generation
+            moved = "the weights" if o.optimizer_cpu_offload else "the weights and the optimizer state"
+            why.append(f"the colocated engine ({moved} leave the GPU while it runs)")
+        errs.append(f"policy.megatron_cfg.optimizer: {' and '.join(why)} puts {host_need / GiB:.1f} GiB in host "
                     f"memory for {num_parameters / 1e9:.2f}B parameters, more than {HOST_OFFLOAD_SHARE:.0%} of this "
                     f"machine's {host_bytes / GiB:.1f} GiB; "
                     + ("lower the fraction" if o.optimizer_cpu_offload else
