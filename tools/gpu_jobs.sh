@@ -14,6 +14,10 @@
 #   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
 #   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS), after a running `small`
+#   sweep   BF16-only GRPO runs of the parity config side by side, in the background, after a running `small`:
+#           SWEEP="name key=value ...;name key=value ..." (one run per ';' item, all at once on the GPU, logs in
+#           logs/sweep/<name>): which learning rate / batch makes the BF16 baseline learn, before the parity run
+#   sweeprep each sweep run's validation accuracy (overall and per data source) by step, and its metrics, to $OUT
 #   wait    sleep until the deadline or the background jobs end, then show their logs     sh      bash -c "$CMD"
 #   report  the parity plot/table from the logs so far (compare_precision --report-only) + small model report, to $OUT
 #   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
@@ -86,6 +90,27 @@ for job in "$@"; do
               [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
               exec python3 tools/compare_precision.py --backend gpu '"${PARITY_ARGS:-}" > logs/parity.log 2>&1 < /dev/null &
             sleep 20; tail -5 logs/parity.log ;;
+    sweep) mkdir -p logs/sweep; n=$(echo "${SWEEP:?SWEEP=\"name key=value ...;...\"}" | tr ';' '\n' | grep -c .)
+           echo "$SWEEP" | tr ';' '\n' | grep . | while read -r name over; do
+             mkdir -p "logs/sweep/$name"
+             setsid nohup bash -c 'while pgrep -f make_small_mode[l] > /dev/null; do sleep 5; done
+               [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
+               exec python3 tools/compare_precision.py --backend gpu --variants bf16 --out-dir "logs/sweep/'"$name"'" '"$over"' \
+                 policy.generation.vllm_cfg.gpu_memory_utilization=$(python3 -c "print(round(0.45 / '"$n"', 3))") \
+                 policy.generation.vllm_cfg.kv_cache_memory_bytes=$((4 << 30))' > "logs/sweep/$name.log" 2>&1 < /dev/null &
+             sleep 15  # spread the engines' start-up
+           done; tail -n 3 logs/sweep/*.log ;;
+    sweeprep) for d in logs/sweep/*/; do
+           m="$d/bf16/metrics.jsonl"; [ -f "$m" ] || { echo "$d: no metrics"; continue; }
+           python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().endswith("}")]
+tr = [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]
+chunks = [round(sum(tr[i:i + 10]) / len(tr[i:i + 10]), 3) for i in range(0, len(tr), 10)]
+print(sys.argv[2], len(tr), "steps; train reward by 10 steps:", chunks)
+for r in rows:
+    if "val/accuracy" in r:
+        print("  step", r["step"], {k.split("/")[-1]: round(v, 4) for k, v in r.items() if k.startswith("val/accuracy")})' "$m" "$d"
+         done; tar czf "$OUT/sweep_logs.tgz" logs/sweep/*/bf16/metrics.jsonl logs/sweep/*/bf16/run.log 2>/dev/null ;;
     wait) # until the deadline or until no background job (small, parity, dgwarm) runs, whichever is first
           while [ "$(left)" -gt 40 ] && pgrep -f "make_small_mode[l]|compare_precisio[n]|bench_rollou[t]" > /dev/null; do sleep 10; done
           tail -n ${TAIL:-15} logs/small.log logs/parity.log 2>/dev/null

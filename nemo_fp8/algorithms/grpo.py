@@ -237,7 +237,13 @@ def _concat_batches(parts: list[TrainBatch], pad_token_id: int) -> TrainBatch:
 
 def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSample], cfg: MasterConfig,
              step: int, refitter: RefitController, timer: Timer) -> dict[str, float]:
-    """Accuracy (mean reward) on ``samples``: greedy when ``grpo.val_greedy``, one response each."""
+    """Accuracy (mean reward) on ``samples``: greedy when ``grpo.val_greedy``, one response each.
+
+    Returns ``val/accuracy`` and ``val/num_samples``; when the samples come from more than one
+    ``data_source`` (e.g. the small model's synthetic arithmetic + GSM8K split), also
+    ``val/accuracy/<data_source>`` for each (verl logs ``val/test_score/<data_source>`` the same way),
+    so a gain on one source is not averaged away by a source the model cannot solve yet.
+    """
     g, gen_cfg = cfg.grpo, cfg.policy.generation
     sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
                               greedy=g.val_greedy, seed=g.seed + 7 * step,
@@ -253,7 +259,14 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
                 if shown < cfg.logger.num_val_samples_to_print:
                     tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
                     shown += 1
-    return {"val/accuracy": float(torch.cat(rewards).mean()), "val/num_samples": float(len(samples))}
+    scores = torch.cat(rewards)
+    out = {"val/accuracy": float(scores.mean()), "val/num_samples": float(len(samples))}
+    sources = [s.example.data_source for s in samples]
+    if len(set(sources)) > 1:
+        for src in sorted(set(sources)):
+            mask = torch.tensor([x == src for x in sources])
+            out[f"val/accuracy/{src}"] = float(scores[mask].mean())
+    return out
 
 
 def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, tokenizer, dataloader,

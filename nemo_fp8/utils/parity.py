@@ -35,8 +35,9 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
             first allocations), applied only when more steps than that remain.
 
     Returns:
-        dict: ``steps``; ``final_acc`` / ``best_acc`` (last / largest ``val/accuracy``, NaN when
-        never validated); ``reward_mean``; ``gen_kl_error`` / ``token_mult_prob_error`` (means over
+        dict: ``steps``; ``start_acc`` / ``final_acc`` / ``best_acc`` (first / last / largest
+        ``val/accuracy``, NaN when never validated); ``acc_by_source`` ({data_source: (first,
+        last)} from ``val/accuracy/<data_source>``, empty when the run logged none); ``reward_mean``; ``gen_kl_error`` / ``token_mult_prob_error`` (means over
         steps); ``<phase>_s`` for generation, refit, logprobs, training (seconds per step: sum
         over the timed steps / their count, 0 for a phase a step did not run); ``step_s`` (the
         step minus its validation and checkpoint time); ``tokens_per_s`` (mean rollout tokens/s).
@@ -54,7 +55,14 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
         xs = [r[key] for r in rs if _num(r.get(key))]
         return sum(xs) / len(xs) if xs else float("nan")
 
-    out = {"steps": len(steps), "final_acc": vals[-1] if vals else float("nan"),
+    by_source: dict[str, list[float]] = {}
+    for r in sorted(rows, key=lambda r: r.get("step", 0)):
+        for k, v in r.items():
+            if k.startswith("val/accuracy/") and _num(v):
+                by_source.setdefault(k[len("val/accuracy/"):], []).append(v)
+    out = {"steps": len(steps), "start_acc": vals[0] if vals else float("nan"),
+           "final_acc": vals[-1] if vals else float("nan"),
+           "acc_by_source": {src: (v[0], v[-1]) for src, v in sorted(by_source.items())},
            "best_acc": max(vals) if vals else float("nan"), "reward_mean": mean("train/reward_mean", steps),
            "gen_kl_error": mean("mismatch/gen_kl_error", steps),
            "token_mult_prob_error": mean("mismatch/token_mult_prob_error", steps),
@@ -69,17 +77,22 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
 def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
     """Markdown table of :func:`summarize_run` results, one row per variant (input order).
 
-    Columns: steps, final/best validation accuracy, mean reward, mean gen_kl_error and
+    Columns: steps, first/final/best validation accuracy (and first -> final per data source when
+    the runs logged ``val/accuracy/<data_source>``), mean reward, mean gen_kl_error and
     token_mult_prob_error, seconds per step split into generation / refit / log-probs / training,
     the whole step, and the step and generation times as ratios to ``baseline`` ("-" when
     ``baseline`` is not among the variants).
     """
     base = summaries.get(baseline)
-    head = ["variant", "steps", "final acc", "best acc", "reward", "gen_kl_error", "mult_prob_err", "gen s", "refit s",
+    sources = sorted({src for s in summaries.values() for src in s.get("acc_by_source", {})})
+    head = ["variant", "steps", "start acc", "final acc", "best acc", *[f"{src} acc" for src in sources], "reward", "gen_kl_error", "mult_prob_err", "gen s", "refit s",
             "logprobs s", "train s", "step s", f"step / {baseline}", f"gen / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
-        cells = [name, str(s["steps"]), f"{s['final_acc']:.4f}", f"{s['best_acc']:.4f}", f"{s['reward_mean']:.4f}",
+        per_src = [("{:.3f} -> {:.3f}".format(*s["acc_by_source"][src]) if src in s.get("acc_by_source", {}) else "-")
+                   for src in sources]
+        cells = [name, str(s["steps"]), f"{s.get('start_acc', float('nan')):.4f}", f"{s['final_acc']:.4f}",
+                 f"{s['best_acc']:.4f}", *per_src, f"{s['reward_mean']:.4f}",
                  f"{s['gen_kl_error']:.3e}", f"{s['token_mult_prob_error']:.4f}", f"{s['generation_s']:.2f}",
                  f"{s['refit_s']:.2f}", f"{s['logprobs_s']:.2f}", f"{s['training_s']:.2f}", f"{s['step_s']:.2f}",
                  _ratio(s["step_s"], base and base["step_s"]), _ratio(s["generation_s"], base and base["generation_s"])]

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from nemo_fp8.algorithms.grpo import RefitController, grpo_step
+from nemo_fp8.algorithms.grpo import RefitController, grpo_step, validate
 from nemo_fp8.distributed.weight_sync import InProcessWeightSync
 from nemo_fp8.data import PromptDataloader
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
@@ -84,6 +84,26 @@ def test_reward_scorer_on_generated_text(tiny_cfg):
     tok, loader, policy, gen, refitter = setup(cfg)
     metrics = grpo_step(1, iter(loader), policy, gen, scorer, tok, cfg, Timer(), refitter)
     assert 0.0 <= metrics["train/reward_mean"] <= 1.0
+
+
+def test_validation_accuracy_per_data_source(tiny_cfg):
+    """Validation over two sources reports each one's accuracy beside the overall mean."""
+    import dataclasses
+
+    cfg = tiny_cfg(*SMALL, "grpo.val_batch_size=3")
+    tok, _, _, gen, refitter = setup(cfg)
+    _, val = prepare_prompts(cfg, tok)
+    val = val[:6]
+    # relabel the last two as another source; the reward marks the first three responses right (whatever they say)
+    val = val[:4] + [dataclasses.replace(s, example=dataclasses.replace(s.example, data_source="other"))
+                     for s in val[4:]]
+    calls = iter(range(100))
+    m = validate(gen, lambda r, a: [float(next(calls) < 3) for _ in r], tok, val, cfg, 0, refitter, Timer())
+    assert m["val/accuracy"] == pytest.approx(3 / 6) and m["val/num_samples"] == 6
+    src = val[0].example.data_source
+    assert m[f"val/accuracy/{src}"] == pytest.approx(3 / 4) and m["val/accuracy/other"] == 0.0
+    one = validate(gen, lambda r, a: [1.0] * len(r), tok, val[:4], cfg, 0, refitter, Timer())
+    assert set(one) == {"val/accuracy", "val/num_samples"}  # one source: no per-source keys
 
 
 def test_prompt_batches_follow_the_dataloader_order(tiny_cfg):

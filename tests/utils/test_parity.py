@@ -65,8 +65,20 @@ def test_parity_table_ratios_to_baseline():
     step_bf16, step_fp8 = sums["bf16"]["step_s"], sums["fp8+tis"]["step_s"]
     assert rows["bf16"][-2:] == ["1.00", "1.00"]
     assert rows["fp8+tis"][-2:] == [f"{step_fp8 / step_bf16:.2f}", "0.50"]
-    assert rows["fp8+tis"][1:3] == ["0.2000", "0.2500"]
+    assert rows["fp8+tis"][1:4] == ["0.1000", "0.2000", "0.2500"]
     assert "-" == parity_table(sums, baseline="nope").splitlines()[2].split("|")[-2].strip()
+
+
+def test_accuracy_per_data_source_first_and_last():
+    rows = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
+    for r, (a, b) in zip([r for r in rows if "val/accuracy" in r], [(0.2, 0.0), (0.7, 0.1), (0.6, 0.0)]):
+        r["val/accuracy/synthetic_arithmetic"], r["val/accuracy/gsm8k"] = a, b
+    s = summarize_run(rows)
+    assert s["start_acc"] == 0.1 and s["acc_by_source"] == {"gsm8k": (0.0, 0.0), "synthetic_arithmetic": (0.2, 0.6)}
+    table = parity_table({"bf16": s, "old": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2, 0.3]))})
+    head, bf16, old = ([c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[:1] + table.splitlines()[2:])
+    assert head[2:7] == ["start acc", "final acc", "best acc", "gsm8k acc", "synthetic_arithmetic acc"]
+    assert bf16[5:7] == ["0.000 -> 0.000", "0.200 -> 0.600"] and old[5:7] == ["-", "-"]
 
 
 def test_report_only_writes_png_and_table(tmp_path, capsys):
@@ -83,7 +95,7 @@ def test_report_only_writes_png_and_table(tmp_path, capsys):
     png = (tmp_path / "parity.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     md = (tmp_path / "parity.md").read_text()
-    assert md.splitlines()[0].startswith("| variant | steps | final acc | best acc |")
+    assert md.splitlines()[0].startswith("| variant | steps | start acc | final acc | best acc |")
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:5]] == ["bf16", "bf16-seed2", "fp8+tis"]
     assert "Missing: fp8: no training-step rows" in md and "fp8kv+tis: no " in md
     assert md.splitlines()[2] in capsys.readouterr().out
