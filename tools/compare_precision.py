@@ -78,7 +78,18 @@ def variant_command(backend: str, name: str, config: str, out_dir: Path, overrid
     table = GPU_VARIANTS if backend == "gpu" else VARIANTS
     return [sys.executable, str(REPO / "examples" / "run_grpo_math.py"), "--overwrite", "--config", str(config),
             *table[name], f"logger.log_dir={out_dir / name}",
-            f"checkpointing.checkpoint_dir={REPO / 'results' / 'compare' / backend / name}", *overrides]
+            f"checkpointing.checkpoint_dir={checkpoint_dir(out_dir) / name}", *overrides]
+
+
+def checkpoint_dir(out_dir: Path) -> Path:
+    """Where a comparison's variants checkpoint: ``results/<out_dir below logs/>`` (``logs/compare/gpu`` ->
+    ``results/compare/gpu``), else ``<out_dir>/checkpoints``; one per ``--out-dir``, so two comparisons
+    with different ``--out-dir`` never share (and lock) a checkpoint folder."""
+    out_dir = Path(out_dir).resolve()
+    try:
+        return REPO / "results" / out_dir.relative_to(REPO / "logs")
+    except ValueError:
+        return out_dir / "checkpoints"
 
 
 _GPU_MEM_KEY = "policy.generation.vllm_cfg.gpu_memory_utilization"

@@ -95,7 +95,7 @@ for job in "$@"; do
              mkdir -p "logs/sweep/$name"
              setsid nohup bash -c 'while pgrep -f make_small_mode[l] > /dev/null; do sleep 5; done
                [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
-               exec python3 tools/compare_precision.py --backend gpu --variants bf16 --out-dir "logs/sweep/'"$name"'" '"$over"' \
+               exec python3 tools/compare_precision.py --backend gpu --variants bf16 --out-dir "logs/sweep/'"$name"'" checkpointing.enabled=false '"$over"' \
                  policy.generation.vllm_cfg.gpu_memory_utilization=$(python3 -c "print(round(0.45 / '"$n"', 3))") \
                  policy.generation.vllm_cfg.kv_cache_memory_bytes=$((4 << 30))' > "logs/sweep/$name.log" 2>&1 < /dev/null &
              sleep 15  # spread the engines' start-up

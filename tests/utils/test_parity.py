@@ -242,3 +242,18 @@ def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
     bf16_row = next(line for line in md.splitlines() if line.startswith("| bf16 |"))
     assert bf16_row.split("|")[9].strip() == "-"  # no memory log given
     assert mission_tool().main([f"x={tmp_path / 'none'}"]) == 2
+
+
+def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):
+    """Two comparisons with different --out-dir (a sweep beside the parity run) must not share a checkpoint folder:
+    the run lock of one stopped the other."""
+    mod = tool()
+
+    def ckpt(out_dir):
+        cmd = mod.variant_command("gpu", "bf16", "cfg.yaml", out_dir, [])
+        return next(a.split("=", 1)[1] for a in cmd if a.startswith("checkpointing.checkpoint_dir="))
+
+    assert ckpt(REPO / "logs" / "compare" / "gpu") == str(REPO / "results" / "compare" / "gpu" / "bf16")
+    assert ckpt(REPO / "logs" / "sweep" / "a") == str(REPO / "results" / "sweep" / "a" / "bf16")
+    assert ckpt(REPO / "logs" / "sweep" / "a") != ckpt(REPO / "logs" / "sweep" / "b")
+    assert ckpt(tmp_path / "x") == str(tmp_path / "x" / "checkpoints" / "bf16")
