@@ -169,7 +169,8 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
         keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed), threads,
         tp_size=cfg.policy.tensor_parallel_size)
     refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
-                               requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8")
+                               requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8",
+                               offload_trainer=colocated and gen_cfg.colocated.offload_trainer)
     return Workers(policy, generation, refitter, pg)
 
 

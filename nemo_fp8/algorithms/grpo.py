@@ -52,8 +52,8 @@ class RefitController:
     """Keeps the engine's weights (and FP8 KV scales) on the policy's version (NeMo-RL's "stale" flag).
 
     After each training step the loop calls ``mark_stale(step, kv_scales)``; the next
-    ``generating()`` block first refits (colocated: the policy offloads its optimizer state
-    before and its weights after, so the engine can wake), then wakes the engine, checks that it
+    ``generating()`` block first refits (with ``offload_trainer``: the policy offloads its optimizer
+    state before and its weights after, so the engine can wake), then wakes the engine, checks that it
     holds exactly this version (weights and, with FP8 KV, scales), and puts it to sleep at the end.
 
     Args:
@@ -63,12 +63,16 @@ class RefitController:
         version: the policy version held now (the GRPO step; 0 for the initial weights).
         kv_scales: FP8 KV scales for ``version`` (required when ``requires_kv_scales``).
         requires_kv_scales: the engine runs an FP8 KV cache: every refit must carry fresh scales.
+        offload_trainer: move the trainer's optimizer state (before the refit) and weights (after it) to
+            host memory around each refit so a colocated engine can wake; False when the engine has GPUs
+            of its own or both fit (``policy.generation.colocated.offload_trainer``).
     """
 
     def __init__(self, policy, generation, weight_sync, version: int = 0, kv_scales: Optional[KvScales] = None,
-                 requires_kv_scales: bool = False):
+                 requires_kv_scales: bool = False, offload_trainer: bool = True):
         self.policy, self.generation, self.weight_sync = policy, generation, weight_sync
         self.requires_kv_scales = requires_kv_scales
+        self.offload_trainer = offload_trainer
         self.stale = True
         self.version, self.kv_scales = version, kv_scales
         self.last_stats = None
@@ -90,9 +94,11 @@ class RefitController:
             raise RuntimeError(f"refit to version {self.version}: the FP8 KV cache needs scales measured on these "
                                f"weights (have: {got}); calibrate_kv_scales after every training step")
         with timer("refit"):
-            self.policy.offload_before_refit()
+            if self.offload_trainer:
+                self.policy.offload_before_refit()
             self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
-            self.policy.offload_after_refit()
+            if self.offload_trainer:
+                self.policy.offload_after_refit()
         self.stale = False
         return self.last_stats.metrics()
 

@@ -66,6 +66,7 @@ def test_object_store_refit_equals_in_process_refit(ray_cluster, tiny_cfg, tok, 
         workers.policy.load(tmp_path / "policy")
         sync = workers.refitter.weight_sync
         assert isinstance(sync, ObjectStoreWeightSync)
+        assert workers.refitter.offload_trainer  # colocated (the default) with offload_trainer (the default)
         stats = sync.sync(version=3)
         assert stats.num_buckets > 4 and workers.generation.weight_version().weights == 3
         ref = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,

@@ -156,3 +156,21 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     assert (kw["optimizer_cpu_offload"], kw["optimizer_offload_fraction"], kw["overlap_cpu_optimizer_d2h_h2d"]) == \
         (True, 0.5, True)
     assert kw["use_precision_aware_optimizer"] and kw["use_distributed_optimizer"]
+
+
+def test_without_the_colocated_offload_the_awake_engine_is_counted_and_nothing_moves_to_host():
+    """colocated.offload_trainer=false: the trainer keeps its state on the GPU while the engine runs beside it."""
+    small = 209_753_088  # the parity config's small model
+    keep = ["policy.generation.backend=vllm", "policy.generation.colocated.offload_trainer=false"]
+    moved = estimate_trainer_memory(QWEN3_8B, _policy("policy.generation.backend=vllm"))
+    kept = estimate_trainer_memory(QWEN3_8B, _policy(*keep))
+    assert kept.per_gpu == moved.per_gpu and moved.host == pytest.approx(QWEN3_8B / 2 * 10) and kept.host == 0
+    # tensor parallel 2 fits alone (81.7 GiB of state + 7.8), not beside an engine at 0.6 of the GPU (83.9 GiB)
+    assert trainer_memory_errors(_policy("policy.generation.backend=vllm"), H200, QWEN3_8B, HOST) == []
+    (err,) = trainer_memory_errors(_policy(*keep), H200, QWEN3_8B, HOST)
+    assert "the engine's 83.9 GiB" in err and "colocated.offload_trainer=true" in err
+    # the small model fits beside it
+    assert trainer_memory_errors(_policy(*keep), H200, small, HOST) == []
+    # the torch generation backend is not a vLLM engine with a memory share
+    torch_gen = _policy("policy.generation.backend=torch", "policy.generation.colocated.offload_trainer=false")
+    assert trainer_memory_errors(torch_gen, H200, QWEN3_8B, HOST) == []

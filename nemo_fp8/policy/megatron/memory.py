@@ -93,8 +93,8 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     Returns:
         TrainerMemory: per GPU; tensor parallelism divides everything, data parallelism the optimizer
         state (with the distributed optimizer); ``host``: bytes of host memory per rank (the optimizer
-        CPU offload and, colocated, the state moved out around generation). Formulas and sources: the
-        module docstring.
+        CPU offload and, colocated with ``offload_trainer``, the state moved out around generation).
+        Formulas and sources: the module docstring.
     """
     m = cfg.megatron_cfg
     o = m.optimizer
@@ -121,7 +121,8 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     shard = dp if o.use_distributed_optimizer else 1
     parts = {k: num_parameters / tp * v for k, v in per_param.items()}
     parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
-    colocated = cfg.generation.colocated.enabled  # moved to host around each generation (module docstring)
+    # moved to host around each generation (module docstring); nothing with offload_trainer=false
+    colocated = cfg.generation.colocated.enabled and cfg.generation.colocated.offload_trainer
     arena = opt["moments"] if colocated and not o.optimizer_cpu_offload else 0
     weights_out = per_param["weights"] if colocated else 0
     return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
@@ -179,7 +180,10 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     ``host_total_bytes()``; 0: not checked).
 
     Each line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
-    and the colocated engine are not counted, so a layout that passes may still run out of memory.
+    are not counted, nor the colocated engine while the trainer offloads around generation, so a layout
+    that passes may still run out of memory. With ``policy.generation.colocated.offload_trainer=false`` the
+    vLLM engine wakes beside the trainer's whole state: its ``gpu_memory_utilization`` share of the GPU is
+    counted too.
     """
     est = estimate_trainer_memory(num_parameters, cfg)
     errs = []
@@ -189,7 +193,7 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
         o = cfg.megatron_cfg.optimizer
         why = [f"optimizer_cpu_offload with optimizer_offload_fraction={o.optimizer_offload_fraction:g}"] \
             if o.optimizer_cpu_offload else []
-        if cfg.generation.colocated.enabled:  # what estimate_trainer_memory moves out around generation
+        if cfg.generation.colocated.enabled and cfg.generation.colocated.offload_trainer:  # moved out around generation
             moved = "the weights" if o.optimizer_cpu_offload else "the weights and the optimizer state"
             why.append(f"the colocated engine ({moved} leave the GPU while it runs)")
         errs.append(f"policy.megatron_cfg.optimizer: {' and '.join(why)} puts {host_need / GiB:.1f} GiB in host "
@@ -198,7 +202,10 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                     + ("lower the fraction" if o.optimizer_cpu_offload else
                        "16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) halve it; generation on other GPUs "
                        "(policy.generation.colocated.enabled=false) keeps it on the GPU"))
-    if est.per_gpu + NON_TORCH_BYTES <= gpu_bytes:
+    g = cfg.generation
+    engine = (g.vllm_cfg.gpu_memory_utilization * gpu_bytes
+              if g.backend == "vllm" and g.colocated.enabled and not g.colocated.offload_trainer else 0.0)
+    if est.per_gpu + NON_TORCH_BYTES + engine <= gpu_bytes:
         return errs
     m = cfg.megatron_cfg
     hints = [f"policy.megatron_cfg.tensor_model_parallel_size (now {m.tensor_model_parallel_size}) divides all of it",
@@ -212,6 +219,12 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     if not m.optimizer.optimizer_cpu_offload or m.optimizer.optimizer_offload_fraction < 1:
         hints.append("optimizer.optimizer_cpu_offload=true with a larger optimizer_offload_fraction (and "
                      "use_precision_aware_optimizer=true) moves Adam's state to host memory")
+    beside = ""
+    if engine:
+        beside = (f", plus the engine's {engine / GiB:.1f} GiB (vllm_cfg.gpu_memory_utilization="
+                  f"{g.vllm_cfg.gpu_memory_utilization:g}, awake beside them with colocated.offload_trainer=false)")
+        hints.insert(0, "policy.generation.colocated.offload_trainer=true moves the trainer's state out while the "
+                        "engine runs")
     return errs + [f"policy.megatron_cfg: the trainer's weights, gradients and optimizer state need {est.describe()} at the "
             f"optimizer step for {num_parameters / 1e9:.2f}B parameters, plus ~{NON_TORCH_BYTES / GiB:.1f} GiB outside "
-            f"PyTorch's allocator, more than the GPU's {gpu_bytes / GiB:.1f} GiB; " + "; ".join(hints)]
+            f"PyTorch's allocator{beside}, more than the GPU's {gpu_bytes / GiB:.1f} GiB; " + "; ".join(hints)]
