@@ -101,7 +101,9 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
 
 
 def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = "learning parity") -> Path:
-    """One figure, four panels (validation accuracy, reward, gen_kl_error, token_mult_prob_error), a curve per run.
+    """One figure, a curve per run: four panels (validation accuracy, reward, gen_kl_error,
+    token_mult_prob_error), plus one panel of validation accuracy per data source when the runs logged
+    ``val/accuracy/<data_source>``.
 
     Raises:
         ValueError: no runs.
@@ -113,8 +115,14 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
 
     if not runs:
         raise ValueError("plot_parity: no runs")
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    sources = sorted({k[len("val/accuracy/"):] for rows in runs.values() for r in rows for k in r
+                      if k.startswith("val/accuracy/")})
+    panels = PANELS + [(f"val/accuracy/{src}", f"validation accuracy: {src}") for src in sources]
+    cols = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 9), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (key, label) in zip(axes.flat, panels):
         for name, rows in runs.items():
             pts = sorted((r["step"], r[key]) for r in rows if _num(r.get(key)) and "step" in r)
             if pts:

@@ -81,6 +81,24 @@ def test_accuracy_per_data_source_first_and_last():
     assert bf16[5:7] == ["0.000 -> 0.000", "0.200 -> 0.600"] and old[5:7] == ["-", "-"]
 
 
+def test_plot_adds_a_panel_per_data_source(tmp_path):
+    import struct
+
+    from nemo_fp8.utils.parity import plot_parity
+
+    def width(path):  # PNG IHDR: width, height (big-endian) after the 16-byte signature + chunk header
+        return struct.unpack(">II", path.read_bytes()[16:24])[0]
+
+    plain = {"bf16": fake_run(2.0, 0.0, [0.1, 0.4, 0.3])}
+    rows = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
+    for r in rows:
+        if "val/accuracy" in r:
+            r["val/accuracy/synthetic_arithmetic"], r["val/accuracy/gsm8k"] = 2 * r["val/accuracy"], 0.0
+    two = plot_parity(plain, tmp_path / "a.png")
+    three = plot_parity({"bf16": rows, "old": plain["bf16"]}, tmp_path / "b.png")
+    assert width(three) == pytest.approx(width(two) * 1.5, rel=0.02)  # 2 x 2 panels -> 2 x 3 (two sources)
+
+
 def test_report_only_writes_png_and_table(tmp_path, capsys):
     runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.1, 0.0, [0.1, 0.22, 0.28]),
             "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.25, 0.2])}
