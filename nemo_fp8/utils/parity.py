@@ -37,8 +37,8 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     Returns:
         dict: ``steps``; ``start_acc`` / ``final_acc`` / ``best_acc`` (first / last / largest
         ``val/accuracy``, NaN when never validated); ``acc_by_source`` ({data_source: (first,
-        last)} from ``val/accuracy/<data_source>``, empty when the run logged none); ``reward_mean``; ``gen_kl_error`` / ``token_mult_prob_error`` (means over
-        steps); ``<phase>_s`` for generation, refit, logprobs, training (seconds per step: sum
+        last)} from ``val/accuracy/<data_source>``, empty when the run logged none); ``reward_mean``;
+        ``gen_kl_error`` / ``token_mult_prob_error`` (means over steps); ``<phase>_s`` for generation, refit, logprobs, training (seconds per step: sum
         over the timed steps / their count, 0 for a phase a step did not run); ``step_s`` (the
         step minus its validation and checkpoint time); ``tokens_per_s`` (mean rollout tokens/s).
 
@@ -85,8 +85,9 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
     """
     base = summaries.get(baseline)
     sources = sorted({src for s in summaries.values() for src in s.get("acc_by_source", {})})
-    head = ["variant", "steps", "start acc", "final acc", "best acc", *[f"{src} acc" for src in sources], "reward", "gen_kl_error", "mult_prob_err", "gen s", "refit s",
-            "logprobs s", "train s", "step s", f"step / {baseline}", f"gen / {baseline}"]
+    head = ["variant", "steps", "start acc", "final acc", "best acc", *[f"{src} acc" for src in sources], "reward",
+            "gen_kl_error", "mult_prob_err", "gen s", "refit s", "logprobs s", "train s", "step s",
+            f"step / {baseline}", f"gen / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
         per_src = [("{:.3f} -> {:.3f}".format(*s["acc_by_source"][src]) if src in s.get("acc_by_source", {}) else "-")

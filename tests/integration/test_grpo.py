@@ -95,7 +95,8 @@ def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload):
     calls = []
     policy.offload_before_refit = lambda: calls.append("before")
     policy.offload_after_refit = lambda: calls.append("after")
-    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20), offload_trainer=offload)
+    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20),
+                               offload_trainer=offload)
     metrics = refitter.refit_if_stale(Timer())
     assert calls == (["before", "after"] if offload else [])
     assert metrics["refit/num_buckets"] >= 1 and gen.weight_version().weights == 0

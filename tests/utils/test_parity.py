@@ -76,7 +76,8 @@ def test_accuracy_per_data_source_first_and_last():
     s = summarize_run(rows)
     assert s["start_acc"] == 0.1 and s["acc_by_source"] == {"gsm8k": (0.0, 0.0), "synthetic_arithmetic": (0.2, 0.6)}
     table = parity_table({"bf16": s, "old": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2, 0.3]))})
-    head, bf16, old = ([c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[:1] + table.splitlines()[2:])
+    lines = table.splitlines()
+    head, bf16, old = ([c.strip() for c in line.split("|")[1:-1]] for line in lines[:1] + lines[2:])
     assert head[2:7] == ["start acc", "final acc", "best acc", "gsm8k acc", "synthetic_arithmetic acc"]
     assert bf16[5:7] == ["0.000 -> 0.000", "0.200 -> 0.600"] and old[5:7] == ["-", "-"]
 
