@@ -165,7 +165,7 @@ def test_without_the_colocated_offload_the_awake_engine_is_counted_and_nothing_m
     moved = estimate_trainer_memory(QWEN3_8B, _policy("policy.generation.backend=vllm"))
     kept = estimate_trainer_memory(QWEN3_8B, _policy(*keep))
     assert kept.per_gpu == moved.per_gpu and moved.host == pytest.approx(QWEN3_8B / 2 * 10) and kept.host == 0
-    # tensor parallel 2 fits alone (81.7 GiB of state + 7.8), not beside an engine at 0.6 of the GPU (83.9 GiB)
+    # tensor parallel 2 fits alone (68.7 GiB of state + 7.8), not beside an engine at 0.6 of the GPU (83.9 GiB)
     assert trainer_memory_errors(_policy("policy.generation.backend=vllm"), H200, QWEN3_8B, HOST) == []
     (err,) = trainer_memory_errors(_policy(*keep), H200, QWEN3_8B, HOST)
     assert "the engine's 83.9 GiB" in err and "colocated.offload_trainer=true" in err
