@@ -47,6 +47,13 @@ ONE_GPU_8B="cluster.gpus_per_node=1 policy.megatron_cfg.tensor_model_parallel_si
   policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5
   policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false policy.weight_sync.method=cuda_ipc
   policy.generation.vllm_cfg.gpu_memory_utilization=0.3"
+# Run the command line $1 in the background once a running `small` build has written the model (right away when none
+# runs), its output in $2 (parity, sweep).
+after_small() {
+  setsid nohup bash -c 'while pgrep -f make_small_mode[l] > /dev/null; do sleep 5; done
+    [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
+    exec '"$1" > "$2" 2>&1 < /dev/null &
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: no GPU here"
 for job in "$@"; do
   L=$(left); echo "=== $job (${L}s left) $(date +%T)"
@@ -85,19 +92,13 @@ for job in "$@"; do
               2>&1 | tee "$OUT/btrain.log" | tail -30 ;;
     small) mkdir -p logs; setsid nohup python3 tools/make_small_model.py --out models/small-qwen3 ${SMALL_ARGS:-} > logs/small.log \
              2>&1 < /dev/null & sleep 30; tail -5 logs/small.log ;;
-    parity) # starts once a running `small` build has written the model (or right away when none runs)
-            mkdir -p logs; setsid nohup bash -c 'while pgrep -f make_small_mode[l] > /dev/null; do sleep 5; done
-              [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
-              exec python3 tools/compare_precision.py --backend gpu '"${PARITY_ARGS:-}" > logs/parity.log 2>&1 < /dev/null &
+    parity) mkdir -p logs; after_small "python3 tools/compare_precision.py --backend gpu ${PARITY_ARGS:-}" logs/parity.log
             sleep 20; tail -5 logs/parity.log ;;
     sweep) mkdir -p logs/sweep; n=$(echo "${SWEEP:?SWEEP=\"name key=value ...;...\"}" | tr ';' '\n' | grep -c .)
            echo "$SWEEP" | tr ';' '\n' | grep . | while read -r name over; do
-             mkdir -p "logs/sweep/$name"
-             setsid nohup bash -c 'while pgrep -f make_small_mode[l] > /dev/null; do sleep 5; done
-               [ -f models/small-qwen3/small_model_spec.json ] || { echo "no small model: see small.log"; exit 1; }
-               exec python3 tools/compare_precision.py --backend gpu --variants bf16 --out-dir "logs/sweep/'"$name"'" checkpointing.enabled=false '"$over"' \
-                 policy.generation.vllm_cfg.gpu_memory_utilization=$(python3 -c "print(round(0.45 / '"$n"', 3))") \
-                 policy.generation.vllm_cfg.kv_cache_memory_bytes=$((4 << 30))' > "logs/sweep/$name.log" 2>&1 < /dev/null &
+             # --parallel $n: compare_precision's memory split (engine share, fixed KV cache) for $n runs on one GPU
+             after_small "python3 tools/compare_precision.py --backend gpu --variants bf16 --parallel $n \
+               --out-dir logs/sweep/$name checkpointing.enabled=false $over" "logs/sweep/$name.log"
              sleep 15  # spread the engines' start-up
            done; tail -n 3 logs/sweep/*.log ;;
     sweeprep) for d in logs/sweep/*/; do

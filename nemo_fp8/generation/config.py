@@ -66,6 +66,11 @@ class ColocationConfig(StrictConfig):
     enabled: bool = True
     offload_trainer: bool = True
 
+    @property
+    def moves_trainer_state(self) -> bool:
+        """Whether the trainer's state leaves the GPU around each generation (colocated and ``offload_trainer``)."""
+        return self.enabled and self.offload_trainer
+
 
 class GenerationConfig(StrictConfig):
     backend: Literal["torch", "vllm"] = "torch"

@@ -200,7 +200,6 @@ def test_train_reads_nothing_per_micro_batch(tiny_cfg, tok):
     assert per_micro_batch <= 1, counts  # the HF forward's own padding-mask check
 
 
-
 def _record_lrs(pol):
     """A list that receives the learning rate of each of ``pol``'s real optimizer updates."""
     seen, step = [], pol.optimizer.step

@@ -12,4 +12,3 @@ def test_load_applies_the_configs_lr_and_weight_decay(tiny_cfg, tmp_path):
     new = TorchPolicyBackend(new_cfg, torch.device("cpu"))
     new.load(tmp_path / "policy")
     assert {(g["lr"], g["weight_decay"]) for g in new.optimizer.param_groups} == {(1e-3, 0.05)}
-

@@ -121,10 +121,9 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     shard = dp if o.use_distributed_optimizer else 1
     parts = {k: num_parameters / tp * v for k, v in per_param.items()}
     parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
-    # moved to host around each generation (module docstring); nothing with offload_trainer=false
-    colocated = cfg.generation.colocated.enabled and cfg.generation.colocated.offload_trainer
-    arena = opt["moments"] if colocated and not o.optimizer_cpu_offload else 0
-    weights_out = per_param["weights"] if colocated else 0
+    moved = cfg.generation.colocated.moves_trainer_state  # to host around each generation (module docstring)
+    arena = opt["moments"] if moved and not o.optimizer_cpu_offload else 0
+    weights_out = per_param["weights"] if moved else 0
     return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
                          host=num_parameters / tp / shard * (host_per_param + arena) + num_parameters / tp * weights_out)
 
@@ -193,7 +192,7 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
         o = cfg.megatron_cfg.optimizer
         why = [f"optimizer_cpu_offload with optimizer_offload_fraction={o.optimizer_offload_fraction:g}"] \
             if o.optimizer_cpu_offload else []
-        if cfg.generation.colocated.enabled and cfg.generation.colocated.offload_trainer:  # moved out around generation
+        if cfg.generation.colocated.moves_trainer_state:
             moved = "the weights" if o.optimizer_cpu_offload else "the weights and the optimizer state"
             why.append(f"the colocated engine ({moved} leave the GPU while it runs)")
         errs.append(f"policy.megatron_cfg.optimizer: {' and '.join(why)} puts {host_need / GiB:.1f} GiB in host "
@@ -204,7 +203,7 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                        "(policy.generation.colocated.enabled=false) keeps it on the GPU"))
     g = cfg.generation
     engine = (g.vllm_cfg.gpu_memory_utilization * gpu_bytes
-              if g.backend == "vllm" and g.colocated.enabled and not g.colocated.offload_trainer else 0.0)
+              if g.backend == "vllm" and g.colocated.enabled and not g.colocated.moves_trainer_state else 0.0)
     if est.per_gpu + NON_TORCH_BYTES + engine <= gpu_bytes:
         return errs
     m = cfg.megatron_cfg
