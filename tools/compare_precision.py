@@ -5,6 +5,7 @@
     python tools/compare_precision.py --backend gpu [--variants a,b] [key=value ...]        # GPU host (vLLM + Megatron)
     python tools/compare_precision.py --backend gpu --report-only                           # redraw from existing logs
     python tools/compare_precision.py --backend gpu --dry-run                               # print the commands
+    python tools/compare_precision.py --backend gpu --report-only --also logs/compare/gpu-b  # + another host's runs
     python tools/compare_precision.py --backend gpu --parallel 7                            # all variants at once, one GPU
 
 Each variant is a full ``examples/run_grpo_math.py`` run with the same config, seed, data and steps,
@@ -161,16 +162,29 @@ def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 
     return failed
 
 
+def report_sources(out_dir: Path, names: list[str], also: list[Path] = ()) -> dict[str, Path]:
+    """Label -> ``metrics.jsonl`` of each run in the report: ``<out_dir>/<name>`` for ``names``, then every
+    variant folder with metrics under each ``also`` folder (another comparison's ``--out-dir``: runs split
+    over two hosts), labelled ``<name>@<folder name>`` when the name is taken already."""
+    sources = {name: out_dir / name / "metrics.jsonl" for name in names}
+    for extra in also:
+        for sub in sorted(Path(extra).iterdir()) if Path(extra).is_dir() else []:
+            if (sub / "metrics.jsonl").is_file():
+                label = sub.name if sub.name not in sources else f"{sub.name}@{Path(extra).name}"
+                sources[label] = sub / "metrics.jsonl"
+    return sources
+
+
 def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
-                 concurrency: int = 1) -> tuple[Path, Path] | None:
-    """``parity.png`` + ``parity.md`` in ``out_dir`` from ``<out_dir>/<name>/metrics.jsonl``; None when none exist.
+                 concurrency: int = 1, also: list[Path] = ()) -> tuple[Path, Path] | None:
+    """``parity.png`` + ``parity.md`` in ``out_dir`` from ``<out_dir>/<name>/metrics.jsonl`` (and the ``also``
+    folders' runs, :func:`report_sources`); None when none exist.
 
     Variants without metrics, or without a training step, are listed below the table as missing.
     ``concurrency`` > 1 (variants that ran at once on one device) is stated under the table.
     """
     runs, summaries, missing = {}, {}, []
-    for name in names:
-        path = out_dir / name / "metrics.jsonl"
+    for name, path in report_sources(out_dir, names, also).items():
         rows = read_metrics(path) if path.is_file() else []
         try:
             summaries[name] = summarize_run(rows)
@@ -187,6 +201,9 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     if concurrency > 1:
         notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "
                   "so compare them within this table only; a timing claim comes from a run with --parallel 1.\n")
+    if also:
+        notes += ("\nRuns from other comparisons (" + ", ".join(str(a) for a in also) + ") are in the table; a "
+                  "`name@folder` label is that folder's run of a variant also run here.\n")
     if missing:
         notes += "\nMissing: " + "; ".join(missing) + "\n"
     md = out_dir / "parity.md"
@@ -203,6 +220,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", help="default: logs/compare/<backend>")
     p.add_argument("--report-only", action="store_true", help="no runs: redraw the report from existing logs")
     p.add_argument("--dry-run", action="store_true", help="print each variant's command and exit")
+    p.add_argument("--also", action="append", default=[], metavar="DIR",
+                   help="another comparison's --out-dir whose runs join the report (variants split over two hosts; "
+                        "a variant run in both is labelled name@<DIR's folder name>); repeatable")
     p.add_argument("--parallel", type=int, default=1,
                    help="variants run at once (GPU: on the same GPU, each engine's gpu_memory_utilization "
                         "set to 0.45/N and its KV cache to --kv-cache-gib unless given; step times then include "
@@ -240,7 +260,12 @@ def main(argv=None) -> int:
         if args.dry_run:
             return 0
         failed = run_variants(commands, out_dir, args.parallel, args.stagger_s)
-    written = write_report(out_dir, names, concurrency=args.parallel)
+    also = [Path(a).resolve() for a in args.also]
+    bad = [str(a) for a in also if not a.is_dir()]
+    if bad:
+        print(f"error: --also {bad}: no such folder (give another comparison's --out-dir)", file=sys.stderr)
+        return 2
+    written = write_report(out_dir, names, concurrency=args.parallel, also=also)
     if written is None:
         print(f"error: no variant has metrics under {out_dir}", file=sys.stderr)
         return 1

@@ -13,7 +13,9 @@
 #           for the FP8 KV cache)
 #   kvgrpo  tiny megatron FP8 GRPO with FP8 KV cache (STEPS)        btrain  tools/bench_train.py (BT_ARGS)
 #   kvbench tools/bench_rollout.py (BENCH_ARGS)                     small   tools/make_small_model.py, in the background
-#   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS), after a running `small`
+#   parity  tools/compare_precision.py --backend gpu, in the background (PARITY_ARGS), after a running `small`;
+#           logs in PARITY_DIR (default logs/compare/gpu; another name for the second half of runs split over two
+#           hosts, joined later by compare_precision --report-only --also)
 #   sweep   BF16-only GRPO runs of the parity config side by side, in the background, after a running `small`:
 #           SWEEP="name key=value ...;name key=value ..." (one run per ';' item, all at once on the GPU, logs in
 #           logs/sweep/<name>): which learning rate / batch makes the BF16 baseline learn, before the parity run
@@ -39,6 +41,7 @@ export PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PWD:${
 # later run (or host, given the folder) starts warm; `dgcache` packs them into $OUT.
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.dgcache}
 OUT=${OUT:-logs/gpu_jobs}; mkdir -p "$OUT"
+PD=${PARITY_DIR:-logs/compare/gpu}
 TINY="examples/configs/grpo_math_tiny_megatron_fp8.yaml"
 # MISSION_ONE_GPU=1: the 8B mission on one GPU (README): tensor parallel 1, half of Adam's state offloaded to the host
 # (megatron-core's HybridDeviceOptimizer), bf16 gradient buffer, the refit over CUDA IPC (no host copy of the weights)
@@ -92,7 +95,8 @@ for job in "$@"; do
               2>&1 | tee "$OUT/btrain.log" | tail -30 ;;
     small) mkdir -p logs; setsid nohup python3 tools/make_small_model.py --out models/small-qwen3 ${SMALL_ARGS:-} > logs/small.log \
              2>&1 < /dev/null & sleep 30; tail -5 logs/small.log ;;
-    parity) mkdir -p logs; after_small "python3 tools/compare_precision.py --backend gpu ${PARITY_ARGS:-}" logs/parity.log
+    parity) mkdir -p logs; after_small "python3 tools/compare_precision.py --backend gpu --out-dir $PD ${PARITY_ARGS:-}" \
+              logs/parity.log
             sleep 20; tail -5 logs/parity.log ;;
     sweep) mkdir -p logs/sweep; n=$(echo "${SWEEP:?SWEEP=\"name key=value ...;...\"}" | tr ';' '\n' | grep -c .)
            echo "$SWEEP" | tr ';' '\n' | grep . | while read -r name over; do
@@ -115,12 +119,12 @@ for r in rows:
     wait) # until the deadline or until no background job (small, parity, dgwarm) runs, whichever is first
           while [ "$(left)" -gt 40 ] && pgrep -f "make_small_mode[l]|compare_precisio[n]|bench_rollou[t]" > /dev/null; do sleep 10; done
           tail -n ${TAIL:-15} logs/small.log logs/parity.log 2>/dev/null
-          for m in logs/compare/gpu/*/metrics.jsonl; do [ -f "$m" ] && echo "$m: $(wc -l < "$m") rows"; done ;;
+          for m in "$PD"/*/metrics.jsonl; do [ -f "$m" ] && echo "$m: $(wc -l < "$m") rows"; done ;;
     report) # the parity plot and table from whatever the variants logged so far, and the small model's report, into $OUT
-          python3 tools/compare_precision.py --backend gpu --report-only ${PARITY_ARGS:-} 2>&1 | tail -40
-          cp models/small-qwen3/small_model_spec.json logs/compare/gpu/parity.md logs/compare/gpu/parity.png "$OUT"/ 2>/dev/null
-          cp logs/parity.log "$OUT"/ 2>/dev/null
-          tar czf "$OUT/parity_logs.tgz" logs/compare/gpu/*/metrics.jsonl logs/compare/gpu/*/run.log 2>/dev/null ;;
+          python3 tools/compare_precision.py --backend gpu --report-only --out-dir "$PD" ${PARITY_ARGS:-} 2>&1 | tail -40
+          cp models/small-qwen3/small_model_spec.json "$PD"/parity.md "$PD"/parity.png "$OUT"/ 2>/dev/null
+          cp logs/parity.log logs/small.log "$OUT"/ 2>/dev/null
+          tar czf "$OUT/parity_logs.tgz" "$PD"/*/metrics.jsonl "$PD"/*/run.log 2>/dev/null ;;
     dgcache) if [ -d "$DG_JIT_CACHE_DIR" ]; then
                tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
              else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;

@@ -2,6 +2,8 @@
 """Build the project's small Qwen3-shaped model (BPE tokenizer, SFT on arithmetic + GSM8K) as an HF checkpoint.
 
     python tools/make_small_model.py --out models/small-qwen3            # GPU host: ~200M params, <= 10 min of training
+    python tools/make_small_model.py --out models/small-qwen3 --max-steps 2000 --deterministic   # the same bits on
+                                                                         # every host of the same GPU type and stack
     python tools/make_small_model.py --out /tmp/s --hidden-size 128 --intermediate-size 256 --num-layers 2 \\
         --num-heads 1 --num-kv-heads 1 --vocab-size 1024 --max-steps 5 --device cpu   # a CPU smoke build
 
@@ -47,6 +49,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-gsm8k", action="store_true", help="synthetic arithmetic only")
     p.add_argument("--synthetic-ops", default="".join(defaults.synthetic_ops), help="operators, e.g. '+-*'")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--deterministic", action="store_true",
+                   help="PyTorch's deterministic algorithms and a step-only schedule: the same weights "
+                        "(weights_sha256 in small_model_spec.json) from every build on the same GPU type and software")
     for flag, name in FLAGS.items():
         kind = float if types[name] in (float, "float") else int
         p.add_argument("--" + flag.replace("_", "-"), type=kind, default=getattr(defaults, name),
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
         print(f"error: --out {args.out} exists; remove it or pick another folder", file=sys.stderr)
         return 2
     spec = SmallModelSpec(**{name: getattr(args, flag) for flag, name in FLAGS.items()},
-                          synthetic_ops=tuple(args.synthetic_ops))
+                          synthetic_ops=tuple(args.synthetic_ops), deterministic=args.deterministic)
     try:
         check_spec(spec)
     except ValueError as e:

@@ -1,8 +1,12 @@
-"""Pieces shared by the project's model builders (``tiny.py``, ``small.py``): SFT batches, atomic save."""
+"""Pieces shared by the project's model builders (``tiny.py``, ``small.py``): SFT batches, atomic save,
+deterministic training and a fingerprint of the weights."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -69,3 +73,47 @@ def save_checkpoint_atomically(out_dir: str | Path, model, tokenizer, spec_name:
         raise FileExistsError(f"{out_dir} appeared while the model was being built; not overwriting it")
     tmp.rename(out_dir)
     return out_dir
+
+
+def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of a state dict: every tensor's name, dtype, shape and raw bytes, in name order.
+
+    Two builds of a model agree bit for bit exactly when their fingerprints agree; the dtype is part
+    of it (the bf16 weights as saved, not the fp32 ones trained). Tied weights are hashed under each
+    of their names.
+
+    Args:
+        state_dict: name -> tensor (any device, any dtype; copied to the CPU to read the bytes).
+    """
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def deterministic_training(enabled: bool = True):
+    """Run the block with PyTorch's deterministic algorithms, so a rebuild on the same stack repeats the bits.
+
+    Sets ``torch.use_deterministic_algorithms(True, warn_only=True)`` (an operation without a
+    deterministic CUDA kernel warns instead of failing: compare :func:`state_dict_sha256` of two
+    builds to know), ``cudnn.deterministic`` with ``cudnn.benchmark`` off, and
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when unset (cuBLAS reads it when its handle is created,
+    so enter this before the first CUDA matmul of the process). The previous settings come back on
+    exit; the environment variable stays. Source: PyTorch's "Reproducibility" notes.
+    """
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[2], prev[3]

@@ -9,12 +9,15 @@
    one per token, ChatML special tokens, the chat template below);
 3. a ``Qwen3ForCausalLM`` whose hidden size, intermediate size, ``heads x head_dim`` and vocabulary
    are multiples of 128 (the FP8 block size), trained with AdamW on the responses only, within a
-   wall-clock budget (``max_minutes``) and a step budget, bf16 autocast on CUDA;
+   wall-clock budget (``max_minutes``) and a step budget, bf16 autocast on CUDA; with
+   ``deterministic`` in PyTorch's deterministic mode, so that another host with the same stack
+   rebuilds the same bits (``weights_sha256`` in the report says whether it did);
 4. a greedy evaluation on the held-out set with the project's reward (``score_response``);
 5. an HF checkpoint (bf16 safetensors, ``tokenizer.json``, ``tokenizer_config.json``, chat
    template, ``generation_config.json``), the RL data files ``data/rl_train.jsonl`` and
    ``data/val.jsonl`` (``problem_answer`` schema, read by ``grpo_math_small_parity.yaml``) and
-   ``small_model_spec.json`` (shape, parameters, accuracy, throughput, times).
+   ``small_model_spec.json`` (shape, parameters, accuracy, throughput, times, ``weights_sha256``
+   of the saved bf16 weights, the torch / CUDA versions and the GPU).
 
 The prompt is what GRPO will show the model: ``SMALL_PROMPT_TEMPLATE`` through the chat template
 (``data.use_chat_template: true``), so SFT and RL see the same text. Responses end in
@@ -37,7 +40,7 @@ import torch
 
 from nemo_fp8.data.prompts import PromptFormatter
 from nemo_fp8.data.schema import MathExample
-from nemo_fp8.models.sft import pad_sft_batch, save_checkpoint_atomically
+from nemo_fp8.models.sft import deterministic_training, pad_sft_batch, save_checkpoint_atomically, state_dict_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,11 @@ class SmallModelSpec:
     eval_max_new_tokens: int = 256
     eval_batch_size: int = 128
     seed: int = 1234
+    # PyTorch's deterministic algorithms for training and evaluation (``nemo_fp8.models.sft.deterministic_training``):
+    # two builds on the same GPU type and software then give the same weights, so runs split over two hosts (the
+    # parity runs) start from one model; weights_sha256 in the report checks it. Off: the faster kernels, and builds
+    # that differ a little (held-out accuracy 0.330-0.352 over four builds of the default spec on one H200 type).
+    deterministic: bool = False
 
     def parameters_estimate(self) -> int:
         """Parameter count of the Qwen3 this spec builds (tied embeddings), without building it."""
@@ -313,6 +321,14 @@ def lr_multiplier(step: int, progress: float, warmup_steps: int, min_ratio: floa
     return min(1.0, (step + 1) / max(1, warmup_steps)) * (min_ratio + (1 - min_ratio) * cosine)
 
 
+def schedule_progress(step: int, elapsed_s: float, spec: SmallModelSpec) -> float:
+    """How far the SFT schedule is, 0 -> 1: the larger of ``step / max_steps`` and ``elapsed_s / (max_minutes * 60)``,
+    so the cosine ends with whichever budget ends first; with ``spec.deterministic`` the step fraction alone (the
+    clock is not the same on two hosts, nor twice on one)."""
+    by_steps = step / spec.max_steps
+    return by_steps if spec.deterministic else max(by_steps, elapsed_s / (spec.max_minutes * 60))
+
+
 def train_sft(model, prompts: list[list[int]], responses: list[list[int]], sources: list[str],
               spec: SmallModelSpec, pad_token_id: int, device: torch.device) -> dict:
     """AdamW on response tokens until ``spec.max_steps`` or ``spec.max_minutes``, whichever comes first.
@@ -320,6 +336,8 @@ def train_sft(model, prompts: list[list[int]], responses: list[list[int]], sourc
     Each step's batch comes from one source (GSM8K with probability ``spec.gsm8k_fraction`` when
     there is any, else synthetic), drawn without replacement within an epoch of that source, so
     batches are padded to similar lengths. bf16 autocast on CUDA (fp32 weights and optimizer).
+    The cosine schedule follows :func:`schedule_progress` (with ``spec.deterministic`` the steps
+    alone; the time budget then only stops the run).
 
     Returns:
         dict: steps, seconds, final loss (mean of the last 20 steps), tokens (real tokens
@@ -357,8 +375,8 @@ def train_sft(model, prompts: list[list[int]], responses: list[list[int]], sourc
         ids, labels, attn = pad_sft_batch([prompts[i] for i in rows], [responses[i] for i in rows], pad_token_id,
                                           device)
         for g in opt.param_groups:
-            g["lr"] = spec.lr * lr_multiplier(step, max(step / spec.max_steps, elapsed / budget_s),
-                                              spec.warmup_steps, spec.min_lr_ratio)
+            g["lr"] = spec.lr * lr_multiplier(step, schedule_progress(step, elapsed, spec), spec.warmup_steps,
+                                              spec.min_lr_ratio)
         with autocast:
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -431,6 +449,14 @@ def evaluate_greedy(model, tokenizer, examples: Sequence[MathExample], formatter
             "seconds": round(time.perf_counter() - t0, 1), "samples": samples}
 
 
+def software_versions(device: torch.device) -> dict:
+    """torch and CUDA versions and the GPU's name: what two builds must share to give the same bits."""
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    return out
+
+
 def build_small_model(out_dir: str | Path, spec: SmallModelSpec | None = None,
                       gsm8k_dir: str | Path | None = "../shared/data/gsm8k", device: str = "auto") -> dict:
     """Build the small model at ``out_dir`` (see the module docstring) and return its report.
@@ -476,26 +502,35 @@ def build_small_model(out_dir: str | Path, spec: SmallModelSpec | None = None,
         raise ValueError(f"every SFT row is longer than max_seq_len={spec.max_seq_len}")
     times["encode_s"] = round(time.perf_counter() - t, 1)
     config = qwen3_config(spec, tokenizer)
-    model = Qwen3ForCausalLM(config).to(dev)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"[small] {n_params / 1e6:.1f}M parameters, tokenizer {len(tokenizer)} tokens (model vocab "
-          f"{spec.vocab_size}), {len(prompts)} SFT rows ({sources.count('gsm8k')} GSM8K), device {dev}, budget "
-          f"{spec.max_steps} steps / {spec.max_minutes} min", flush=True)
-    train = train_sft(model, prompts, responses, sources, spec, tokenizer.pad_token_id, dev)
-    print(f"[small] trained {train['steps']} steps in {train['seconds']} s ({train['tokens_per_s']:,.0f} tok/s, "
-          f"stopped by {train['stopped_by']}), loss {train['final_loss']:.4f}", flush=True)
+    with deterministic_training(spec.deterministic):
+        model = Qwen3ForCausalLM(config).to(dev)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"[small] {n_params / 1e6:.1f}M parameters, tokenizer {len(tokenizer)} tokens (model vocab "
+              f"{spec.vocab_size}), {len(prompts)} SFT rows ({sources.count('gsm8k')} GSM8K), device {dev}, budget "
+              f"{spec.max_steps} steps / {spec.max_minutes} min{', deterministic' if spec.deterministic else ''}",
+              flush=True)
+        train = train_sft(model, prompts, responses, sources, spec, tokenizer.pad_token_id, dev)
+        print(f"[small] trained {train['steps']} steps in {train['seconds']} s ({train['tokens_per_s']:,.0f} tok/s, "
+              f"stopped by {train['stopped_by']}), loss {train['final_loss']:.4f}", flush=True)
+        if spec.deterministic and train["stopped_by"] == "time":
+            logger.warning("deterministic build stopped by the time budget (max_minutes=%s) at step %d of %d: "
+                           "another host may stop at another step; give a max_steps that fits the budget",
+                           spec.max_minutes, train["steps"], spec.max_steps)
 
-    model = model.to(torch.bfloat16)  # evaluate what is saved (bf16 weights)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                               eos_token_id=[tokenizer.eos_token_id,
-                                                             tokenizer.convert_tokens_to_ids(ENDOFTEXT)],
-                                               do_sample=False)
-    ev = evaluate_greedy(model, tokenizer, data.val, formatter, spec.eval_max_new_tokens, spec.eval_batch_size, dev)
+        model = model.to(torch.bfloat16)  # evaluate what is saved (bf16 weights)
+        weights_sha256 = state_dict_sha256(model.state_dict())
+        print(f"[small] weights sha256 {weights_sha256}", flush=True)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(ENDOFTEXT)], do_sample=False)
+        ev = evaluate_greedy(model, tokenizer, data.val, formatter, spec.eval_max_new_tokens, spec.eval_batch_size,
+                             dev)
     print(f"[small] held-out greedy accuracy {ev['accuracy']:.4f} on {ev['num_samples']} "
           f"({', '.join(f'{k} {v:.4f}' for k, v in ev['by_source'].items())}) in {ev['seconds']} s", flush=True)
     report = {"spec": asdict(spec), "parameters": n_params, "tokenizer_vocab": len(tokenizer),
               "prompt_template": SMALL_PROMPT_TEMPLATE, "use_chat_template": True, "train": train,
               "eval": {k: v for k, v in ev.items()}, "times": times, "device": str(dev),
+              "weights_sha256": weights_sha256, "software": software_versions(dev),
               "data": {"sft_rows": len(prompts), "val": len(data.val), "rl_train": len(data.rl_train)}}
     save_checkpoint_atomically(out_dir, model, tokenizer, SPEC_FILE, report,
                                extra_files={"data/val.jsonl": examples_jsonl(data.val),

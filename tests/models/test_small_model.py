@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 
 from nemo_fp8.data.prompts import PromptFormatter
 from nemo_fp8.data.schema import MathExample
-from nemo_fp8.models.sft import pad_sft_batch
+from nemo_fp8.models.sft import deterministic_training, pad_sft_batch, state_dict_sha256
 from nemo_fp8.models.small import (SMALL_PROMPT_TEMPLATE, SmallModelSpec, build_data, check_spec, evaluate_greedy,
-                                   gsm8k_response, lr_multiplier, qwen3_config, train_bpe_tokenizer, train_sft)
+                                   gsm8k_response, lr_multiplier, qwen3_config, schedule_progress,
+                                   train_bpe_tokenizer, train_sft)
 from nemo_fp8.rewards.math_reward import score_response
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,6 +214,52 @@ def test_sft_lowers_the_loss_on_arithmetic():
         after = model(input_ids=ids, attention_mask=attn, labels=labels).loss.item()
     assert stats["steps"] == 60 and stats["stopped_by"] == "steps"
     assert after < 0.5 * before, (before, after)
+
+
+def test_weights_sha256_is_the_saved_weights_and_a_rebuild_repeats_it(small_dir, tmp_path, gsm8k_dir):
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((small_dir / "small_model_spec.json").read_text())
+    assert report["weights_sha256"] == state_dict_sha256(AutoModelForCausalLM.from_pretrained(small_dir).state_dict())
+    assert report["software"]["torch"] == torch.__version__ and report["spec"]["deterministic"] is False
+    # the whole pipeline (data, tokenizer, init, batches, schedule) is seeded: a deterministic rebuild repeats the bits
+    again = tmp_path / "again"
+    assert load_tool("make_small_model").main(["--out", str(again), "--gsm8k-dir", str(gsm8k_dir), *TINY_FLAGS,
+                                               "--deterministic"]) == 0
+    report2 = json.loads((again / "small_model_spec.json").read_text())
+    assert report2["spec"]["deterministic"] is True and report2["weights_sha256"] == report["weights_sha256"]
+
+
+def test_state_dict_sha256_covers_names_dtypes_and_every_bit():
+    sd = {"b": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "a": torch.ones(4)}
+    ref = state_dict_sha256(sd)
+    assert ref == state_dict_sha256(dict(reversed(list(sd.items()))))  # insertion order does not matter
+    flipped = sd["b"].clone()
+    flipped.view(torch.int16)[1, 2] ^= 1  # one bit of one bf16 element
+    assert state_dict_sha256({**sd, "b": flipped}) != ref
+    assert state_dict_sha256({**sd, "a": torch.ones(4, dtype=torch.float64)}) != ref
+    assert state_dict_sha256({**sd, "b": sd["b"].reshape(3, 2)}) != ref
+    assert state_dict_sha256({"c": sd["b"], "a": sd["a"]}) != ref
+
+
+def test_deterministic_training_sets_and_restores_torch_flags(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    with deterministic_training():
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
+    with deterministic_training(enabled=False):
+        assert torch.are_deterministic_algorithms_enabled() == before[0]
+
+
+def test_deterministic_schedule_ignores_the_clock():
+    spec = SmallModelSpec(max_steps=100, max_minutes=1.0)
+    assert schedule_progress(10, 30.0, spec) == pytest.approx(0.5)  # the time budget is further along
+    assert schedule_progress(60, 30.0, spec) == pytest.approx(0.6)
+    assert schedule_progress(10, 30.0, SmallModelSpec(max_steps=100, max_minutes=1.0, deterministic=True)) == \
+        pytest.approx(0.1)
 
 
 def test_lr_multiplier_and_time_budget():

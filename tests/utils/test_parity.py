@@ -120,6 +120,23 @@ def test_report_only_writes_png_and_table(tmp_path, capsys):
     assert md.splitlines()[2] in capsys.readouterr().out
 
 
+def test_report_joins_another_hosts_runs_with_also(tmp_path, capsys):
+    a, b = tmp_path / "gpu", tmp_path / "gpu-b"
+    for d, name, acc in ((a, "bf16", 0.3), (a, "fp8+tis", 0.31), (b, "bf16", 0.29), (b, "fp8kv+tis", 0.32)):
+        _write_run(d / name, fake_run(1.0, 1e-3, [0.1, 0.2, acc]))
+    (b / "fp8-e2e+tis").mkdir()  # started, no metrics yet: not a run
+    rc = tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--variants", "bf16,fp8+tis",
+                      "--also", str(b)])
+    assert rc == 0
+    md = (a / "parity.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines()[2:] if line.startswith("| ")}
+    assert list(rows) == ["bf16", "fp8+tis", "bf16@gpu-b", "fp8kv+tis"]
+    assert "| 0.3200 |" in rows["fp8kv+tis"] and "| 0.2900 |" in rows["bf16@gpu-b"]
+    assert "name@folder" in md
+    assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--also", str(tmp_path / "x")]) == 2
+    assert "--also" in capsys.readouterr().err
+
+
 def test_report_only_without_any_metrics_fails(tmp_path):
     assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(tmp_path)]) == 1
 
