@@ -47,6 +47,32 @@ def pad_sft_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
     return ids.to(device), lab.to(device), attn.to(device)
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross entropy over the labelled positions (what HF's ``model(labels=...).loss`` computes).
+
+    Position t's logits predict ``labels[:, t + 1]``; labels equal to ``ignore_index`` (prompt and
+    padding) count for nothing. The log-probability of each target is read with a 1-D ``gather``
+    over the flattened fp32 log-softmax, not with ``nll_loss``: PyTorch lists ``NLLLoss`` on CUDA
+    among the operations without a deterministic implementation, and a 1-D gather's backward among
+    those it makes deterministic (``torch.use_deterministic_algorithms``), so the small model's
+    deterministic build can use this loss.
+
+    Args:
+        logits: [B, T, V] (any float dtype; computed in fp32).
+        labels: [B, T] int64 token ids, ``ignore_index`` where no loss is taken.
+
+    Returns:
+        0-dim fp32 tensor; 0 when no position is labelled.
+    """
+    vocab = logits.shape[-1]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).reshape(-1)
+    target = labels[:, 1:].reshape(-1)
+    keep = target != ignore_index
+    flat = torch.arange(target.numel(), device=target.device) * vocab + target.clamp(min=0)
+    token_logp = logp.gather(0, flat)
+    return -(token_logp * keep).sum() / keep.sum().clamp(min=1)
+
+
 def save_checkpoint_atomically(out_dir: str | Path, model, tokenizer, spec_name: str, spec: dict,
                                extra_files: dict[str, str] | None = None) -> Path:
     """Write ``model`` + ``tokenizer`` (HF ``save_pretrained``) + ``spec_name`` (JSON of ``spec``) to ``out_dir``.
@@ -97,12 +123,17 @@ def state_dict_sha256(state_dict: dict[str, torch.Tensor]) -> str:
 def deterministic_training(enabled: bool = True):
     """Run the block with PyTorch's deterministic algorithms, so a rebuild on the same stack repeats the bits.
 
-    Sets ``torch.use_deterministic_algorithms(True, warn_only=True)`` (an operation without a
-    deterministic CUDA kernel warns instead of failing: compare :func:`state_dict_sha256` of two
-    builds to know), ``cudnn.deterministic`` with ``cudnn.benchmark`` off, and
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when unset (cuBLAS reads it when its handle is created,
-    so enter this before the first CUDA matmul of the process). The previous settings come back on
-    exit; the environment variable stays. Source: PyTorch's "Reproducibility" notes.
+    Sets ``torch.use_deterministic_algorithms(True)`` in its strict form, ``cudnn.deterministic``
+    with ``cudnn.benchmark`` off, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when unset (cuBLAS reads
+    it when its handle is created, so enter this before the first CUDA matmul of the process). The
+    previous settings come back on exit; the environment variable stays. Source: PyTorch's
+    "Reproducibility" notes. Strict, not ``warn_only``: PyTorch's cuDNN attention backward takes its
+    deterministic algorithm only then (two 300-step builds of the small model on one H200 with
+    ``warn_only=True`` ended with different weights, 2026-11-24).
+
+    Raises:
+        RuntimeError: (from PyTorch, inside the block) an operation with no deterministic
+            implementation on this device; the message names it.
     """
     if not enabled:
         yield
@@ -110,7 +141,7 @@ def deterministic_training(enabled: bool = True):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
         yield

@@ -10,8 +10,8 @@
 3. a ``Qwen3ForCausalLM`` whose hidden size, intermediate size, ``heads x head_dim`` and vocabulary
    are multiples of 128 (the FP8 block size), trained with AdamW on the responses only, within a
    wall-clock budget (``max_minutes``) and a step budget, bf16 autocast on CUDA; with
-   ``deterministic`` in PyTorch's deterministic mode, so that another host with the same stack
-   rebuilds the same bits (``weights_sha256`` in the report says whether it did);
+   ``deterministic`` in PyTorch's strict deterministic mode, so that another host with the same
+   stack rebuilds the same bits (``weights_sha256`` in the report says whether it did);
 4. a greedy evaluation on the held-out set with the project's reward (``score_response``);
 5. an HF checkpoint (bf16 safetensors, ``tokenizer.json``, ``tokenizer_config.json``, chat
    template, ``generation_config.json``), the RL data files ``data/rl_train.jsonl`` and
@@ -40,7 +40,8 @@ import torch
 
 from nemo_fp8.data.prompts import PromptFormatter
 from nemo_fp8.data.schema import MathExample
-from nemo_fp8.models.sft import deterministic_training, pad_sft_batch, save_checkpoint_atomically, state_dict_sha256
+from nemo_fp8.models.sft import (causal_lm_loss, deterministic_training, pad_sft_batch, save_checkpoint_atomically,
+                                 state_dict_sha256)
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +101,12 @@ class SmallModelSpec:
     eval_max_new_tokens: int = 256
     eval_batch_size: int = 128
     seed: int = 1234
-    # PyTorch's deterministic algorithms for training and evaluation (``nemo_fp8.models.sft.deterministic_training``):
-    # two builds on the same GPU type and software then give the same weights, so runs split over two hosts (the
-    # parity runs) start from one model; weights_sha256 in the report checks it. Off: the faster kernels, and builds
-    # that differ a little (held-out accuracy 0.330-0.352 over four builds of the default spec on one H200 type).
+    # PyTorch's deterministic algorithms, strict, for the initialisation and the SFT (not the evaluation, which does
+    # not change the weights), and a schedule by steps alone (``nemo_fp8.models.sft.deterministic_training``,
+    # ``schedule_progress``): two builds on the same GPU type and software should then give the same weights, so runs
+    # split over two hosts (the parity runs) start from one model; weights_sha256 in the report checks it. Off: the
+    # faster kernels, and builds that differ a little (held-out accuracy 0.330-0.352 over four builds of the default
+    # spec on H200s; two 300-step builds in warn-only deterministic mode differed too, through cuDNN attention).
     deterministic: bool = False
 
     def parameters_estimate(self) -> int:
@@ -378,7 +381,8 @@ def train_sft(model, prompts: list[list[int]], responses: list[list[int]], sourc
             g["lr"] = spec.lr * lr_multiplier(step, schedule_progress(step, elapsed, spec), spec.warmup_steps,
                                               spec.min_lr_ratio)
         with autocast:
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            logits = model(input_ids=ids, attention_mask=attn).logits
+        loss = causal_lm_loss(logits, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -510,21 +514,20 @@ def build_small_model(out_dir: str | Path, spec: SmallModelSpec | None = None,
               f"{spec.max_steps} steps / {spec.max_minutes} min{', deterministic' if spec.deterministic else ''}",
               flush=True)
         train = train_sft(model, prompts, responses, sources, spec, tokenizer.pad_token_id, dev)
-        print(f"[small] trained {train['steps']} steps in {train['seconds']} s ({train['tokens_per_s']:,.0f} tok/s, "
-              f"stopped by {train['stopped_by']}), loss {train['final_loss']:.4f}", flush=True)
-        if spec.deterministic and train["stopped_by"] == "time":
-            logger.warning("deterministic build stopped by the time budget (max_minutes=%s) at step %d of %d: "
-                           "another host may stop at another step; give a max_steps that fits the budget",
-                           spec.max_minutes, train["steps"], spec.max_steps)
+    print(f"[small] trained {train['steps']} steps in {train['seconds']} s ({train['tokens_per_s']:,.0f} tok/s, "
+          f"stopped by {train['stopped_by']}), loss {train['final_loss']:.4f}", flush=True)
+    if spec.deterministic and train["stopped_by"] == "time":
+        logger.warning("deterministic build stopped by the time budget (max_minutes=%s) at step %d of %d: "
+                       "another host may stop at another step; give a max_steps that fits the budget",
+                       spec.max_minutes, train["steps"], spec.max_steps)
 
-        model = model.to(torch.bfloat16)  # evaluate what is saved (bf16 weights)
-        weights_sha256 = state_dict_sha256(model.state_dict())
-        print(f"[small] weights sha256 {weights_sha256}", flush=True)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(ENDOFTEXT)], do_sample=False)
-        ev = evaluate_greedy(model, tokenizer, data.val, formatter, spec.eval_max_new_tokens, spec.eval_batch_size,
-                             dev)
+    model = model.to(torch.bfloat16)  # evaluate what is saved (bf16 weights)
+    weights_sha256 = state_dict_sha256(model.state_dict())
+    print(f"[small] weights sha256 {weights_sha256}", flush=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(ENDOFTEXT)], do_sample=False)
+    ev = evaluate_greedy(model, tokenizer, data.val, formatter, spec.eval_max_new_tokens, spec.eval_batch_size, dev)
     print(f"[small] held-out greedy accuracy {ev['accuracy']:.4f} on {ev['num_samples']} "
           f"({', '.join(f'{k} {v:.4f}' for k, v in ev['by_source'].items())}) in {ev['seconds']} s", flush=True)
     report = {"spec": asdict(spec), "parameters": n_params, "tokenizer_vocab": len(tokenizer),

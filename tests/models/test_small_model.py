@@ -12,7 +12,7 @@ import torch
 
 from nemo_fp8.data.prompts import PromptFormatter
 from nemo_fp8.data.schema import MathExample
-from nemo_fp8.models.sft import deterministic_training, pad_sft_batch, state_dict_sha256
+from nemo_fp8.models.sft import causal_lm_loss, deterministic_training, pad_sft_batch, state_dict_sha256
 from nemo_fp8.models.small import (SMALL_PROMPT_TEMPLATE, SmallModelSpec, build_data, check_spec, evaluate_greedy,
                                    gsm8k_response, lr_multiplier, qwen3_config, schedule_progress,
                                    train_bpe_tokenizer, train_sft)
@@ -246,12 +246,33 @@ def test_deterministic_training_sets_and_restores_torch_flags(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
     with deterministic_training():
-        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        # strict: PyTorch's cuDNN attention backward is deterministic only then
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
     with deterministic_training(enabled=False):
         assert torch.are_deterministic_algorithms_enabled() == before[0]
+
+
+def test_causal_lm_loss_is_hf_loss_and_gradient():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+    ids, labels, attn = pad_sft_batch([[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 14]], pad_token_id=0)
+    hf = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    (hf_grad,) = torch.autograd.grad(hf, [model.model.embed_tokens.weight])
+    ours = causal_lm_loss(model(input_ids=ids, attention_mask=attn).logits, labels)
+    (our_grad,) = torch.autograd.grad(ours, [model.model.embed_tokens.weight])
+    assert ours.dtype == torch.float32 and ours.item() == pytest.approx(hf.item(), rel=1e-6)
+    torch.testing.assert_close(our_grad, hf_grad, rtol=1e-5, atol=1e-7)
+    # by hand on a 2-token row: only position 0 predicts a labelled token (labels[:, 1])
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [5.0, 5.0, 5.0]]])
+    assert causal_lm_loss(logits, torch.tensor([[-100, 2]])).item() == pytest.approx(
+        -torch.log_softmax(logits[0, 0], -1)[2].item())
+    assert causal_lm_loss(logits, torch.tensor([[-100, -100]])).item() == 0.0
 
 
 def test_deterministic_schedule_ignores_the_clock():
