@@ -170,7 +170,8 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
         tp_size=cfg.policy.tensor_parallel_size)
     refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8",
-                               offload_trainer=gen_cfg.colocated.moves_trainer_state)
+                               offload_trainer=gen_cfg.colocated.moves_trainer_state,
+                               colocated=gen_cfg.colocated.enabled)
     return Workers(policy, generation, refitter, pg)
 
 

@@ -66,13 +66,17 @@ class RefitController:
         offload_trainer: move the trainer's optimizer state (before the refit) and weights (after it) to
             host memory around each refit so a colocated engine can wake; False when the engine has GPUs
             of its own or both fit (``policy.generation.colocated.offload_trainer``).
+        colocated: the engine shares the trainer's GPUs. Without ``offload_trainer`` the refit then ends
+            with ``policy.release_cached_memory()``: the trainer's state stays, its allocator cache (the
+            step's activation peak) goes back to the device for the engine.
     """
 
     def __init__(self, policy, generation, weight_sync, version: int = 0, kv_scales: Optional[KvScales] = None,
-                 requires_kv_scales: bool = False, offload_trainer: bool = True):
+                 requires_kv_scales: bool = False, offload_trainer: bool = True, colocated: bool = True):
         self.policy, self.generation, self.weight_sync = policy, generation, weight_sync
         self.requires_kv_scales = requires_kv_scales
         self.offload_trainer = offload_trainer
+        self.colocated = colocated
         self.stale = True
         self.version, self.kv_scales = version, kv_scales
         self.last_stats = None
@@ -99,6 +103,8 @@ class RefitController:
             self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
             if self.offload_trainer:
                 self.policy.offload_after_refit()
+            elif self.colocated:
+                self.policy.release_cached_memory()
         self.stale = False
         return self.last_stats.metrics()
 

@@ -236,6 +236,9 @@ class PolicyWorker(_MemoryProbe):
     def offload_after_refit(self) -> None:
         self.backend.offload_after_refit()
 
+    def release_cached_memory(self) -> None:
+        self.backend.release_cached_memory()
+
     def save(self, path: str) -> None:
         self.backend.save(path)
 
@@ -396,6 +399,9 @@ class PolicyGroup:
 
     def offload_after_refit(self) -> None:
         ray.get([w.offload_after_refit.remote() for w in self.workers])
+
+    def release_cached_memory(self) -> None:
+        ray.get([w.release_cached_memory.remote() for w in self.workers])
 
     def save(self, path) -> None:
         ray.get([w.save.remote(str(path)) for w in self.workers])  # rank 0 writes; Megatron ranks write shards

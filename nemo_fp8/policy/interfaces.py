@@ -10,7 +10,9 @@ implementations: ``torch`` (reference: HF model + AdamW, FP8 recipes emulated) a
 Lifecycle (NeMo-RL's names): around a refit with a colocated engine the loop calls
 ``offload_before_refit`` (optimizer state off the device) and ``offload_after_refit`` (weights
 off the device too, so the engine can wake); ``prepare_for_training`` brings both back before
-the next log-probs / training; ``shutdown`` releases everything.
+the next log-probs / training; ``shutdown`` releases everything. Colocated with
+``offload_trainer`` off, the state stays and the refit ends with ``release_cached_memory``
+(the allocator's free cached blocks back to the device).
 
 Data parallelism: a backend instance is one data-parallel rank. ``train`` on a rank sees its
 shard of each global batch and sums gradients across ranks (the loss is normalised by the
@@ -61,6 +63,11 @@ class PolicyBackend(Protocol):
     def offload_before_refit(self) -> None: ...
 
     def offload_after_refit(self) -> None: ...
+
+    def release_cached_memory(self) -> None:
+        """Hand the GPU blocks the allocator caches but no tensor uses (the last step's activations) back to the
+        device, keeping every tensor where it is: what a colocated engine needs when the trainer's state stays."""
+        ...
 
     def save(self, path: str | Path) -> None: ...
 

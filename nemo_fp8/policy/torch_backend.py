@@ -15,6 +15,7 @@ weights stay in ``policy.precision``. Correct and testable, not fast; runs on CP
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 from dataclasses import dataclass, field
@@ -305,6 +306,12 @@ class TorchPolicyBackend:
         if self.device.type == "cuda" and "optimizer" not in self._offloaded:
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
             self._offloaded.add("optimizer")
+            torch.cuda.empty_cache()
+
+    def release_cached_memory(self) -> None:
+        """Colocated on a GPU without offloading: the allocator's free cached blocks back to the device."""
+        if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
 
     def offload_after_refit(self) -> None:

@@ -86,19 +86,22 @@ def test_reward_scorer_on_generated_text(tiny_cfg):
     assert 0.0 <= metrics["train/reward_mean"] <= 1.0
 
 
-@pytest.mark.parametrize("offload", [True, False])
-def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload):
+@pytest.mark.parametrize("offload,colocated,expected", [(True, True, ["before", "after"]), (False, True, ["release"]),
+                                                        (False, False, [])])
+def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated, expected):
     """policy.generation.colocated.offload_trainer: the refit moves the trainer's state out (NeMo-RL's colocated
-    refit) or leaves it (engine on its own GPUs, or both fit); the engine gets the weights either way."""
+    refit) or leaves it (engine on its own GPUs, or both fit; colocated, the allocator's cache still goes back to
+    the device for the engine); the engine gets the weights either way."""
     cfg = tiny_cfg(*SMALL)
     tok, loader, policy, gen, _ = setup(cfg)
     calls = []
     policy.offload_before_refit = lambda: calls.append("before")
     policy.offload_after_refit = lambda: calls.append("after")
+    policy.release_cached_memory = lambda: calls.append("release")
     refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20),
-                               offload_trainer=offload)
+                               offload_trainer=offload, colocated=colocated)
     metrics = refitter.refit_if_stale(Timer())
-    assert calls == (["before", "after"] if offload else [])
+    assert calls == expected
     assert metrics["refit/num_buckets"] >= 1 and gen.weight_version().weights == 0
 
 
