@@ -107,8 +107,9 @@ for job in "$@"; do
            done; tail -n 3 logs/sweep/*.log ;;
     sweeprep) for d in logs/sweep/*/; do
            m="$d/bf16/metrics.jsonl"; [ -f "$m" ] || { echo "$d: no metrics"; continue; }
-           python3 -c 'import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().endswith("}")]
+           python3 -c 'import sys
+from nemo_fp8.utils.logger import read_metrics
+rows = read_metrics(sys.argv[1])
 tr = [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]
 chunks = [round(sum(tr[i:i + 10]) / len(tr[i:i + 10]), 3) for i in range(0, len(tr), 10)]
 print(sys.argv[2], len(tr), "steps; train reward by 10 steps:", chunks)

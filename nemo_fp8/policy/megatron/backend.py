@@ -451,8 +451,7 @@ class MegatronPolicyBackend:
             if hasattr(module, "_fp8_workspaces"):
                 module._fp8_workspaces.clear()
         self._offloaded.add("optimizer")
-        gc.collect()
-        torch.cuda.empty_cache()
+        self.release_cached_memory()
 
     def release_cached_memory(self) -> None:
         """The allocator's free cached blocks (the step's activation peak) back to the device, the state kept: with
@@ -470,8 +469,7 @@ class MegatronPolicyBackend:
         if self.reference is not None:
             self.reference.to("cpu")
         self._offloaded.add("model")
-        gc.collect()
-        torch.cuda.empty_cache()
+        self.release_cached_memory()
 
     # ----------------------------------------------------------------------- checkpoints
     def _sharded_state_dict(self, is_loading: bool) -> dict:
