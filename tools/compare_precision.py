@@ -7,6 +7,7 @@
     python tools/compare_precision.py --backend gpu --dry-run                               # print the commands
     python tools/compare_precision.py --backend gpu --report-only --also logs/compare/gpu-b  # + another host's runs
     python tools/compare_precision.py --backend gpu --parallel 7                            # all variants at once, one GPU
+    python tools/compare_precision.py --backend gpu --variants fp8+tis-seed2,bf16-seed3     # any variant, another seed
 
 Each variant is a full ``examples/run_grpo_math.py`` run with the same config, seed, data and steps,
 plus the variant's overrides (``VARIANTS`` / ``GPU_VARIANTS`` below; every variant sets all the
@@ -15,11 +16,12 @@ precision keys it depends on, so the base config's precision does not leak in). 
 The report, ``<out-dir>/parity.png`` (validation accuracy, reward, gen_kl_error,
 token_mult_prob_error; a curve per variant) and ``<out-dir>/parity.md`` (final and best accuracy,
 mean mismatch, seconds per step split into generation / refit / log-probs / training, ratios to
-``bf16``), is written from whatever variants have a ``metrics.jsonl``; a failed variant is
-reported and the others still run.
+``bf16``; below it each run's training reward minus ``bf16``'s, paired by step), is written from
+whatever variants have a ``metrics.jsonl``; a failed variant is reported and the others still run.
 """
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -29,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nemo_fp8.utils.logger import read_metrics  # noqa: E402
-from nemo_fp8.utils.parity import parity_table, plot_parity, summarize_run  # noqa: E402
+from nemo_fp8.utils.parity import parity_table, plot_parity, reward_gap_table, summarize_run  # noqa: E402
 
 _BF16 = ["policy.generation.vllm_cfg.precision=bfloat16", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]
 _FP8 = ["policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]
@@ -66,6 +68,27 @@ GPU_VARIANTS = {
     "fp8-e2e+tis": _FP8 + _TIS + _TRAIN_FP8,                     # FP8 rollout + FP8 training (blockwise e4m3)
     "fp8+fp16-train+tis": _FP8 + _TIS + _TRAIN_FP16,             # FP8 rollout + FP16 training (loss scaling)
 }
+SEED_SUFFIX = re.compile(r"^(?P<base>.+)-seed(?P<n>[0-9]+)$")
+
+
+def variant_overrides(backend: str, name: str) -> list[str]:
+    """The overrides of variant ``name``: its table entry, or ``<variant>-seed<N>`` (N >= 2) for any variant
+    with another sampling seed, ``grpo.seed=41+N`` (the configs' seed is 42: ``-seed2`` is 43, as in
+    ``bf16-seed2``). Prompts and their order follow ``data.seed`` and stay the same, so a second seed of an
+    FP8 variant is a second, independent rollout stream to set against BF16's seeds.
+
+    Raises:
+        KeyError: not a variant of ``backend``'s table, nor one of them with a ``-seed<N>`` suffix (N >= 2).
+    """
+    table = GPU_VARIANTS if backend == "gpu" else VARIANTS
+    if name in table:
+        return list(table[name])
+    m = SEED_SUFFIX.match(name)
+    if m and m["base"] in table and int(m["n"]) >= 2:
+        return [*table[m["base"]], f"grpo.seed={41 + int(m['n'])}"]
+    raise KeyError(name)
+
+
 DEFAULT_CONFIG = {"cpu": REPO / "examples" / "configs" / "grpo_math_tiny_fp8.yaml",
                   "gpu": REPO / "examples" / "configs" / "grpo_math_small_parity.yaml"}
 
@@ -76,9 +99,8 @@ def variant_command(backend: str, name: str, config: str, out_dir: Path, overrid
     Raises:
         KeyError: unknown variant for ``backend``.
     """
-    table = GPU_VARIANTS if backend == "gpu" else VARIANTS
     return [sys.executable, str(REPO / "examples" / "run_grpo_math.py"), "--overwrite", "--config", str(config),
-            *table[name], f"logger.log_dir={out_dir / name}",
+            *variant_overrides(backend, name), f"logger.log_dir={out_dir / name}",
             f"checkpointing.checkpoint_dir={checkpoint_dir(out_dir) / name}", *overrides]
 
 
@@ -175,6 +197,14 @@ def report_sources(out_dir: Path, names: list[str], also: list[Path] = ()) -> di
     return sources
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory where it lies below it (plot titles, notes), else as is."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                  concurrency: int = 1, also: list[Path] = ()) -> tuple[Path, Path] | None:
     """``parity.png`` + ``parity.md`` in ``out_dir`` from ``<out_dir>/<name>/metrics.jsonl`` (and the ``also``
@@ -184,7 +214,12 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     ``concurrency`` > 1 (variants that ran at once on one device) is stated under the table.
     """
     runs, summaries, missing = {}, {}, []
-    for name, path in report_sources(out_dir, names, also).items():
+    sources = report_sources(out_dir, names, also)
+    # an ``also`` folder's runs take their time ratios and reward pairing to that folder's own baseline (same host)
+    base_in = {path.parent.parent: label for label, path in sources.items() if path.parent.name == baseline}
+    baseline_of = {label: base_in[path.parent.parent] for label, path in sources.items()
+                   if path.parent.parent != out_dir and path.parent.parent in base_in}
+    for name, path in sources.items():
         rows = read_metrics(path) if path.is_file() else []
         try:
             summaries[name] = summarize_run(rows)
@@ -194,16 +229,25 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
         runs[name] = rows
     if not runs:
         return None
-    png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({out_dir})")
-    table = parity_table(summaries, baseline)
+    png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({_shown(out_dir)})", baseline=baseline,
+                      baseline_of=baseline_of)
+    table = parity_table(summaries, baseline, baseline_of={k: v for k, v in baseline_of.items() if v in summaries})
     notes = ("\nTimes are seconds per training step (first step left out: warm-up); `step s` excludes validation "
              "and checkpointing. Accuracy: `val/accuracy` (greedy when `grpo.val_greedy`).\n")
+    gaps = reward_gap_table(runs, baseline, baseline_of)
+    if gaps:
+        notes += ("\nTraining reward minus the paired " + baseline + " run's, step by step (the same prompts at each "
+                  "step), in the first 40% and the last 40% of the steps; se: standard error of the mean difference, "
+                  "steps taken as independent; a second BF16 seed shows the size of sampling noise. Runs with the same "
+                  "`grpo.seed` share their sampling random numbers, so their rollouts overlap and their differences "
+                  "from the baseline move together: count independent seeds, not variants:\n\n" + gaps)
     if concurrency > 1:
         notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "
                   "so compare them within this table only; a timing claim comes from a run with --parallel 1.\n")
     if also:
-        notes += ("\nRuns from other comparisons (" + ", ".join(str(a) for a in also) + ") are in the table; a "
-                  "`name@folder` label is that folder's run of a variant also run here.\n")
+        notes += ("\nRuns from other comparisons (" + ", ".join(_shown(a) for a in also) + ") are in the table; a "
+                  "`name@folder` label is that folder's run of a variant also run here. A folder's runs take their "
+                  f"`/ {baseline}` ratios to that folder's own {baseline} run where it has one (the same host).\n")
     if missing:
         notes += "\nMissing: " + "; ".join(missing) + "\n"
     md = out_dir / "parity.md"
@@ -243,9 +287,15 @@ def main(argv=None) -> int:
         args.stagger_s = 45.0 if args.backend == "gpu" and args.parallel > 1 else 0.0
     table = GPU_VARIANTS if args.backend == "gpu" else VARIANTS
     names = args.variants.split(",") if args.variants else list(table)
-    unknown = [n for n in names if n not in table]
+    unknown = []
+    for n in names:
+        try:
+            variant_overrides(args.backend, n)
+        except KeyError:
+            unknown.append(n)
     if unknown:
-        print(f"error: unknown {args.backend} variant(s) {unknown}; valid: {', '.join(table)}", file=sys.stderr)
+        print(f"error: unknown {args.backend} variant(s) {unknown}; valid: {', '.join(table)}, and any of them "
+              "with -seed<N> (N >= 2: another sampling seed)", file=sys.stderr)
         return 2
     config = args.config or str(DEFAULT_CONFIG[args.backend])
     out_dir = Path(args.out_dir or REPO / "logs" / "compare" / args.backend).resolve()

@@ -74,22 +74,98 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     return out
 
 
-def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
+def _paired_reward_diffs(rows: list[dict], base_rows: list[dict]) -> tuple[list[int], list[float]]:
+    """The steps both runs logged ``train/reward_mean`` for (ascending) and run - baseline at each."""
+    def rewards(rs):
+        return {r["step"]: r["train/reward_mean"] for r in rs if _num(r.get("train/reward_mean"))}
+
+    a, b = rewards(rows), rewards(base_rows)
+    steps = sorted(set(a) & set(b))
+    return steps, [a[s] - b[s] for s in steps]
+
+
+def _pair_of(name: str, baseline: str, baseline_of: dict[str, str] | None) -> str:
+    """The run ``name`` is compared with: ``baseline_of[name]`` (another host's runs: that host's baseline), else
+    ``baseline``; a host's own baseline pairs with ``baseline`` (how far two hosts' runs of one config differ)."""
+    ref = (baseline_of or {}).get(name, baseline)
+    return baseline if ref == name else ref
+
+
+def paired_reward_gap(rows: list[dict], base_rows: list[dict], first: float, last: float) -> dict:
+    """Training reward of a run minus its baseline's, paired by step, over a window of the steps both ran.
+
+    Runs with the same data seed draw the same prompts at each step, so most of the step-to-step spread
+    of ``train/reward_mean`` (prompt difficulty) cancels in the per-step difference; what is left is
+    sampling noise, plus any real difference between the runs. The window is the fraction
+    ``[first, last)`` of the steps both runs have (``0.6, 1.0``: the last 40%).
+
+    Returns:
+        dict: ``steps`` (pairs in the window), ``diff`` (mean of run - baseline, reward units),
+        ``se`` (its standard error: the sample standard deviation of the differences / sqrt(steps),
+        steps taken as independent; NaN below 2 pairs), ``z`` (diff / se).
+
+    Raises:
+        ValueError: no step in the window that both runs logged ``train/reward_mean`` for.
+    """
+    steps, diffs = _paired_reward_diffs(rows, base_rows)
+    lo, hi = int(first * len(steps)), int(last * len(steps))
+    d = diffs[lo:hi]
+    if not d:
+        raise ValueError(f"no common training steps in [{first}, {last}) of {len(steps)} shared steps")
+    n, mean = len(d), sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+    return {"steps": n, "diff": mean, "se": se, "z": mean / se if se > 0 else float("nan")}
+
+
+def reward_gap_table(runs: dict[str, list[dict]], baseline: str = "bf16",
+                     baseline_of: dict[str, str] | None = None,
+                     windows: tuple[tuple[float, float], ...] = ((0.0, 0.4), (0.6, 1.0))) -> str:
+    """Markdown table: each run's training reward minus its baseline's, paired by step
+    (:func:`paired_reward_gap`), in each window of steps; empty when no run has a baseline to pair with.
+
+    ``baseline_of`` maps a run to the row it pairs with (another host's runs: that host's baseline),
+    else ``baseline``; another host's baseline pairs with ``baseline`` (how far two hosts' runs of one
+    config differ), and ``baseline`` itself is left out.
+    """
+    head = ["variant", "paired with"] + [f"steps {int(lo * 100)}-{int(hi * 100)}%: diff +- se (z)"
+                                         for lo, hi in windows]
+    lines = []
+    for name, rows in runs.items():
+        ref = _pair_of(name, baseline, baseline_of)
+        if ref == name or ref not in runs:
+            continue
+        cells = []
+        for lo, hi in windows:
+            try:
+                g = paired_reward_gap(rows, runs[ref], lo, hi)
+                cells.append(f"{g['diff']:+.4f} +- {g['se']:.4f} ({g['z']:+.1f})")
+            except ValueError:
+                cells.append("-")
+        lines.append("| " + " | ".join([name, ref, *cells]) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]) + "\n"
+
+
+def parity_table(summaries: dict[str, dict], baseline: str = "bf16",
+                 baseline_of: dict[str, str] | None = None) -> str:
     """Markdown table of :func:`summarize_run` results, one row per variant (input order).
 
     Columns: steps, first/final/best validation accuracy (and first -> final per data source when
     the runs logged ``val/accuracy/<data_source>``), mean reward, mean gen_kl_error and
     token_mult_prob_error, seconds per step split into generation / refit / log-probs / training,
     the whole step, and the step and generation times as ratios to ``baseline`` ("-" when
-    ``baseline`` is not among the variants).
+    ``baseline`` is not among the variants). ``baseline_of`` maps a variant to another row to take
+    its ratios to (runs from another host: that host's own baseline run), overriding ``baseline``.
     """
-    base = summaries.get(baseline)
+    baseline_of = baseline_of or {}
     sources = sorted({src for s in summaries.values() for src in s.get("acc_by_source", {})})
     head = ["variant", "steps", "start acc", "final acc", "best acc", *[f"{src} acc" for src in sources], "reward",
             "gen_kl_error", "mult_prob_err", "gen s", "refit s", "logprobs s", "train s", "step s",
             f"step / {baseline}", f"gen / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
+        base = summaries.get(baseline_of.get(name, baseline))
         per_src = [("{:.3f} -> {:.3f}".format(*s["acc_by_source"][src]) if src in s.get("acc_by_source", {}) else "-")
                    for src in sources]
         cells = [name, str(s["steps"]), f"{s.get('start_acc', float('nan')):.4f}", f"{s['final_acc']:.4f}",
@@ -101,10 +177,13 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16") -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = "learning parity") -> Path:
+def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = "learning parity",
+                baseline: str | None = None, baseline_of: dict[str, str] | None = None, smooth: int = 10) -> Path:
     """One figure, a curve per run: four panels (validation accuracy, reward, gen_kl_error,
     token_mult_prob_error), plus one panel of validation accuracy per data source when the runs logged
-    ``val/accuracy/<data_source>``.
+    ``val/accuracy/<data_source>``, plus, when ``baseline`` is among the runs, one panel of each run's
+    training reward minus its baseline's paired by step (``baseline_of``, else ``baseline``; the same
+    prompts at each step, so prompt difficulty cancels), as a trailing ``smooth``-step mean.
 
     Raises:
         ValueError: no runs.
@@ -119,16 +198,29 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
     sources = sorted({k[len("val/accuracy/"):] for rows in runs.values() for r in rows for k in r
                       if k.startswith("val/accuracy/")})
     panels = PANELS + [(f"val/accuracy/{src}", f"validation accuracy: {src}") for src in sources]
+    paired = baseline is not None and baseline in runs
+    if paired:
+        panels.insert(2, ("paired", f"train reward - {baseline}, paired by step ({smooth}-step mean)"))
     cols = (len(panels) + 1) // 2
     fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 9), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
+    color = {name: f"C{i % 10}" for i, name in enumerate(runs)}  # one colour per run in every panel
     for ax, (key, label) in zip(axes.flat, panels):
         for name, rows in runs.items():
-            pts = sorted((r["step"], r[key]) for r in rows if _num(r.get(key)) and "step" in r)
+            if key == "paired":
+                ref = _pair_of(name, baseline, baseline_of)
+                steps, d = _paired_reward_diffs(rows, runs[ref]) if ref != name and ref in runs else ([], [])
+                pts = [(s, sum(d[max(0, i - smooth + 1):i + 1]) / len(d[max(0, i - smooth + 1):i + 1]))
+                       for i, s in enumerate(steps)]
+            else:
+                pts = sorted((r["step"], r[key]) for r in rows if _num(r.get(key)) and "step" in r)
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, label=name, marker="o" if len(pts) < 30 else None, markersize=3, linewidth=1.2)
+                ax.plot(xs, ys, label=name, color=color[name], marker="o" if len(pts) < 30 else None, markersize=3,
+                        linewidth=1.2)
+        if key == "paired":
+            ax.axhline(0.0, color="black", linewidth=0.6)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -112,6 +112,21 @@ def test_hf_megatron_hf_is_exact(any_ckpt):
         _close(be)
 
 
+def _reference_logprobs(path, batch) -> dict[str, torch.Tensor]:
+    """The torch reference policy's log-probs [B, T] in bf16 and in fp32 on the same weights and batch."""
+    from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+
+    out = {}
+    for precision in ("bfloat16", "float32"):
+        ref = TorchPolicyBackend(_policy_cfg(path, megatron=False).model_copy(update={"precision": precision}),
+                                 torch.device("cuda", 0))
+        out[precision] = ref.get_logprobs(batch)
+        del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def test_logprobs_match_torch_reference(any_ckpt):
     """Megatron (bf16) vs the torch reference, bounded by the reference's own bf16 rounding noise.
 
@@ -120,20 +135,13 @@ def test_logprobs_match_torch_reference(any_ckpt):
     be as close to the bf16 reference, and to the fp32 one, as bf16 rounding allows: within 1.5x
     that floor (and every token within 0.25).
     """
-    from nemo_fp8.policy.torch_backend import TorchPolicyBackend
-
     batch = _batch()
     be = _backend(_policy_cfg(any_ckpt))
     try:
         lp_m = be.get_logprobs(batch)
     finally:
         _close(be)
-    lp_t = {}
-    for precision in ("bfloat16", "float32"):
-        ref = TorchPolicyBackend(_policy_cfg(any_ckpt, megatron=False).model_copy(update={"precision": precision}),
-                                 torch.device("cuda", 0))
-        lp_t[precision] = ref.get_logprobs(batch)
-        del ref
+    lp_t = _reference_logprobs(any_ckpt, batch)
     mask = batch.token_mask.bool()
     diff = (lp_m - lp_t["bfloat16"])[mask].abs()
     diff32 = (lp_m - lp_t["float32"])[mask].abs()
@@ -509,6 +517,14 @@ def _tp_rank(rank: int, world: int, port: int, path: str, tp: int, out):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel 2 needs two GPUs (nvidia-h200-x2)")
 def test_tensor_parallel_2_matches_1(ckpt):
+    """Tensor parallel 2 vs 1 on the same weights, bounded by bf16 rounding noise as the torch-reference test is.
+
+    TP=2 splits each row-parallel GEMM's reduction over two ranks and sums bf16 partial outputs in an
+    all-reduce: a different rounding order, not different math. Bound: within 1.5x the noise floor (the
+    torch reference in bf16 vs fp32, the same batch), both TP=2 vs TP=1 and TP=2 vs the fp32 reference,
+    and every token within 0.15. Seen on two H200 (2026-11-24): TP=2 vs TP=1 mean |dlogp| 1.80e-2, max
+    7.92e-2, over the earlier fixed 1e-2 bound, inside the floor measured there (2.22e-2 on this model).
+    """
     import torch.multiprocessing as mp
 
     results = {}
@@ -517,8 +533,12 @@ def test_tensor_parallel_2_matches_1(ckpt):
         mp.start_processes(_tp_rank, args=(tp, _free_port(), str(ckpt), tp, out), nprocs=tp, join=True,
                            start_method="spawn")
         results[tp] = dict(out)
+    ref = _reference_logprobs(ckpt, _batch())
     mask = _batch().token_mask.bool()
     diff = (results[1]["lp"] - results[2]["lp"])[mask].abs()
-    print(f"tp2 vs tp1: mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}")
+    diff32 = (results[2]["lp"] - ref["float32"].cpu())[mask].abs()
+    noise = (ref["bfloat16"] - ref["float32"]).cpu()[mask].abs()
+    print(f"tp2 vs tp1: mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}; tp2 vs fp32 reference "
+          f"{diff32.mean():.2e}; noise floor (reference bf16 vs fp32) {noise.mean():.2e}")
     assert results[1]["n"] == results[2]["n"]
-    assert diff.mean() < 1e-2 and diff.max() < 0.15
+    assert diff.mean() < 1.5 * noise.mean() and diff32.mean() < 1.5 * noise.mean() and diff.max() < 0.15

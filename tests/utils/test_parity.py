@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8.utils.parity import parity_table, summarize_run
+from nemo_fp8.utils.parity import paired_reward_gap, parity_table, reward_gap_table, summarize_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,6 +69,36 @@ def test_parity_table_ratios_to_baseline():
     assert "-" == parity_table(sums, baseline="nope").splitlines()[2].split("|")[-2].strip()
 
 
+def _reward_rows(rewards: list[float]) -> list[dict]:
+    return [{"step": 0, "val/accuracy": 0.1}] + [{"step": i + 1, "train/reward_mean": r} for i, r in enumerate(rewards)]
+
+
+def test_paired_reward_gap_hand_computed():
+    base = _reward_rows([0.1, 0.5, 0.2, 0.4, 0.3])
+    run = _reward_rows([0.1, 0.5, 0.1, 0.3, 0.3, 0.9])  # one step more: only the 5 common steps pair
+    g = paired_reward_gap(run, base, 0.0, 1.0)
+    # differences 0, 0, -0.1, -0.1, 0: mean -0.04, sample sd sqrt(0.012/4) = 0.0548, se 0.0548 / sqrt(5)
+    assert g["steps"] == 5 and g["diff"] == pytest.approx(-0.04)
+    assert g["se"] == pytest.approx(math.sqrt(0.012 / 4 / 5)) and g["z"] == pytest.approx(-0.04 / g["se"])
+    late = paired_reward_gap(run, base, 0.6, 1.0)  # steps 4 and 5 of 5
+    assert late["steps"] == 2 and late["diff"] == pytest.approx(-0.05)
+    with pytest.raises(ValueError, match="no common training steps"):
+        paired_reward_gap(run, _reward_rows([]), 0.0, 1.0)
+
+
+def test_reward_gap_table_pairs_each_host_with_its_own_baseline():
+    runs = {"bf16": _reward_rows([0.1, 0.2, 0.3, 0.4, 0.5]), "fp8": _reward_rows([0.1, 0.2, 0.3, 0.3, 0.4]),
+            "bf16@b": _reward_rows([0.2, 0.3, 0.4, 0.5, 0.6]), "fp8kv": _reward_rows([0.2, 0.3, 0.4, 0.5, 0.5])}
+    table = reward_gap_table(runs, "bf16", baseline_of={"bf16@b": "bf16@b", "fp8kv": "bf16@b"},
+                             windows=((0.0, 0.6), (0.6, 1.0)))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert list(rows) == ["fp8", "bf16@b", "fp8kv"]  # bf16 itself has no row
+    assert rows["fp8"][0] == "bf16" and rows["fp8"][1].startswith("+0.0000") and rows["fp8"][2].startswith("-0.1000")
+    assert rows["bf16@b"][0] == "bf16" and rows["bf16@b"][2].startswith("+0.1000")
+    assert rows["fp8kv"][0] == "bf16@b" and rows["fp8kv"][2].startswith("-0.0500")
+    assert reward_gap_table({"fp8": runs["fp8"]}) == ""
+
+
 def test_accuracy_per_data_source_first_and_last():
     rows = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
     for r, (a, b) in zip([r for r in rows if "val/accuracy" in r], [(0.2, 0.0), (0.7, 0.1), (0.6, 0.0)]):
@@ -122,17 +152,23 @@ def test_report_only_writes_png_and_table(tmp_path, capsys):
 
 def test_report_joins_another_hosts_runs_with_also(tmp_path, capsys):
     a, b = tmp_path / "gpu", tmp_path / "gpu-b"
-    for d, name, acc in ((a, "bf16", 0.3), (a, "fp8+tis", 0.31), (b, "bf16", 0.29), (b, "fp8kv+tis", 0.32)):
-        _write_run(d / name, fake_run(1.0, 1e-3, [0.1, 0.2, acc]))
+    # host b's GPU is twice as slow: its runs' ratios must be to its own bf16, not to host a's
+    for d, name, acc, gen_s in ((a, "bf16", 0.3, 1.0), (a, "fp8+tis", 0.31, 1.0), (b, "bf16", 0.29, 2.0),
+                                (b, "fp8kv+tis", 0.32, 1.0)):
+        _write_run(d / name, fake_run(gen_s, 1e-3, [0.1, 0.2, acc]))
     (b / "fp8-e2e+tis").mkdir()  # started, no metrics yet: not a run
     rc = tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--variants", "bf16,fp8+tis",
                       "--also", str(b)])
     assert rc == 0
     md = (a / "parity.md").read_text()
-    rows = {line.split("|")[1].strip(): line for line in md.splitlines()[2:] if line.startswith("| ")}
+    first_table = md.split("\n\n")[0]
+    rows = {line.split("|")[1].strip(): line for line in first_table.splitlines()[2:] if line.startswith("| ")}
     assert list(rows) == ["bf16", "fp8+tis", "bf16@gpu-b", "fp8kv+tis"]
     assert "| 0.3200 |" in rows["fp8kv+tis"] and "| 0.2900 |" in rows["bf16@gpu-b"]
-    assert "name@folder" in md
+    assert "name@folder" in md and "own bf16 run" in md
+    assert "| fp8kv+tis | bf16@gpu-b |" in md and "| bf16@gpu-b | bf16 |" in md  # the paired reward table
+    gen_ratio = {k: line.split("|")[-2].strip() for k, line in rows.items()}
+    assert gen_ratio == {"bf16": "1.00", "fp8+tis": "1.00", "bf16@gpu-b": "1.00", "fp8kv+tis": "0.50"}
     assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--also", str(tmp_path / "x")]) == 2
     assert "--also" in capsys.readouterr().err
 
@@ -171,6 +207,24 @@ def test_every_variant_is_a_valid_config(backend):
                 assert (m.fp8_cfg.fp8, m.fp8_cfg.fp8_recipe) == ("e4m3", "blockwise")
     if backend == "gpu":
         assert set(table) == {"bf16", "bf16-seed2", "fp8+tis", "fp8", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis"}
+
+
+def test_any_variant_with_another_sampling_seed(capsys):
+    """``<variant>-seed<N>``: the variant's overrides plus grpo.seed=41+N (a second FP8 rollout stream)."""
+    from nemo_fp8.config import load_config
+
+    cp = tool()
+    assert cp.variant_overrides("gpu", "fp8+tis-seed3") == [*cp.GPU_VARIANTS["fp8+tis"], "grpo.seed=44"]
+    assert cp.variant_overrides("gpu", "bf16-seed2") == cp.GPU_VARIANTS["bf16-seed2"]  # the listed one: 43
+    cfg = load_config(cp.DEFAULT_CONFIG["gpu"], cp.variant_overrides("gpu", "fp8kv+tis-seed2"))
+    assert (cfg.grpo.seed, cfg.policy.generation.vllm_cfg.kv_cache_dtype, cfg.data.seed) == (43, "fp8", 0)
+    assert load_config(cp.DEFAULT_CONFIG["cpu"], cp.variant_overrides("cpu", "fp8-seed2")).grpo.seed == 43
+    for bad in ("fp8-seed1", "fp8-seed", "fp9-seed2", "bf16-seed2-seed3x"):
+        with pytest.raises(KeyError):
+            cp.variant_overrides("gpu", bad)
+    assert cp.main(["--backend", "gpu", "--variants", "fp8+tis-seed2,fp8-seed1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8-seed1" in err and "fp8+tis-seed2" not in err.split("valid:")[0] and "-seed<N>" in err
 
 
 def test_dry_run_prints_one_command_per_variant(tmp_path, capsys):
