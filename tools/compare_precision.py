@@ -31,7 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nemo_fp8.utils.logger import read_metrics  # noqa: E402
-from nemo_fp8.utils.parity import parity_table, plot_parity, reward_gap_table, summarize_run  # noqa: E402
+from nemo_fp8.utils.parity import (  # noqa: E402
+    parity_table,
+    plot_parity,
+    reward_gap_table,
+    seed_group_table,
+    summarize_run,
+)
 
 _BF16 = ["policy.generation.vllm_cfg.precision=bfloat16", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]
 _FP8 = ["policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]
@@ -241,6 +247,10 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                   "steps taken as independent; a second BF16 seed shows the size of sampling noise. Runs with the same "
                   "`grpo.seed` share their sampling random numbers, so their rollouts overlap and their differences "
                   "from the baseline move together: count independent seeds, not variants:\n\n" + gaps)
+    seeds = seed_group_table(runs, baseline)
+    if seeds:
+        notes += ("\nOver sampling seeds (`<variant>-seed<N>`), each run's mean training reward over its last 40% of "
+                  "steps; the difference from " + baseline + " with its standard error across seeds:\n\n" + seeds)
     if concurrency > 1:
         notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "
                   "so compare them within this table only; a timing claim comes from a run with --parallel 1.\n")

@@ -147,6 +147,52 @@ def reward_gap_table(runs: dict[str, list[dict]], baseline: str = "bf16",
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]) + "\n"
 
 
+def _seed_of(label: str) -> tuple[str, int]:
+    """``"fp8+tis-seed3@gpu-b"`` -> ``("fp8+tis", 3)``; no ``-seed<N>`` suffix is seed 1 (the config's own)."""
+    name = label.split("@", 1)[0]
+    base, _, n = name.rpartition("-seed")
+    return (base, int(n)) if base and n.isdigit() else (name, 1)
+
+
+def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window: tuple[float, float] = (0.6, 1.0)) -> str:
+    """Markdown table over sampling seeds: runs named ``<variant>`` and ``<variant>-seed<N>`` form one group per
+    variant; for each group of two or more seeds, the mean over seeds of each run's mean training reward in the
+    ``window`` (fractions of its steps; default the last 40%), its standard deviation across seeds, and the
+    difference from the ``baseline`` group with its Welch standard error sqrt(s1^2/n1 + s2^2/n2) and z.
+
+    Every run draws the same prompts (``data.seed``), so the spread across seeds is sampling and trajectory
+    noise only: the statistic for "does this variant differ from BF16 by more than seed noise". A run of a
+    (variant, seed) already counted (the same seed on another host, ``name@folder``) is left out, as it is
+    nearly a copy. Empty when no group has two seeds.
+    """
+    groups: dict[str, dict[int, float]] = {}
+    for label, rows in runs.items():
+        base, seed = _seed_of(label)
+        steps = sorted((r["step"], r["train/reward_mean"]) for r in rows if _num(r.get("train/reward_mean")))
+        part = steps[int(window[0] * len(steps)):int(window[1] * len(steps))]
+        if part and seed not in groups.setdefault(base, {}):
+            groups[base][seed] = sum(v for _, v in part) / len(part)
+
+    def stats(xs):
+        m = sum(xs) / len(xs)
+        return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+    multi = {b: sorted(g.items()) for b, g in groups.items() if len(g) >= 2}
+    if not multi:
+        return ""
+    ref = stats([v for _, v in multi[baseline]]) if baseline in multi else None
+    lines = ["| variant | seeds | reward, mean over seeds | sd across seeds | diff from " + baseline + " +- se (z) |",
+             "|---|---|---|---|---|"]
+    for base, g in multi.items():
+        m, sd = stats([v for _, v in g])
+        cell = "-"
+        if ref is not None and base != baseline:
+            se = math.sqrt(sd ** 2 / len(g) + ref[1] ** 2 / len(multi[baseline]))
+            cell = f"{m - ref[0]:+.4f} +- {se:.4f} ({(m - ref[0]) / se:+.1f})" if se > 0 else f"{m - ref[0]:+.4f}"
+        lines.append(f"| {base} | {','.join(str(k) for k, _ in g)} | {m:.4f} | {sd:.4f} | {cell} |")
+    return "\n".join(lines) + "\n"
+
+
 def parity_table(summaries: dict[str, dict], baseline: str = "bf16",
                  baseline_of: dict[str, str] | None = None) -> str:
     """Markdown table of :func:`summarize_run` results, one row per variant (input order).

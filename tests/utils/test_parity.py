@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8.utils.parity import paired_reward_gap, parity_table, reward_gap_table, summarize_run
+from nemo_fp8.utils.parity import (
+    paired_reward_gap,
+    parity_table,
+    reward_gap_table,
+    seed_group_table,
+    summarize_run,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,6 +103,25 @@ def test_reward_gap_table_pairs_each_host_with_its_own_baseline():
     assert rows["bf16@b"][0] == "bf16" and rows["bf16@b"][2].startswith("+0.1000")
     assert rows["fp8kv"][0] == "bf16@b" and rows["fp8kv"][2].startswith("-0.0500")
     assert reward_gap_table({"fp8": runs["fp8"]}) == ""
+
+
+def test_seed_group_table_hand_computed():
+    """Groups by variant over -seed<N>; late window = last 40% of each run's steps (steps 4-5 of 5)."""
+    runs = {"bf16": _reward_rows([0, 0, 0, 0.4, 0.6]),            # late mean 0.5
+            "bf16-seed2": _reward_rows([0, 0, 0, 0.6, 0.8]),      # 0.7
+            "bf16@gpu-b": _reward_rows([0, 0, 0, 0.9, 0.9]),      # seed 1 again: a near copy, left out
+            "fp8+tis": _reward_rows([0, 0, 0, 0.3, 0.3]),         # 0.3
+            "fp8+tis-seed3@gpu-b": _reward_rows([0, 0, 0, 0.5, 0.5]),  # 0.5 (seed 3, from another host: counted)
+            "fp8kv+tis": _reward_rows([0, 0, 0, 0.1, 0.1])}       # one seed: no row
+    table = seed_group_table(runs)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert list(rows) == ["bf16", "fp8+tis"]
+    sd = math.sqrt(0.02)  # two values 0.2 apart: sample sd 0.1414
+    assert rows["bf16"] == ["1,2", "0.6000", f"{sd:.4f}", "-"]
+    se = math.sqrt(sd ** 2 / 2 + sd ** 2 / 2)
+    assert rows["fp8+tis"][:3] == ["1,3", "0.4000", f"{sd:.4f}"]
+    assert rows["fp8+tis"][3] == f"{-0.2:+.4f} +- {se:.4f} ({-0.2 / se:+.1f})"
+    assert seed_group_table({"bf16": runs["bf16"], "fp8": runs["fp8+tis"]}) == ""
 
 
 def test_accuracy_per_data_source_first_and_last():
