@@ -22,6 +22,8 @@
 #   sweeprep each sweep run's validation accuracy (overall and per data source) by step, and its metrics, to $OUT
 #   wait    sleep until the deadline or the background jobs end, then show their logs     sh      bash -c "$CMD"
 #   report  the parity plot/table from the logs so far (compare_precision --report-only) + small model report, to $OUT
+#   updvis  tools/fp8_update_visibility.py from the small model to each parity run's last checkpoint (UV_BEFORE,
+#           UV_ARGS): how much of the trained update each run's FP8 engine saw, to $OUT/updvis.log
 #   dgcache pack the DeepGEMM kernel cache ($DG_JIT_CACHE_DIR, default .dgcache) into $OUT/dgcache.tgz
 #   prof    tools/profile_rollout.py (PROF_ARGS): kernel time per decode step by category, BF16 vs FP8
 #   mission the 8B mission command, FP8 then BF16 (MISSION_RUNS="fp8 bf16", STEPS, MISSION_ARGS: more overrides,
@@ -126,6 +128,16 @@ for r in rows:
           cp models/small-qwen3/small_model_spec.json "$PD"/parity.md "$PD"/parity.png "$OUT"/ 2>/dev/null
           cp logs/parity.log logs/small.log "$OUT"/ 2>/dev/null
           tar czf "$OUT/parity_logs.tgz" "$PD"/*/metrics.jsonl "$PD"/*/run.log 2>/dev/null ;;
+    updvis) # how much of each parity run's update its FP8 engine saw: tools/fp8_update_visibility.py from the small
+            # model (UV_BEFORE) to the run's last checkpoint (parity runs that kept checkpointing on), per variant
+          R=results/${PD#logs/}
+          for d in "$R"/*/; do
+            last=$(ls -d "$d"step_* 2>/dev/null | sort -t_ -k2 -n | tail -1); [ -n "$last" ] || continue
+            echo "== $(basename "$d"): ${UV_BEFORE:-models/small-qwen3} -> $last"
+            timeout $(( $(left) - 5 )) python3 tools/fp8_update_visibility.py --before "${UV_BEFORE:-models/small-qwen3}" \
+              --after "$last" ${UV_ARGS:-} | tail -n +2
+          done 2>&1 | tee "$OUT/updvis.log"
+          [ -s "$OUT/updvis.log" ] || echo "no checkpoints under $R (run parity without checkpointing.enabled=false)" ;;
     dgcache) if [ -d "$DG_JIT_CACHE_DIR" ]; then
                tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
              else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;
