@@ -171,7 +171,7 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8",
                                offload_trainer=gen_cfg.colocated.moves_trainer_state,
-                               colocated=gen_cfg.colocated.enabled)
+                               colocated=colocated)
     return Workers(policy, generation, refitter, pg)
 
 

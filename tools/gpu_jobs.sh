@@ -130,7 +130,7 @@ for r in rows:
           tar czf "$OUT/parity_logs.tgz" "$PD"/*/metrics.jsonl "$PD"/*/run.log 2>/dev/null ;;
     updvis) # how much of each parity run's update its FP8 engine saw: tools/fp8_update_visibility.py from the small
             # model (UV_BEFORE) to the run's last checkpoint (parity runs that kept checkpointing on), per variant
-          R=results/${PD#logs/}
+          R=results/${PD#logs/}  # compare_precision.checkpoint_dir's rule: logs/X -> results/X
           for d in "$R"/*/; do
             last=$(ls -d "$d"step_* 2>/dev/null | sort -t_ -k2 -n | tail -1); [ -n "$last" ] || continue
             echo "== $(basename "$d"): ${UV_BEFORE:-models/small-qwen3} -> $last"

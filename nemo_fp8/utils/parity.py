@@ -74,12 +74,14 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     return out
 
 
+def _rewards_by_step(rows: list[dict]) -> dict[int, float]:
+    """Step -> ``train/reward_mean`` of a run's training steps."""
+    return {r["step"]: r["train/reward_mean"] for r in rows if _num(r.get("train/reward_mean"))}
+
+
 def _paired_reward_diffs(rows: list[dict], base_rows: list[dict]) -> tuple[list[int], list[float]]:
     """The steps both runs logged ``train/reward_mean`` for (ascending) and run - baseline at each."""
-    def rewards(rs):
-        return {r["step"]: r["train/reward_mean"] for r in rs if _num(r.get("train/reward_mean"))}
-
-    a, b = rewards(rows), rewards(base_rows)
+    a, b = _rewards_by_step(rows), _rewards_by_step(base_rows)
     steps = sorted(set(a) & set(b))
     return steps, [a[s] - b[s] for s in steps]
 
@@ -168,10 +170,10 @@ def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window
     groups: dict[str, dict[int, float]] = {}
     for label, rows in runs.items():
         base, seed = _seed_of(label)
-        steps = sorted((r["step"], r["train/reward_mean"]) for r in rows if _num(r.get("train/reward_mean")))
-        part = steps[int(window[0] * len(steps)):int(window[1] * len(steps))]
+        rewards = [v for _, v in sorted(_rewards_by_step(rows).items())]
+        part = rewards[int(window[0] * len(rewards)):int(window[1] * len(rewards))]
         if part and seed not in groups.setdefault(base, {}):
-            groups[base][seed] = sum(v for _, v in part) / len(part)
+            groups[base][seed] = sum(part) / len(part)
 
     def stats(xs):
         m = sum(xs) / len(xs)

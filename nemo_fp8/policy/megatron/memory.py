@@ -203,7 +203,7 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                        "(policy.generation.colocated.enabled=false) keeps it on the GPU"))
     g = cfg.generation
     engine = (g.vllm_cfg.gpu_memory_utilization * gpu_bytes
-              if g.backend == "vllm" and g.colocated.enabled and not g.colocated.moves_trainer_state else 0.0)
+              if g.backend == "vllm" and g.colocated.enabled and not g.colocated.offload_trainer else 0.0)
     if est.per_gpu + NON_TORCH_BYTES + engine <= gpu_bytes:
         return errs
     m = cfg.megatron_cfg
