@@ -235,9 +235,11 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
         runs[name] = rows
     if not runs:
         return None
+    # a folder whose baseline run has no training step pairs with ours, in the table, the gap table and the plot alike
+    baseline_of = {k: v for k, v in baseline_of.items() if v in runs}
     png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({_shown(out_dir)})", baseline=baseline,
                       baseline_of=baseline_of)
-    table = parity_table(summaries, baseline, baseline_of={k: v for k, v in baseline_of.items() if v in summaries})
+    table = parity_table(summaries, baseline, baseline_of=baseline_of)
     notes = ("\nTimes are seconds per training step (first step left out: warm-up); `step s` excludes validation "
              "and checkpointing. Accuracy: `val/accuracy` (greedy when `grpo.val_greedy`).\n")
     gaps = reward_gap_table(runs, baseline, baseline_of)

@@ -156,6 +156,39 @@ def _seed_of(label: str) -> tuple[str, int]:
     return (base, int(n)) if base and n.isdigit() else (name, 1)
 
 
+def _line_styles(names: list[str]) -> dict[str, tuple[str, str]]:
+    """One (matplotlib colour, line style) per run, the same in every panel: one colour per variant (its
+    ``-seed<N>`` and ``@folder`` suffixes dropped), so a variant's seeds and hosts read as one family, told apart by
+    line style (solid, dashed, dotted, dash-dot in order of appearance). Colours cycle after ten variants."""
+    families: dict[str, int] = {}
+    members: dict[str, int] = {}
+    out = {}
+    for name in names:
+        base = _seed_of(name)[0]
+        fam = families.setdefault(base, len(families))
+        k = members[base] = members.get(base, -1) + 1
+        out[name] = (f"C{fam % 10}", ("-", "--", ":", "-.")[k % 4])
+    return out
+
+
+def _seed_groups(labels) -> dict[str, list[str]]:
+    """Variant -> its runs over distinct sampling seeds (``_seed_of``): the first run of each (variant, seed) in
+    ``labels`` order; a later run of a seed already counted (the same seed on another host, ``name@folder``) is
+    left out, as it is nearly a copy."""
+    groups: dict[str, dict[int, str]] = {}
+    for label in labels:
+        base, seed = _seed_of(label)
+        groups.setdefault(base, {}).setdefault(seed, label)
+    return {base: [g[k] for k in sorted(g)] for base, g in groups.items()}
+
+
+def _seed_mean_by_step(runs: dict[str, list[dict]], labels: list[str], key: str) -> dict[int, float]:
+    """Step -> the mean of ``key`` over the runs ``labels``, at the steps every one of them logged it."""
+    per = [{r["step"]: r[key] for r in runs[lab] if _num(r.get(key)) and "step" in r} for lab in labels]
+    common = set.intersection(*(set(p) for p in per)) if per else set()
+    return {st: sum(p[st] for p in per) / len(per) for st in sorted(common)}
+
+
 def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window: tuple[float, float] = (0.6, 1.0)) -> str:
     """Markdown table over sampling seeds: runs named ``<variant>`` and ``<variant>-seed<N>`` form one group per
     variant; for each group of two or more seeds, the mean over seeds of each run's mean training reward in the
@@ -168,12 +201,12 @@ def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window
     nearly a copy. Empty when no group has two seeds.
     """
     groups: dict[str, dict[int, float]] = {}
-    for label, rows in runs.items():
-        base, seed = _seed_of(label)
-        rewards = [v for _, v in sorted(_rewards_by_step(rows).items())]
-        part = rewards[int(window[0] * len(rewards)):int(window[1] * len(rewards))]
-        if part and seed not in groups.setdefault(base, {}):
-            groups[base][seed] = sum(part) / len(part)
+    for base, labels in _seed_groups(runs).items():
+        for label in labels:
+            rewards = [v for _, v in sorted(_rewards_by_step(runs[label]).items())]
+            part = rewards[int(window[0] * len(rewards)):int(window[1] * len(rewards))]
+            if part:
+                groups.setdefault(base, {})[_seed_of(label)[1]] = sum(part) / len(part)
 
     def stats(xs):
         m = sum(xs) / len(xs)
@@ -231,7 +264,10 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
     token_mult_prob_error), plus one panel of validation accuracy per data source when the runs logged
     ``val/accuracy/<data_source>``, plus, when ``baseline`` is among the runs, one panel of each run's
     training reward minus its baseline's paired by step (``baseline_of``, else ``baseline``; the same
-    prompts at each step, so prompt difficulty cancels), as a trailing ``smooth``-step mean.
+    prompts at each step, so prompt difficulty cancels), as a trailing ``smooth``-step mean. When some variants
+    ran over several sampling seeds (``<variant>-seed<N>``), one panel of their validation accuracy averaged
+    over seeds and, when ``baseline`` is one of them, one of their seed-averaged training reward minus the
+    baseline's (seed noise shrinks by the square root of the seeds). Runs of a variant share its colour.
 
     Raises:
         ValueError: no runs.
@@ -249,12 +285,24 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
     paired = baseline is not None and baseline in runs
     if paired:
         panels.insert(2, ("paired", f"train reward - {baseline}, paired by step ({smooth}-step mean)"))
+    seeds = {b: labs for b, labs in _seed_groups(runs).items() if len(labs) >= 2}
+    if seeds:  # variants run over several sampling seeds: their means over seeds, where seed noise averages out
+        panels.insert(1, ("seed_val", "validation accuracy, mean over seeds"))
+        if baseline in seeds and len(seeds) > 1:
+            panels.insert(4, ("seed_gap", f"train reward - {baseline}, means over seeds ({smooth}-step mean)"))
     cols = (len(panels) + 1) // 2
     fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 9), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    color = {name: f"C{i % 10}" for i, name in enumerate(runs)}  # one colour per run in every panel
+    style = _line_styles(list(runs))
     for ax, (key, label) in zip(axes.flat, panels):
+        if key in ("seed_val", "seed_gap"):
+            _plot_seed_means(ax, key, runs, seeds, baseline, style, smooth)
+            ax.set_title(label)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            continue
         for name, rows in runs.items():
             if key == "paired":
                 ref = _pair_of(name, baseline, baseline_of)
@@ -265,8 +313,8 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
                 pts = sorted((r["step"], r[key]) for r in rows if _num(r.get(key)) and "step" in r)
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, label=name, color=color[name], marker="o" if len(pts) < 30 else None, markersize=3,
-                        linewidth=1.2)
+                ax.plot(xs, ys, label=name, color=style[name][0], linestyle=style[name][1],
+                        marker="o" if len(pts) < 30 else None, markersize=3, linewidth=1.2)
         if key == "paired":
             ax.axhline(0.0, color="black", linewidth=0.6)
         ax.set_title(label)
@@ -280,6 +328,31 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+def _plot_seed_means(ax, key: str, runs: dict[str, list[dict]], seeds: dict[str, list[str]], baseline: str | None,
+                     style: dict[str, tuple[str, str]], smooth: int) -> None:
+    """The seed-mean panels of :func:`plot_parity`: ``seed_val``, each multi-seed variant's validation accuracy
+    averaged over its seeds; ``seed_gap``, its training reward averaged over its seeds minus the baseline's
+    average, by step, as a trailing ``smooth``-step mean."""
+    base_mean = _seed_mean_by_step(runs, seeds[baseline], "train/reward_mean") if baseline in seeds else {}
+    for variant, labs in seeds.items():
+        if key == "seed_val":
+            pts = sorted(_seed_mean_by_step(runs, labs, "val/accuracy").items())
+        else:
+            if variant == baseline:
+                continue
+            mean = _seed_mean_by_step(runs, labs, "train/reward_mean")
+            steps = [st for st in mean if st in base_mean]
+            d = [mean[st] - base_mean[st] for st in steps]
+            pts = [(st, sum(d[max(0, i - smooth + 1):i + 1]) / len(d[max(0, i - smooth + 1):i + 1]))
+                   for i, st in enumerate(steps)]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=f"{variant} ({len(labs)} seeds)", color=style[labs[0]][0], linewidth=1.8,
+                    marker="o" if len(pts) < 30 else None, markersize=3)
+    if key == "seed_gap":
+        ax.axhline(0.0, color="black", linewidth=0.6)
 
 
 def peak_gpu_memory(csv_path: str | Path) -> dict[int, float]:

@@ -155,6 +155,40 @@ def test_plot_adds_a_panel_per_data_source(tmp_path):
     assert width(three) == pytest.approx(width(two) * 1.5, rel=0.02)  # 2 x 2 panels -> 2 x 3 (two sources)
 
 
+def test_line_styles_give_a_variant_one_colour_and_each_run_its_own_line():
+    from nemo_fp8.utils.parity import _line_styles
+
+    names = ["bf16", "bf16-seed2", "fp8+tis", "fp8", "bf16@gpu-b", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis",
+             "bf16-seed3", "fp8+tis-seed2", "fp8+tis-seed3", "fp8-seed2"]
+    style = _line_styles(names)
+    assert len(set(style.values())) == len(names)  # 12 runs: no two drawn alike (a 10-colour cycle alone repeats)
+    assert {style[n][0] for n in ("bf16", "bf16-seed2", "bf16@gpu-b", "bf16-seed3")} == {style["bf16"][0]}
+    assert style["fp8+tis-seed3"][0] == style["fp8+tis"][0] != style["bf16"][0]
+    assert [style[n][1] for n in ("bf16", "bf16-seed2", "bf16@gpu-b", "bf16-seed3")] == ["-", "--", ":", "-."]
+
+
+def test_seed_means_average_distinct_seeds_at_common_steps(tmp_path):
+    import struct
+
+    from nemo_fp8.utils.parity import _seed_groups, _seed_mean_by_step, plot_parity
+
+    runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.0, 0.0, [0.1, 0.4, 0.5], steps=2),
+            "bf16@gpu-b": fake_run(2.0, 0.0, [0.9, 0.9, 0.9]), "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.2, 0.2]),
+            "fp8+tis-seed2": fake_run(1.0, 1e-3, [0.1, 0.3, 0.4]), "fp8": fake_run(1.0, 1e-3, [0.1, 0.2, 0.2])}
+    groups = _seed_groups(runs)
+    assert groups == {"bf16": ["bf16", "bf16-seed2"], "fp8+tis": ["fp8+tis", "fp8+tis-seed2"], "fp8": ["fp8"]}
+    # bf16-seed2 stopped at step 2: the mean covers steps 0 and 2 only; bf16@gpu-b (seed 1 again) is not counted
+    assert _seed_mean_by_step(runs, groups["bf16"], "val/accuracy") == pytest.approx({0: 0.1, 2: 0.3})
+
+    def width(path):
+        return struct.unpack(">II", path.read_bytes()[16:24])[0]
+
+    plain = {k: runs[k] for k in ("bf16", "fp8+tis", "fp8")}
+    three = plot_parity(plain, tmp_path / "a.png", baseline="bf16")  # 4 panels + paired: 2 x 3
+    four = plot_parity(runs, tmp_path / "b.png", baseline="bf16")  # + two seed-mean panels: 2 x 4
+    assert width(four) == pytest.approx(width(three) * 4 / 3, rel=0.02)
+
+
 def test_report_only_writes_png_and_table(tmp_path, capsys):
     runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.1, 0.0, [0.1, 0.22, 0.28]),
             "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.25, 0.2])}
@@ -196,6 +230,22 @@ def test_report_joins_another_hosts_runs_with_also(tmp_path, capsys):
     assert gen_ratio == {"bf16": "1.00", "fp8+tis": "1.00", "bf16@gpu-b": "1.00", "fp8kv+tis": "0.50"}
     assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--also", str(tmp_path / "x")]) == 2
     assert "--also" in capsys.readouterr().err
+
+
+def test_also_folder_without_a_usable_baseline_pairs_with_ours_everywhere(tmp_path):
+    a, b, c = tmp_path / "gpu", tmp_path / "gpu-b", tmp_path / "gpu-c"
+    for d, name, gen_s in ((a, "bf16", 1.0), (b, "fp8kv+tis", 0.5), (c, "fp8+tis-seed2", 0.25)):
+        _write_run(d / name, fake_run(gen_s, 1e-3, [0.1, 0.2, 0.3]))
+    (b / "bf16").mkdir()  # host b's bf16 failed before its first training step; host c ran no bf16 at all
+    (b / "bf16" / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/accuracy": 0.1}) + "\n")
+    assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--variants", "bf16",
+                        "--also", str(b), "--also", str(c)]) == 0
+    md = (a / "parity.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in md.split("\n\n")[0].splitlines()[2:]}
+    assert {k: line.split("|")[-2].strip() for k, line in rows.items()} == {
+        "bf16": "1.00", "fp8kv+tis": "0.50", "fp8+tis-seed2": "0.25"}  # gen / bf16: both to host a's bf16
+    assert "| fp8kv+tis | bf16 |" in md and "| fp8+tis-seed2 | bf16 |" in md  # and paired with it
+    assert "bf16@gpu-b: no training-step rows" in md
 
 
 def test_report_only_without_any_metrics_fails(tmp_path):
