@@ -31,6 +31,10 @@
 #           peak memory per GPU side by side
 #   dgwarm  compile DeepGEMM's kernels for a shape (DG_MODEL, default dense) with a 1-layer engine at 10% of the GPU,
 #           in the background (about 4.5 min on the H200): a later kvbench with fp8-deepgemm* starts warm
+#   rollbench in the background, one after the other: dgwarm's DeepGEMM warm-up for DG_MODEL, then
+#           tools/bench_rollout.py (BENCH_ARGS, default: DG_MODEL's shape, bf16 / fp8-cutlass / fp8-deepgemm /
+#           fp8-deepgemm-kv, 512 x (256, 2048) and 32 x 32 RL-like), then tools/profile_rollout.py at a decode batch of
+#           256 (PROF_ARGS; none: skip); ~25 min for the dense shape; logs in logs/rollbench, copied to $OUT by `wait`
 set -u
 START=$(date +%s); DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
@@ -120,8 +124,11 @@ for r in rows:
         print("  step", r["step"], {k.split("/")[-1]: round(v, 4) for k, v in r.items() if k.startswith("val/accuracy")})' "$m" "$d"
          done; tar czf "$OUT/sweep_logs.tgz" logs/sweep/*/bf16/metrics.jsonl logs/sweep/*/bf16/run.log 2>/dev/null ;;
     wait) # until the deadline or until no background job (small, parity, dgwarm) runs, whichever is first
-          while [ "$(left)" -gt 40 ] && pgrep -f "make_small_mode[l]|compare_precisio[n]|bench_rollou[t]" > /dev/null; do sleep 10; done
+          while [ "$(left)" -gt 40 ] && pgrep -f "make_small_mode[l]|compare_precisio[n]|bench_rollou[t]|profile_rollou[t]" \
+            > /dev/null; do sleep 10; done
           tail -n ${TAIL:-15} logs/small.log logs/parity.log 2>/dev/null
+          [ -d logs/rollbench ] && cp logs/rollbench/* "$OUT"/ && grep -hv '^{' logs/rollbench/bench.log logs/rollbench/prof.log \
+            2>/dev/null | tail -n ${TAIL:-15}
           for m in "$PD"/*/metrics.jsonl; do [ -f "$m" ] && echo "$m: $(wc -l < "$m") rows"; done ;;
     report) # the parity plot and table from whatever the variants logged so far, and the small model's report, into $OUT
           python3 tools/compare_precision.py --backend gpu --report-only --out-dir "$PD" ${PARITY_ARGS:-} 2>&1 | tail -40
@@ -141,6 +148,17 @@ for r in rows:
     dgcache) if [ -d "$DG_JIT_CACHE_DIR" ]; then
                tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
              else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;
+    rollbench) mkdir -p logs/rollbench; M=${DG_MODEL:-dense}
+          B=${BENCH_ARGS:---models $M --precisions bf16,fp8-cutlass,fp8-deepgemm,fp8-deepgemm-kv --num-prompts 512 \
+            --output-len 2048 --rl-prompts 32 --rl-samples 32}
+          P=${PROF_ARGS:---model $M --precisions bf16,fp8-cutlass,fp8-deepgemm --batch 256 --output-len 256}
+          setsid nohup bash -c "python3 tools/bench_rollout.py --models $M --num-layers $M=1 --precisions fp8-deepgemm \
+              --gpu-mem 0.1 --num-prompts 8 --output-len 16 --rl-prompts 2 --rl-samples 2 --timeout 900 \
+              > logs/rollbench/dgwarm.log 2>&1
+            python3 tools/bench_rollout.py $B --timeout 900 --out logs/rollbench/bench.json > logs/rollbench/bench.log 2>&1
+            [ '$P' = none ] || python3 tools/profile_rollout.py $P --out logs/rollbench/prof.json \
+              > logs/rollbench/prof.log 2>&1" > /dev/null 2>&1 < /dev/null &
+          sleep 20; tail -2 logs/rollbench/dgwarm.log ;;
     prof) timeout $((L-5)) python3 tools/profile_rollout.py ${PROF_ARGS:---precisions bf16,fp8-cutlass} --timeout $((L-20)) \
             2>&1 | tee "$OUT/prof.log" | tail -30 ;;
     dgwarm) setsid nohup python3 tools/bench_rollout.py --models ${DG_MODEL:-dense} --num-layers ${DG_MODEL:-dense}=1 \

@@ -301,7 +301,8 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
             ax.set_title(label)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
             continue
         for name, rows in runs.items():
             if key == "paired":
