@@ -20,6 +20,14 @@ Precisions (``PRECISIONS``):
     fp8-kv           fp8-cutlass + ``kv_cache_dtype="fp8"`` (per-layer static q/k/v scales; FP8
                      attention with FlashAttention 3 on Hopper). Its linear-only baseline: fp8-cutlass.
     fp8-deepgemm-kv  fp8-deepgemm + FP8 KV cache. Its linear-only baseline: fp8-deepgemm.
+    fp8-deepgemm-fused  fp8-deepgemm with vLLM's own fused SiLU-and-mul / RMSNorm + group-quant kernels
+                     left on, as plain vLLM runs: they write fp32 activation scales, so this engine does
+                     not honour pow2_activation_scaling_factors at those sites (the project's engines turn
+                     them off for power-of-two activation scales: ``engine_args.compilation_config``).
+                     The A/B of what that costs or saves.
+
+The last column names each engine's attention and its live activation scale format
+(``act=pow2|fp32|mixed``, ``engine_args.live_activation_scales``).
 
 Workloads: "fixed": ``--num-prompts`` x (``--input-len`` in, ``--output-len`` out), ignore_eos;
 "RL-like": ``--rl-prompts`` prompts x ``--rl-samples`` samples (default 64 x 32: one rollout of the
@@ -78,6 +86,7 @@ class Precision:
     deep_gemm: bool
     kv_cache_dtype: str
     linear_baseline: Optional[str] = None
+    vllm_act_quant_fusion: bool = False  # keep vLLM's fp32-scale fused act/norm-quant kernels (plain vLLM)
 
 
 PRECISIONS = {
@@ -86,6 +95,7 @@ PRECISIONS = {
     "fp8-cutlass": Precision(True, False, "auto"),
     "fp8-kv": Precision(True, False, "fp8", "fp8-cutlass"),
     "fp8-deepgemm-kv": Precision(True, True, "fp8", "fp8-deepgemm"),
+    "fp8-deepgemm-fused": Precision(True, True, "auto", vllm_act_quant_fusion=True),
 }
 # engine settings that must be equal across the engines of one model for the ratios to mean anything
 LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -119,7 +129,8 @@ def engine_settings(llm) -> dict:
     attn = llm.collective_rpc("nemo_fp8_attn_scales")[0]
     first = attn[sorted(attn)[0]] if attn else {}
     out.update(attn_impl=first.get("impl"), fa_version=first.get("fa_version"), fp8_query=first.get("query_quant"))
-    out["linear_kernels"] = llm.collective_rpc("nemo_fp8_scale_convention")[0]["linear_kernels"]
+    conv = llm.collective_rpc("nemo_fp8_scale_convention")[0]
+    out["linear_kernels"], out["act_scales"] = conv["linear_kernels"], conv.get("act_scales")
     return out
 
 
@@ -131,6 +142,17 @@ def engine_config(precision: str, gpu_mem: float, max_model_len: int):
     return VllmConfig(precision="fp8" if p.fp8 else "bfloat16", use_deep_gemm=p.deep_gemm,
                       pow2_weight_scaling_factors=p.deep_gemm, pow2_activation_scaling_factors=p.deep_gemm,
                       kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=gpu_mem, max_model_len=max_model_len)
+
+
+def engine_spec(precision: str, cfg, model_dir, extra: dict):
+    """``init_fp8`` for one ``PRECISIONS`` entry; ``vllm_act_quant_fusion`` drops the compilation config that
+    turns vLLM's fused activation-quant kernels off (``engine_args.compilation_config``)."""
+    from nemo_fp8.generation.vllm.engine_args import init_fp8
+
+    spec = init_fp8(cfg, model_dir, model_dir, colocated=False, extra=extra)
+    if PRECISIONS[precision].vllm_act_quant_fusion:
+        spec.engine_kwargs.pop("compilation_config", None)
+    return spec
 
 
 def child_result(cmd: list[str], precision: str, timeout: int) -> dict:
@@ -147,11 +169,9 @@ def child_result(cmd: list[str], precision: str, timeout: int) -> dict:
 
 def run_engine(a) -> dict:
     """Child: start one engine, measure, return one row (printed as a JSON line by ``main``)."""
-    from nemo_fp8.generation.vllm.engine_args import init_fp8
-
     p = PRECISIONS[a.precision]
     cfg = engine_config(a.precision, a.gpu_mem, a.input_len + a.output_len + 16)
-    spec = init_fp8(cfg, a.model, a.model, colocated=False, extra={"max_num_seqs": a.max_num_seqs})
+    spec = engine_spec(a.precision, cfg, a.model, {"max_num_seqs": a.max_num_seqs})
     import torch
     from vllm import LLM, SamplingParams
 
@@ -361,14 +381,14 @@ def print_table(rows, a):
         print("NOT like-for-like: " + "; ".join(problems))
     elif ref:
         print("like-for-like: every engine ran with " + ", ".join(f"{k}={ref.get(k)}" for k in LIKE_FOR_LIKE))
-    hdr = (f"{'model':6} {'precision':15} {'fixed tok/s':>11} {'x bf16':>7} {'x fp8':>6} {'RL tok/s':>9} {'x bf16':>7} "
+    hdr = (f"{'model':6} {'precision':18} {'fixed tok/s':>11} {'x bf16':>7} {'x fp8':>6} {'RL tok/s':>9} {'x bf16':>7} "
            f"{'x fp8':>6} {'KV tokens':>10} {'x bf16':>7} {'x fp8':>6} {'fill':>5} {'weights GiB':>11} {'start s':>8} "
-           f"{'refit s':>8} {'quant GB/s':>10}  kv / attention")
+           f"{'refit s':>8} {'quant GB/s':>10}  kv / attention / activation scales")
     print(hdr)
     ok = {(r["model"], r["precision"]): r for r in rows if "error" not in r}
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:6} {r['precision']:15} ERROR {r['error'][-300:]!r}")
+            print(f"{r['model']:6} {r['precision']:18} ERROR {r['error'][-300:]!r}")
             continue
         b = ok.get((r["model"], "bf16"), {})
         lb = PRECISIONS[r["precision"]].linear_baseline
@@ -378,8 +398,9 @@ def print_table(rows, a):
             return f"{r[k] / base[k]:.3f}" if r.get(k) and base.get(k) else "-"
 
         e = r.get("engine", {})
-        attn = f"{e.get('kv_cache_dtype')} / {e.get('attn_impl')} FA{e.get('fa_version')} fp8-q={e.get('fp8_query')}"
-        print(f"{r['model']:6} {r['precision']:15} {r['fixed_tok_s']:11.0f} {ratio('fixed_tok_s', b):>7} "
+        attn = (f"{e.get('kv_cache_dtype')} / {e.get('attn_impl')} FA{e.get('fa_version')} fp8-q={e.get('fp8_query')}"
+                f" act={e.get('act_scales')}")
+        print(f"{r['model']:6} {r['precision']:18} {r['fixed_tok_s']:11.0f} {ratio('fixed_tok_s', b):>7} "
               f"{ratio('fixed_tok_s', f8):>6} {r.get('rl_tok_s', 0):9.0f} {ratio('rl_tok_s', b):>7} "
               f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "

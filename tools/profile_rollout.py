@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, write_config  # noqa: E402
+from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, engine_spec, write_config  # noqa: E402
 
 CATEGORIES = ("gemm", "moe", "attention", "quant", "sampler", "norm_act", "other")
 # (category, substrings of the lower-cased kernel name), first match wins: MoE and attention before the
@@ -122,13 +122,11 @@ def profile_engine(a) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from nemo_fp8.generation.vllm.engine_args import init_fp8
-
     cfg = engine_config(a.precision, a.gpu_mem, a.input_len + a.output_len + 16)
     extra = {"max_num_seqs": max(a.batch, 8)}
     if a.eager:
         extra["enforce_eager"] = True
-    spec = init_fp8(cfg, a.model_dir, a.model_dir, colocated=False, extra=extra)
+    spec = engine_spec(a.precision, cfg, a.model_dir, extra)
     from vllm import LLM, SamplingParams
 
     llm = LLM(**spec.engine_kwargs)

@@ -25,6 +25,9 @@ def test_pow2_convention_is_live_and_bit_exact(tmp_path):
         conv = be.llm.collective_rpc("nemo_fp8_scale_convention")[0]
         print("pow2 scale convention:", conv)
         assert conv["act_ue8m0"] == [True]
+        # compiled engine: vLLM's fused act/norm-quant kernels (fp32 scales only) are off, so every input is pow2
+        assert conv["compiled"] and not conv["fuse_act_quant"] and not conv["fuse_norm_quant"]
+        assert conv["act_scales"] == "pow2"
         state = _hf_state(path)
         got = _engine_params(be, ["model.layers.2.mlp.gate_up_proj.weight", "model.layers.2.mlp.gate_up_proj.weight_scale_inv"])
         qs = [quantize_weight_blockwise(state[f"model.layers.2.mlp.{p}_proj.weight"].cuda(), scale_mode="pow2")

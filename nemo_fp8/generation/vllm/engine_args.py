@@ -12,6 +12,14 @@ What the FP8 engine needs, and where each piece comes from:
   policy's (so no checkpoint is read twice, and FP8 weights are always *our* quantization).
 * ``weight_transfer_config``: ``ipc`` (trainer on the same GPU) or ``nccl`` (elsewhere).
 * ``logprobs_mode="processed_logprobs"``: log-probs of the distribution actually sampled.
+* ``compilation_config={"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}`` when
+  ``pow2_activation_scaling_factors`` (compiled engines): vLLM 0.22's compile passes otherwise replace
+  SiLU-and-mul + group quant and RMSNorm + group quant (the inputs of gate/up, down and q/k/v) with
+  fused CUDA kernels (``silu_and_mul_per_block_quant``, ``rms_norm_per_block_quant``) that compute fp32
+  scales whatever the quantizer's ``use_ue8m0`` says (their replacements in
+  ``compilation/passes/fusion/{act_quant_fusion,rms_quant_fusion}.py`` carry no E8M0 flag), so only
+  ``o_proj``'s input would get power-of-two scales. With fp32 activation scales the fused kernels agree
+  with the config and stay on. ``live_activation_scales`` says which format an engine really uses.
 * ``worker_extension_cls``: ``Fp8WorkerExtension``, imported in every worker process before the
   model is built; importing it applies the patch table (``patches.py``) from the environment.
 * Environment (set before the engine spawns its processes, inherited by them):
@@ -88,6 +96,40 @@ def engine_env(cfg: VllmConfig) -> dict[str, str]:
     return env
 
 
+def compilation_config(cfg: VllmConfig) -> Optional[dict[str, Any]]:
+    """vLLM ``compilation_config`` for ``cfg`` (None: vLLM's defaults): the activation-quant fusion passes off
+    when ``pow2_activation_scaling_factors`` asks for power-of-two activation scales in a compiled FP8 engine,
+    because vLLM 0.22's fused kernels only write fp32 scales (module docstring)."""
+    if cfg.precision != "fp8" or not cfg.pow2_activation_scaling_factors or cfg.enforce_eager:
+        return None
+    return {"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}
+
+
+def live_activation_scales(act_ue8m0: list[bool], compiled: bool, fuse_act_quant: bool,
+                           fuse_norm_quant: bool) -> str:
+    """The activation scale format an engine's FP8 linears really get: ``"pow2"``, ``"fp32"``, ``"mixed"``
+    or ``"none"`` (no FP8 linear).
+
+    Args:
+        act_ue8m0: the distinct ``use_ue8m0`` values of the engine's dynamic per-token-group quantizers
+            (``QuantFP8``).
+        compiled: the engine runs vLLM's own compile pipeline (``CompilationMode.VLLM_COMPILE``), where the
+            fusion passes run.
+        fuse_act_quant, fuse_norm_quant: the live ``pass_config`` flags.
+
+    A compiled engine with either fusion on computes fp32 scales at the fused sites (gate/up, down, q/k/v
+    inputs) whatever ``use_ue8m0`` says, so power-of-two quantizers there give ``"mixed"``.
+    """
+    flags = set(act_ue8m0)
+    if not flags:
+        return "none"
+    if flags == {False}:
+        return "fp32"
+    if flags == {True} and not (compiled and (fuse_act_quant or fuse_norm_quant)):
+        return "pow2"
+    return "mixed"
+
+
 def quantization_config(cfg: VllmConfig, ignored_layers: list[str]) -> Optional[dict[str, Any]]:
     """The ``quantization_config`` override for ``cfg`` (None for bfloat16)."""
     if cfg.precision != "fp8":
@@ -158,6 +200,9 @@ def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[s
     qc = quantization_config(cfg, ignored)
     if qc is not None:
         kwargs["hf_overrides"] = {"quantization_config": qc}
+    cc = compilation_config(cfg)
+    if cc is not None:
+        kwargs["compilation_config"] = cc
     if extra:
         kwargs.update(extra)
     return Fp8EngineSpec(kwargs, engine_env(cfg), sorted(refit_plan.fp8_modules), list(ignored), refit_plan)

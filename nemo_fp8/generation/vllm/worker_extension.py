@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from nemo_fp8.generation.vllm.engine_args import live_activation_scales
 from nemo_fp8.generation.vllm.patches import apply_patches
 
 apply_patches(fp8=os.environ.get("NEMO_FP8_PRECISION") == "fp8")
@@ -101,7 +102,12 @@ class Fp8WorkerExtension:
                 q = getattr(kern, "quant_fp8", None)
                 if q is not None:
                     act_ue8m0.add(bool(q.use_ue8m0))
+        cc = self.vllm_config.compilation_config
+        compiled = getattr(cc.mode, "name", str(cc.mode)) == "VLLM_COMPILE"  # where the fusion passes run
+        fuse_act, fuse_norm = bool(cc.pass_config.fuse_act_quant), bool(cc.pass_config.fuse_norm_quant)
         return {"deep_gemm": bool(is_deep_gemm_supported()), "e8m0": bool(is_deep_gemm_e8m0_used()),
                 "linear_kernels": sorted(kernels), "act_ue8m0": sorted(act_ue8m0),
+                "compiled": compiled, "fuse_act_quant": fuse_act, "fuse_norm_quant": fuse_norm,
+                "act_scales": live_activation_scales(sorted(act_ue8m0), compiled, fuse_act, fuse_norm),
                 "env_e8m0": os.environ.get("VLLM_USE_DEEP_GEMM_E8M0"),
                 "env_pow2_act": os.environ.get("NEMO_FP8_POW2_ACT_SCALES")}
