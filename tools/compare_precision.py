@@ -21,7 +21,6 @@ whatever variants have a ``metrics.jsonl``; a failed variant is reported and the
 """
 
 import argparse
-import re
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from nemo_fp8.utils.parity import (  # noqa: E402
     plot_parity,
     reward_gap_table,
     seed_group_table,
+    split_seed,
     summarize_run,
 )
 
@@ -74,7 +74,6 @@ GPU_VARIANTS = {
     "fp8-e2e+tis": _FP8 + _TIS + _TRAIN_FP8,                     # FP8 rollout + FP8 training (blockwise e4m3)
     "fp8+fp16-train+tis": _FP8 + _TIS + _TRAIN_FP16,             # FP8 rollout + FP16 training (loss scaling)
 }
-SEED_SUFFIX = re.compile(r"^(?P<base>.+)-seed(?P<n>[0-9]+)$")
 
 
 def variant_overrides(backend: str, name: str) -> list[str]:
@@ -89,9 +88,9 @@ def variant_overrides(backend: str, name: str) -> list[str]:
     table = GPU_VARIANTS if backend == "gpu" else VARIANTS
     if name in table:
         return list(table[name])
-    m = SEED_SUFFIX.match(name)
-    if m and m["base"] in table and int(m["n"]) >= 2:
-        return [*table[m["base"]], f"grpo.seed={41 + int(m['n'])}"]
+    base, seed = split_seed(name)
+    if base in table and seed >= 2:
+        return [*table[base], f"grpo.seed={41 + seed}"]
     raise KeyError(name)
 
 
@@ -221,10 +220,6 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     """
     runs, summaries, missing = {}, {}, []
     sources = report_sources(out_dir, names, also)
-    # an ``also`` folder's runs take their time ratios and reward pairing to that folder's own baseline (same host)
-    base_in = {path.parent.parent: label for label, path in sources.items() if path.parent.name == baseline}
-    baseline_of = {label: base_in[path.parent.parent] for label, path in sources.items()
-                   if path.parent.parent != out_dir and path.parent.parent in base_in}
     for name, path in sources.items():
         rows = read_metrics(path) if path.is_file() else []
         try:
@@ -235,8 +230,12 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
         runs[name] = rows
     if not runs:
         return None
+    # an ``also`` folder's runs take their time ratios and reward pairing to that folder's own baseline (same host);
     # a folder whose baseline run has no training step pairs with ours, in the table, the gap table and the plot alike
-    baseline_of = {k: v for k, v in baseline_of.items() if v in runs}
+    base_in = {path.parent.parent: label for label, path in sources.items()
+               if path.parent.name == baseline and label in runs}
+    baseline_of = {label: base_in[path.parent.parent] for label, path in sources.items()
+                   if path.parent.parent != out_dir and path.parent.parent in base_in}
     png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({_shown(out_dir)})", baseline=baseline,
                       baseline_of=baseline_of)
     table = parity_table(summaries, baseline, baseline_of=baseline_of)

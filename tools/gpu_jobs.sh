@@ -49,6 +49,9 @@ export PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 PYTHONPATH=$PWD:${
 export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$PWD/.dgcache}
 OUT=${OUT:-logs/gpu_jobs}; mkdir -p "$OUT"
 PD=${PARITY_DIR:-logs/compare/gpu}
+# dgwarm's engine (also rollbench's first step): DeepGEMM compiles its kernels for the shape's GEMMs; 1 layer, 10% of the GPU
+DGWARM="python3 tools/bench_rollout.py --models ${DG_MODEL:-dense} --num-layers ${DG_MODEL:-dense}=1 --precisions fp8-deepgemm
+  --gpu-mem 0.1 --num-prompts 8 --output-len 16 --rl-prompts 2 --rl-samples 2 --timeout 900"
 TINY="examples/configs/grpo_math_tiny_megatron_fp8.yaml"
 # MISSION_ONE_GPU=1: the 8B mission on one GPU (README): tensor parallel 1, half of Adam's state offloaded to the host
 # (megatron-core's HybridDeviceOptimizer), bf16 gradient buffer, the refit over CUDA IPC (no host copy of the weights)
@@ -153,18 +156,14 @@ for r in rows:
           B=${BENCH_ARGS:---models $M --precisions bf16,fp8-deepgemm,fp8-deepgemm-fused,fp8-deepgemm-kv --num-prompts 512 \
             --output-len 2048 --rl-prompts 32 --rl-samples 32}
           P=${PROF_ARGS:---model $M --precisions bf16,fp8-deepgemm,fp8-deepgemm-fused --batch 256 --output-len 256}
-          setsid nohup bash -c "python3 tools/bench_rollout.py --models $M --num-layers $M=1 --precisions fp8-deepgemm \
-              --gpu-mem 0.1 --num-prompts 8 --output-len 16 --rl-prompts 2 --rl-samples 2 --timeout 900 \
-              > logs/rollbench/dgwarm.log 2>&1
+          setsid nohup bash -c "$(echo $DGWARM) > logs/rollbench/dgwarm.log 2>&1
             python3 tools/bench_rollout.py $B --timeout 900 --out logs/rollbench/bench.json > logs/rollbench/bench.log 2>&1
             [ '$P' = none ] || python3 tools/profile_rollout.py $P --out logs/rollbench/prof.json \
               > logs/rollbench/prof.log 2>&1" > /dev/null 2>&1 < /dev/null &
           sleep 20; tail -2 logs/rollbench/dgwarm.log ;;
     prof) timeout $((L-5)) python3 tools/profile_rollout.py ${PROF_ARGS:---precisions bf16,fp8-cutlass} --timeout $((L-20)) \
             2>&1 | tee "$OUT/prof.log" | tail -30 ;;
-    dgwarm) setsid nohup python3 tools/bench_rollout.py --models ${DG_MODEL:-dense} --num-layers ${DG_MODEL:-dense}=1 \
-              --precisions fp8-deepgemm --gpu-mem 0.1 --num-prompts 8 --output-len 16 --rl-prompts 2 --rl-samples 2 \
-              --timeout 900 > "$OUT/dgwarm.log" 2>&1 < /dev/null & sleep 40; tail -3 "$OUT/dgwarm.log" ;;
+    dgwarm) setsid nohup $DGWARM > "$OUT/dgwarm.log" 2>&1 < /dev/null & sleep 40; tail -3 "$OUT/dgwarm.log" ;;
     mission) # the mission command at 8B (README "GPU: learning parity and the 8B command"), FP8 then BF16, side by side
           [ -f models/qwen3-8b-random/config.json ] || python3 tools/write_random_checkpoint.py --out models/qwen3-8b-random \
             ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2

@@ -74,9 +74,20 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     return out
 
 
+def _by_step(rows: list[dict], key: str) -> dict[int, float]:
+    """Step -> ``key`` of the rows that logged a number for it (``train/reward_mean``: the training steps)."""
+    return {r["step"]: r[key] for r in rows if _num(r.get(key)) and "step" in r}
+
+
 def _rewards_by_step(rows: list[dict]) -> dict[int, float]:
     """Step -> ``train/reward_mean`` of a run's training steps."""
-    return {r["step"]: r["train/reward_mean"] for r in rows if _num(r.get("train/reward_mean"))}
+    return _by_step(rows, "train/reward_mean")
+
+
+def _trailing_mean(steps: list[int], values: list[float], smooth: int) -> list[tuple[int, float]]:
+    """(step, mean of the last ``smooth`` values up to it) for each step: the plots' smoothing of per-step differences."""
+    return [(st, sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1]))
+            for i, st in enumerate(steps)]
 
 
 def _paired_reward_diffs(rows: list[dict], base_rows: list[dict]) -> tuple[list[int], list[float]]:
@@ -149,11 +160,16 @@ def reward_gap_table(runs: dict[str, list[dict]], baseline: str = "bf16",
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]) + "\n"
 
 
-def _seed_of(label: str) -> tuple[str, int]:
-    """``"fp8+tis-seed3@gpu-b"`` -> ``("fp8+tis", 3)``; no ``-seed<N>`` suffix is seed 1 (the config's own)."""
-    name = label.split("@", 1)[0]
+def split_seed(name: str) -> tuple[str, int]:
+    """A variant name's sampling seed: ``"fp8+tis-seed3"`` -> ``("fp8+tis", 3)``; a name without a ``-seed<N>``
+    suffix (N in ASCII digits) is seed 1, the config's own: ``("fp8+tis", 1)``."""
     base, _, n = name.rpartition("-seed")
-    return (base, int(n)) if base and n.isdigit() else (name, 1)
+    return (base, int(n)) if base and n.isascii() and n.isdigit() else (name, 1)
+
+
+def _seed_of(label: str) -> tuple[str, int]:
+    """A report label's variant and seed: ``"fp8+tis-seed3@gpu-b"`` -> ``("fp8+tis", 3)`` (``@folder`` dropped)."""
+    return split_seed(label.split("@", 1)[0])
 
 
 def _line_styles(names: list[str]) -> dict[str, tuple[str, str]]:
@@ -184,7 +200,7 @@ def _seed_groups(labels) -> dict[str, list[str]]:
 
 def _seed_mean_by_step(runs: dict[str, list[dict]], labels: list[str], key: str) -> dict[int, float]:
     """Step -> the mean of ``key`` over the runs ``labels``, at the steps every one of them logged it."""
-    per = [{r["step"]: r[key] for r in runs[lab] if _num(r.get(key)) and "step" in r} for lab in labels]
+    per = [_by_step(runs[lab], key) for lab in labels]
     common = set.intersection(*(set(p) for p in per)) if per else set()
     return {st: sum(p[st] for p in per) / len(per) for st in sorted(common)}
 
@@ -308,10 +324,9 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
             if key == "paired":
                 ref = _pair_of(name, baseline, baseline_of)
                 steps, d = _paired_reward_diffs(rows, runs[ref]) if ref != name and ref in runs else ([], [])
-                pts = [(s, sum(d[max(0, i - smooth + 1):i + 1]) / len(d[max(0, i - smooth + 1):i + 1]))
-                       for i, s in enumerate(steps)]
+                pts = _trailing_mean(steps, d, smooth)
             else:
-                pts = sorted((r["step"], r[key]) for r in rows if _num(r.get(key)) and "step" in r)
+                pts = sorted(_by_step(rows, key).items())
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, label=name, color=style[name][0], linestyle=style[name][1],
@@ -345,9 +360,7 @@ def _plot_seed_means(ax, key: str, runs: dict[str, list[dict]], seeds: dict[str,
                 continue
             mean = _seed_mean_by_step(runs, labs, "train/reward_mean")
             steps = [st for st in mean if st in base_mean]
-            d = [mean[st] - base_mean[st] for st in steps]
-            pts = [(st, sum(d[max(0, i - smooth + 1):i + 1]) / len(d[max(0, i - smooth + 1):i + 1]))
-                   for i, st in enumerate(steps)]
+            pts = _trailing_mean(steps, [mean[st] - base_mean[st] for st in steps], smooth)
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, label=f"{variant} ({len(labs)} seeds)", color=style[labs[0]][0], linewidth=1.8,
