@@ -25,6 +25,8 @@ Precisions (``PRECISIONS``):
                      not honour pow2_activation_scaling_factors at those sites (the project's engines turn
                      them off for power-of-two activation scales: ``engine_args.compilation_config``).
                      The A/B of what that costs or saves.
+    fp8-deepgemm-fused-kv  fp8-deepgemm-fused + FP8 KV cache (plain vLLM's FP8 KV engine). Its linear-only
+                     baseline: fp8-deepgemm-fused.
 
 The last column names each engine's attention and its live activation scale format
 (``act=pow2|fp32|mixed``, ``engine_args.live_activation_scales``).
@@ -96,6 +98,7 @@ PRECISIONS = {
     "fp8-kv": Precision(True, False, "fp8", "fp8-cutlass"),
     "fp8-deepgemm-kv": Precision(True, True, "fp8", "fp8-deepgemm"),
     "fp8-deepgemm-fused": Precision(True, True, "auto", vllm_act_quant_fusion=True),
+    "fp8-deepgemm-fused-kv": Precision(True, True, "fp8", "fp8-deepgemm-fused", vllm_act_quant_fusion=True),
 }
 # engine settings that must be equal across the engines of one model for the ratios to mean anything
 LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")

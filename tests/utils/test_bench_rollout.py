@@ -29,7 +29,9 @@ def test_deepgemm_engines_differ_only_in_vllms_fused_act_quant():
     assert ours == fused and ours.pow2_activation_scaling_factors and ours.use_deep_gemm
     assert "compilation_config" in build_engine_spec(ours, dense).engine_kwargs  # dropped for -fused by engine_spec
     assert br.PRECISIONS["fp8-deepgemm-fused"].vllm_act_quant_fusion
-    assert not any(p.vllm_act_quant_fusion for k, p in br.PRECISIONS.items() if k != "fp8-deepgemm-fused")
+    fused_kv = br.PRECISIONS["fp8-deepgemm-fused-kv"]
+    assert fused_kv.vllm_act_quant_fusion and fused_kv.kv_cache_dtype == "fp8" and fused_kv.linear_baseline == "fp8-deepgemm-fused"
+    assert not any(p.vllm_act_quant_fusion for k, p in br.PRECISIONS.items() if not k.startswith("fp8-deepgemm-fused"))
 
 
 def test_table_ratios_and_live_activation_scales(capsys):
