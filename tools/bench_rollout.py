@@ -384,14 +384,14 @@ def print_table(rows, a):
         print("NOT like-for-like: " + "; ".join(problems))
     elif ref:
         print("like-for-like: every engine ran with " + ", ".join(f"{k}={ref.get(k)}" for k in LIKE_FOR_LIKE))
-    hdr = (f"{'model':6} {'precision':18} {'fixed tok/s':>11} {'x bf16':>7} {'x fp8':>6} {'RL tok/s':>9} {'x bf16':>7} "
+    hdr = (f"{'model':6} {'precision':21} {'fixed tok/s':>11} {'x bf16':>7} {'x fp8':>6} {'RL tok/s':>9} {'x bf16':>7} "
            f"{'x fp8':>6} {'KV tokens':>10} {'x bf16':>7} {'x fp8':>6} {'fill':>5} {'weights GiB':>11} {'start s':>8} "
            f"{'refit s':>8} {'quant GB/s':>10}  kv / attention / activation scales")
     print(hdr)
     ok = {(r["model"], r["precision"]): r for r in rows if "error" not in r}
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:6} {r['precision']:18} ERROR {r['error'][-300:]!r}")
+            print(f"{r['model']:6} {r['precision']:21} ERROR {r['error'][-300:]!r}")
             continue
         b = ok.get((r["model"], "bf16"), {})
         lb = PRECISIONS[r["precision"]].linear_baseline
@@ -403,7 +403,7 @@ def print_table(rows, a):
         e = r.get("engine", {})
         attn = (f"{e.get('kv_cache_dtype')} / {e.get('attn_impl')} FA{e.get('fa_version')} fp8-q={e.get('fp8_query')}"
                 f" act={e.get('act_scales')}")
-        print(f"{r['model']:6} {r['precision']:18} {r['fixed_tok_s']:11.0f} {ratio('fixed_tok_s', b):>7} "
+        print(f"{r['model']:6} {r['precision']:21} {r['fixed_tok_s']:11.0f} {ratio('fixed_tok_s', b):>7} "
               f"{ratio('fixed_tok_s', f8):>6} {r.get('rl_tok_s', 0):9.0f} {ratio('rl_tok_s', b):>7} "
               f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "

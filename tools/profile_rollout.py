@@ -100,12 +100,12 @@ def format_table(rows: list[dict], baseline: str = "bf16") -> str:
     ok = [r for r in rows if "profile" in r]
     base = next((r["profile"] for r in ok if r["precision"] == baseline), None)
     keys = list(CATEGORIES) + ["gpu", "host", "wall"]
-    head = f"{'ms / decode step':<18}" + "".join(f"{r['precision']:>16}" for r in ok)
+    head = f"{'ms / decode step':<18}" + "".join(f" {r['precision']:>{max(16, len(r['precision']))}}" for r in ok)
     others = [r for r in ok if r["precision"] != baseline] if base else []
     head += "".join(f"{r['precision'] + ' x ' + baseline:>26}" for r in others)
     lines = [head]
     for k in keys:
-        line = f"{k:<18}" + "".join(f"{r['profile'][k]:16.3f}" for r in ok)
+        line = f"{k:<18}" + "".join(f" {r['profile'][k]:{max(16, len(r['precision']))}.3f}" for r in ok)
         for r in others:
             line += f"{(r['profile'][k] / base[k] if base[k] > 0 else float('nan')):26.3f}"
         lines.append(line)
