@@ -27,6 +27,10 @@ Precisions (``PRECISIONS``):
                      The A/B of what that costs or saves.
     fp8-deepgemm-fused-kv  fp8-deepgemm-fused + FP8 KV cache (plain vLLM's FP8 KV engine). Its linear-only
                      baseline: fp8-deepgemm-fused.
+    fp8-cutlass-fp8router  fp8-cutlass with vLLM's fused act-quant kernels and the MoE routers (``mlp.gate``) in
+                     FP8 too: a plain vLLM block-FP8 config with no ``ignored_layers``, as the host README's
+                     MoE measurement ran. The project keeps routers BF16 (so does Qwen's own FP8 checkpoint);
+                     with dummy weights the router's precision decides how tokens spread over the experts.
 
 The last column names each engine's attention and its live activation scale format
 (``act=pow2|fp32|mixed``, ``engine_args.live_activation_scales``).
@@ -89,6 +93,7 @@ class Precision:
     kv_cache_dtype: str
     linear_baseline: Optional[str] = None
     vllm_act_quant_fusion: bool = False  # keep vLLM's fp32-scale fused act/norm-quant kernels (plain vLLM)
+    fp8_router: bool = False  # MoE routers (mlp.gate) FP8 too, as a plain vLLM block-FP8 config without ignored_layers
 
 
 PRECISIONS = {
@@ -99,6 +104,7 @@ PRECISIONS = {
     "fp8-deepgemm-kv": Precision(True, True, "fp8", "fp8-deepgemm"),
     "fp8-deepgemm-fused": Precision(True, True, "auto", vllm_act_quant_fusion=True),
     "fp8-deepgemm-fused-kv": Precision(True, True, "fp8", "fp8-deepgemm-fused", vllm_act_quant_fusion=True),
+    "fp8-cutlass-fp8router": Precision(True, False, "auto", vllm_act_quant_fusion=True, fp8_router=True),
 }
 # engine settings that must be equal across the engines of one model for the ratios to mean anything
 LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -155,6 +161,9 @@ def engine_spec(precision: str, cfg, model_dir, extra: dict):
     spec = init_fp8(cfg, model_dir, model_dir, colocated=False, extra=extra)
     if PRECISIONS[precision].vllm_act_quant_fusion:
         spec.engine_kwargs.pop("compilation_config", None)
+    if PRECISIONS[precision].fp8_router:
+        qc = spec.engine_kwargs["hf_overrides"]["quantization_config"]
+        qc["ignored_layers"] = [n for n in qc["ignored_layers"] if not n.endswith(".mlp.gate")]
     return spec
 
 
