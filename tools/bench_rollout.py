@@ -22,15 +22,21 @@ Precisions (``PRECISIONS``):
     fp8-deepgemm-kv  fp8-deepgemm + FP8 KV cache. Its linear-only baseline: fp8-deepgemm.
     fp8-deepgemm-fused  fp8-deepgemm with vLLM's own fused SiLU-and-mul / RMSNorm + group-quant kernels
                      left on, as plain vLLM runs: they write fp32 activation scales, so this engine does
-                     not honour pow2_activation_scaling_factors at those sites (the project's engines turn
-                     them off for power-of-two activation scales: ``engine_args.compilation_config``).
-                     The A/B of what that costs or saves.
+                     not honour pow2_activation_scaling_factors at those sites (the project's compiled
+                     FP8 engines turn them off: ``engine_args.compilation_config``). The A/B of what that
+                     costs or saves.
     fp8-deepgemm-fused-kv  fp8-deepgemm-fused + FP8 KV cache (plain vLLM's FP8 KV engine). Its linear-only
                      baseline: fp8-deepgemm-fused.
-    fp8-cutlass-fp8router  fp8-cutlass with vLLM's fused act-quant kernels and the MoE routers (``mlp.gate``) in
-                     FP8 too: a plain vLLM block-FP8 config with no ``ignored_layers``, as the host README's
-                     MoE measurement ran. The project keeps routers BF16 (so does Qwen's own FP8 checkpoint);
-                     with dummy weights the router's precision decides how tokens spread over the experts.
+    fp8-cutlass-fp8router  fp8-cutlass with the MoE routers (``mlp.gate``) in FP8 too, as a plain vLLM
+                     block-FP8 config with no ``ignored_layers`` runs them (the host README's MoE measurement).
+                     The project keeps routers BF16 (layer-precision policy). The A/B for the MoE shape's
+                     distance to that measurement.
+    fp8-deepgemm-inductor  fp8-deepgemm with vLLM's per-token-group activation quantizer run as its torch code
+                     (``compilation_config.custom_ops: ["-quant_fp8"]``), which Inductor can fuse into the
+                     RMSNorm / SiLU-and-mul kernels before it instead of launching vLLM's CUDA op after them.
+                     vLLM 0.22 turns the CUDA op on for block FP8 because the compiled torch quantizer alone
+                     was slower on H100 (vllm-project/vllm#25094); fused with its producer it is not measured.
+    fp8-deepgemm-inductor-kv  the same + FP8 KV cache. Its linear-only baseline: fp8-deepgemm-inductor.
 
 The last column names each engine's attention and its live activation scale format
 (``act=pow2|fp32|mixed``, ``engine_args.live_activation_scales``).
@@ -94,6 +100,7 @@ class Precision:
     linear_baseline: Optional[str] = None
     vllm_act_quant_fusion: bool = False  # keep vLLM's fp32-scale fused act/norm-quant kernels (plain vLLM)
     fp8_router: bool = False  # MoE routers (mlp.gate) FP8 too, as a plain vLLM block-FP8 config without ignored_layers
+    inductor_act_quant: bool = False  # vLLM's group quantizer as torch code (custom_ops "-quant_fp8"), Inductor-fused
 
 
 PRECISIONS = {
@@ -104,7 +111,9 @@ PRECISIONS = {
     "fp8-deepgemm-kv": Precision(True, True, "fp8", "fp8-deepgemm"),
     "fp8-deepgemm-fused": Precision(True, True, "auto", vllm_act_quant_fusion=True),
     "fp8-deepgemm-fused-kv": Precision(True, True, "fp8", "fp8-deepgemm-fused", vllm_act_quant_fusion=True),
-    "fp8-cutlass-fp8router": Precision(True, False, "auto", vllm_act_quant_fusion=True, fp8_router=True),
+    "fp8-cutlass-fp8router": Precision(True, False, "auto", fp8_router=True),
+    "fp8-deepgemm-inductor": Precision(True, True, "auto", inductor_act_quant=True),
+    "fp8-deepgemm-inductor-kv": Precision(True, True, "fp8", "fp8-deepgemm-inductor", inductor_act_quant=True),
 }
 # engine settings that must be equal across the engines of one model for the ratios to mean anything
 LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -154,17 +163,28 @@ def engine_config(precision: str, gpu_mem: float, max_model_len: int):
 
 
 def engine_spec(precision: str, cfg, model_dir, extra: dict):
-    """``init_fp8`` for one ``PRECISIONS`` entry; ``vllm_act_quant_fusion`` drops the compilation config that
-    turns vLLM's fused activation-quant kernels off (``engine_args.compilation_config``)."""
+    """``init_fp8`` for one ``PRECISIONS`` entry, then its A/B change (``ab_engine_kwargs``)."""
     from nemo_fp8.generation.vllm.engine_args import init_fp8
 
     spec = init_fp8(cfg, model_dir, model_dir, colocated=False, extra=extra)
-    if PRECISIONS[precision].vllm_act_quant_fusion:
-        spec.engine_kwargs.pop("compilation_config", None)
-    if PRECISIONS[precision].fp8_router:
-        qc = spec.engine_kwargs["hf_overrides"]["quantization_config"]
-        qc["ignored_layers"] = [n for n in qc["ignored_layers"] if not n.endswith(".mlp.gate")]
+    ab_engine_kwargs(precision, spec.engine_kwargs)
     return spec
+
+
+def ab_engine_kwargs(precision: str, kwargs: dict) -> dict:
+    """Apply one ``PRECISIONS`` entry's difference from the project's engine to its vLLM ``kwargs`` (in place):
+    ``vllm_act_quant_fusion`` drops the compilation config that turns vLLM's fused activation-quant kernels off
+    (``engine_args.compilation_config``); ``inductor_act_quant`` adds ``-quant_fp8`` to its ``custom_ops``;
+    ``fp8_router`` takes the MoE routers (``*.mlp.gate``) out of ``ignored_layers``."""
+    p = PRECISIONS[precision]
+    if p.vllm_act_quant_fusion:
+        kwargs.pop("compilation_config", None)
+    if p.inductor_act_quant:
+        kwargs.setdefault("compilation_config", {}).setdefault("custom_ops", []).append("-quant_fp8")
+    if p.fp8_router:
+        qc = kwargs["hf_overrides"]["quantization_config"]
+        qc["ignored_layers"] = [n for n in qc["ignored_layers"] if not n.endswith(".mlp.gate")]
+    return kwargs
 
 
 def child_result(cmd: list[str], precision: str, timeout: int) -> dict:

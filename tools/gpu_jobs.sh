@@ -32,10 +32,10 @@
 #   dgwarm  compile DeepGEMM's kernels for a shape (DG_MODEL, default dense) with a 1-layer engine at 10% of the GPU,
 #           in the background (about 4.5 min on the H200): a later kvbench with fp8-deepgemm* starts warm
 #   rollbench in the background, one after the other: dgwarm's DeepGEMM warm-up for DG_MODEL, then
-#           tools/bench_rollout.py (BENCH_ARGS, default: DG_MODEL's shape, bf16 / fp8-deepgemm / fp8-deepgemm-fused
-#           (vLLM's fused act-quant kernels kept) / fp8-deepgemm-kv, 512 x (256, 2048) and 32 x 32 RL-like), then
-#           tools/profile_rollout.py at a decode batch of 256 (PROF_ARGS; none: skip); ~25 min for the dense shape;
-#           logs in logs/rollbench, copied to $OUT by `wait`
+#           tools/bench_rollout.py (BENCH_ARGS, default: DG_MODEL's shape, bf16 / fp8-deepgemm / fp8-deepgemm-inductor
+#           (vLLM's group quantizer as Inductor-fused torch code) and both with the FP8 KV cache, 512 x (256, 2048)),
+#           then tools/profile_rollout.py at a decode batch of 256 (PROF_ARGS; none: skip); ~22 min for the dense
+#           shape; logs in logs/rollbench, copied to $OUT by `wait`
 set -u
 START=$(date +%s); DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
@@ -153,9 +153,9 @@ for r in rows:
                tar czf "$OUT/dgcache.tgz" -C "$(dirname "$DG_JIT_CACHE_DIR")" "$(basename "$DG_JIT_CACHE_DIR")" && ls -la "$OUT/dgcache.tgz"
              else echo "no DeepGEMM cache at $DG_JIT_CACHE_DIR (no DeepGEMM engine ran)"; fi ;;
     rollbench) mkdir -p logs/rollbench; M=${DG_MODEL:-dense}
-          B=${BENCH_ARGS:---models $M --precisions bf16,fp8-deepgemm,fp8-deepgemm-fused,fp8-deepgemm-kv --num-prompts 512 \
-            --output-len 2048 --rl-prompts 32 --rl-samples 32}
-          P=${PROF_ARGS:---model $M --precisions bf16,fp8-deepgemm,fp8-deepgemm-fused --batch 256 --output-len 256}
+          B=${BENCH_ARGS:---models $M --precisions bf16,fp8-deepgemm,fp8-deepgemm-inductor,fp8-deepgemm-kv,fp8-deepgemm-inductor-kv \
+            --num-prompts 512 --output-len 2048 --rl-prompts 0}
+          P=${PROF_ARGS:---model $M --precisions fp8-deepgemm,fp8-deepgemm-inductor --batch 256 --output-len 256}
           setsid nohup bash -c "$(echo $DGWARM) > logs/rollbench/dgwarm.log 2>&1
             python3 tools/bench_rollout.py $B --timeout 900 --out logs/rollbench/bench.json > logs/rollbench/bench.log 2>&1
             [ '$P' = none ] || python3 tools/profile_rollout.py $P --out logs/rollbench/prof.json \

@@ -52,14 +52,14 @@ def test_scale_convention_env_and_refusal():
         build_engine_spec(VllmConfig(precision="fp8"), DENSE, weight_transfer="tcp")
 
 
-def test_pow2_activation_scales_turn_vllms_fp32_only_fused_quant_kernels_off():
+def test_compiled_fp8_engines_turn_vllms_fp32_only_fused_quant_kernels_off():
     off = {"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}
     pow2 = dict(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True,
                 pow2_activation_scaling_factors=True)
-    assert build_engine_spec(VllmConfig(**pow2), DENSE).engine_kwargs["compilation_config"] == off
-    # fp32 activation scales: the fused kernels agree with the config; eager engines run no fusion pass; BF16: no quant
-    for cfg in (VllmConfig(precision="fp8"), VllmConfig(**pow2, enforce_eager=True),
-                VllmConfig(pow2_activation_scaling_factors=True)):
+    for cfg in (VllmConfig(**pow2), VllmConfig(precision="fp8"), VllmConfig(precision="fp8", use_deep_gemm=True)):
+        assert build_engine_spec(cfg, DENSE).engine_kwargs["compilation_config"] == off
+    # eager engines run no fusion pass; BF16: no quant
+    for cfg in (VllmConfig(**pow2, enforce_eager=True), VllmConfig(pow2_activation_scaling_factors=True)):
         assert "compilation_config" not in build_engine_spec(cfg, DENSE).engine_kwargs
     # what the worker reports: a compiled engine with a fusion on gives pow2 quantizers fp32 scales at the fused sites
     assert live_activation_scales([True], compiled=True, fuse_act_quant=True, fuse_norm_quant=True) == "mixed"

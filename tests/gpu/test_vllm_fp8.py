@@ -74,7 +74,8 @@ def test_scale_convention_live_fp32(dense_engine):
     conv = dense_engine.llm.collective_rpc("nemo_fp8_scale_convention")[0]
     print("scale convention:", conv)
     assert conv["e8m0"] is False and conv["act_ue8m0"] == [False]
-    assert conv["act_scales"] == "fp32"  # vLLM's fused act/norm-quant kernels (fp32 scales) may stay on here
+    assert conv["compiled"] and not conv["fuse_act_quant"] and not conv["fuse_norm_quant"]  # off in every FP8 engine
+    assert conv["act_scales"] == "fp32"
 
 
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.o_proj", "model.layers.2.mlp.down_proj"])

@@ -20,18 +20,38 @@ def _engine(act, kv="auto"):
             "fp8_query": kv == "fp8", "act_scales": act}
 
 
-def test_deepgemm_engines_differ_only_in_vllms_fused_act_quant():
+def test_ab_engines_differ_from_ours_in_one_setting():
     from nemo_fp8.generation.vllm.engine_args import build_engine_spec
 
     dense = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512}
-    ours, fused = (br.engine_config(p, 0.9, 2320) for p in ("fp8-deepgemm", "fp8-deepgemm-fused"))
-    assert ours == fused and ours.pow2_activation_scaling_factors and ours.use_deep_gemm
-    assert "compilation_config" in build_engine_spec(ours, dense).engine_kwargs  # dropped for -fused by engine_spec
-    assert br.PRECISIONS["fp8-deepgemm-fused"].vllm_act_quant_fusion
-    fused_kv = br.PRECISIONS["fp8-deepgemm-fused-kv"]
-    assert fused_kv.vllm_act_quant_fusion and fused_kv.kv_cache_dtype == "fp8" and fused_kv.linear_baseline == "fp8-deepgemm-fused"
-    assert not any(p.vllm_act_quant_fusion for k, p in br.PRECISIONS.items() if not k.startswith("fp8-deepgemm-fused"))
+    moe = dict(dense, model_type="qwen3_moe", moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2)
+    off = {"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}
+
+    def kwargs(precision, shape=dense):
+        cfg = br.engine_config(precision, 0.9, 2320)
+        return br.ab_engine_kwargs(precision, build_engine_spec(cfg, shape).engine_kwargs)
+
+    ours = kwargs("fp8-deepgemm")
+    assert ours["compilation_config"] == off and br.engine_config("fp8-deepgemm", 0.9, 2320).pow2_activation_scaling_factors
+    # vLLM's fused act/norm-quant kernels: the only change is the dropped compilation config
+    fused = kwargs("fp8-deepgemm-fused")
+    assert "compilation_config" not in fused and {**fused, "compilation_config": off} == ours
+    assert kwargs("fp8-deepgemm-fused-kv")["kv_cache_dtype"] == "fp8" and "compilation_config" not in kwargs("fp8-deepgemm-fused-kv")
+    assert br.PRECISIONS["fp8-deepgemm-fused-kv"].linear_baseline == "fp8-deepgemm-fused"
+    assert not any(p.vllm_act_quant_fusion for k, p in br.PRECISIONS.items() if "fused" not in k)
+    # the Inductor act-quant engine: ours plus custom_ops -quant_fp8, the fusion passes still off
+    ind = kwargs("fp8-deepgemm-inductor")
+    assert ind["compilation_config"] == {**off, "custom_ops": ["-quant_fp8"]}
+    assert {**ind, "compilation_config": off} == ours
+    # the router A/B: the MoE routers leave ignored_layers, nothing else changes
+    cut, fp8r = kwargs("fp8-cutlass", moe), kwargs("fp8-cutlass-fp8router", moe)
+    ign = cut["hf_overrides"]["quantization_config"]["ignored_layers"]
+    assert "model.layers.0.mlp.gate" in ign
+    assert fp8r["hf_overrides"]["quantization_config"]["ignored_layers"] == [n for n in ign if not n.endswith(".mlp.gate")]
+    fp8r["hf_overrides"]["quantization_config"]["ignored_layers"] = ign
+    assert fp8r == cut
+    assert br.engine_config("fp8-cutlass-fp8router", 0.9, 2320) == br.engine_config("fp8-cutlass", 0.9, 2320)
 
 
 def test_table_ratios_and_live_activation_scales(capsys):
