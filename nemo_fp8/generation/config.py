@@ -87,4 +87,8 @@ class GenerationConfig(StrictConfig):
         if self.top_p != 1.0 or self.top_k is not None:
             errs.append("top_p/top_k: must be 1.0/null; the trainer's log-probs cannot reproduce a truncated sampling "
                         "distribution, so IS correction would be wrong")
+        if self.backend == "vllm" and self.vllm_cfg.tensor_parallel_size != 1:
+            errs.append(f"vllm_cfg.tensor_parallel_size: {self.vllm_cfg.tensor_parallel_size} is not supported by the "
+                        "trainer yet: its vLLM engine is one Ray actor on one GPU (nemo_fp8/distributed/worker_groups.py"
+                        "'s plan_cluster), so a tensor-parallel engine would not find its second GPU (valid: 1)")
         return errs

@@ -58,6 +58,13 @@ def test_fp8_kv_cache_needs_fp8_precision():
     assert "policy.generation.vllm_cfg.kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8'" in msg
 
 
+def test_tensor_parallel_vllm_engine_is_refused_before_any_gpu_work():
+    msg = _error("policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2")
+    assert "policy.generation.vllm_cfg.tensor_parallel_size: 2 is not supported" in msg and "(valid: 1)" in msg
+    # the torch engine has no tensor parallelism to configure: the key is left alone there
+    assert load_config(TINY, ["policy.generation.vllm_cfg.tensor_parallel_size=2"]).policy.generation.backend == "torch"
+
+
 def test_fp8_rollout_without_is_correction_needs_explicit_allow():
     msg = _error("loss_fn.use_importance_sampling_correction=false")
     assert "loss_fn.use_importance_sampling_correction" in msg and "allow_fp8_rollout_without_is_correction" in msg
