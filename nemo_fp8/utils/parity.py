@@ -86,8 +86,8 @@ def _rewards_by_step(rows: list[dict]) -> dict[int, float]:
 
 def _trailing_mean(steps: list[int], values: list[float], smooth: int) -> list[tuple[int, float]]:
     """(step, mean of the last ``smooth`` values up to it) for each step: the plots' smoothing of per-step differences."""
-    return [(st, sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1]))
-            for i, st in enumerate(steps)]
+    windows = (values[max(0, i - smooth + 1):i + 1] for i in range(len(steps)))
+    return [(st, sum(w) / len(w)) for st, w in zip(steps, windows)]
 
 
 def _paired_reward_diffs(rows: list[dict], base_rows: list[dict]) -> tuple[list[int], list[float]]:

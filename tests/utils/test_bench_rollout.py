@@ -22,13 +22,11 @@ def _engine(act, kv="auto"):
 
 def test_ab_engines_differ_from_ours_in_one_setting():
     from nemo_fp8.generation.vllm.engine_args import build_engine_spec
+    from tests.generation.test_vllm_engine_args import DENSE, MOE
 
-    dense = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512}
-    moe = dict(dense, model_type="qwen3_moe", moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2)
     off = {"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}
 
-    def kwargs(precision, shape=dense):
+    def kwargs(precision, shape=DENSE):
         cfg = br.engine_config(precision, 0.9, 2320)
         return br.ab_engine_kwargs(precision, build_engine_spec(cfg, shape).engine_kwargs)
 
@@ -45,7 +43,7 @@ def test_ab_engines_differ_from_ours_in_one_setting():
     assert ind["compilation_config"] == {**off, "custom_ops": ["-quant_fp8"]}
     assert {**ind, "compilation_config": off} == ours
     # the router A/B: the MoE routers leave ignored_layers, nothing else changes
-    cut, fp8r = kwargs("fp8-cutlass", moe), kwargs("fp8-cutlass-fp8router", moe)
+    cut, fp8r = kwargs("fp8-cutlass", MOE), kwargs("fp8-cutlass-fp8router", MOE)
     ign = cut["hf_overrides"]["quantization_config"]["ignored_layers"]
     assert "model.layers.0.mlp.gate" in ign
     assert fp8r["hf_overrides"]["quantization_config"]["ignored_layers"] == [n for n in ign if not n.endswith(".mlp.gate")]
