@@ -81,7 +81,8 @@ def required_resources(cfg: MasterConfig) -> dict[str, float]:
     from nemo_fp8.models.hf import resolve_device
 
     cuda = resolve_device(cfg.policy.device).type == "cuda"
-    need = plan_cluster(cfg.policy.world_size, cuda, cfg.policy.generation.colocated.enabled).required()
+    gen = cfg.policy.generation
+    need = plan_cluster(cfg.policy.world_size, cuda, gen.colocated.enabled, engine_gpus=gen.engine_gpus).required()
     return {"CPU": need.get("CPU", 0.0), "GPU": need.get("GPU", 0.0)}
 
 
@@ -104,7 +105,9 @@ def compare_resources(need: dict[str, float], have: dict[str, float], cfg: Maste
                     f"policy.data_parallel_size={cfg.policy.data_parallel_size} policy) but the cluster has "
                     f"{have.get('CPU', 0):g}; Ray would wait forever (valid: >= {need['CPU']:g})")
     if need.get("GPU", 0) > have.get("GPU", 0):
-        errs.append(f"policy.device: the actors need {need['GPU']:g} GPUs but the cluster has {have.get('GPU', 0):g}")
+        errs.append(f"policy.device: the actors need {need['GPU']:g} GPUs (one per policy rank, plus "
+                    "policy.generation.vllm_cfg.tensor_parallel_size for an engine that is not colocated) but the "
+                    f"cluster has {have.get('GPU', 0):g}")
     return errs
 
 

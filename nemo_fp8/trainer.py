@@ -143,31 +143,32 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
 
 
 def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
-    """Start Ray, the placement group, the policy's data-parallel ranks and the engine.
+    """Start Ray, the placement group, the policy's ranks and the engine (``start_groups``'s order).
 
-    On a GPU host the engine is colocated with policy rank 0 (shared GPU) unless
-    ``policy.generation.colocated.enabled`` is false.
+    On a GPU host the engine is colocated with the policy (on the GPUs of ranks
+    ``0..tensor_parallel_size-1``) unless ``policy.generation.colocated.enabled`` is false, when it gets
+    ``policy.generation.vllm_cfg.tensor_parallel_size`` GPUs of its own.
     """
-    from nemo_fp8.distributed.worker_groups import (GenerationGroup, PolicyGroup, create_placement_group, init_ray,
-                                                    plan_cluster)
+    from nemo_fp8.distributed.worker_groups import create_placement_group, init_ray, plan_cluster, start_groups
 
     device = resolve_device(cfg.policy.device)
     init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
     gen_cfg = cfg.policy.generation
     colocated = gen_cfg.colocated.enabled
-    plan = plan_cluster(cfg.policy.world_size, device.type == "cuda", colocated)
+    plan = plan_cluster(cfg.policy.world_size, device.type == "cuda", colocated, engine_gpus=gen_cfg.engine_gpus)
     pg = create_placement_group(plan)
     # Engine and trainer take turns (never run at once); data-parallel ranks train side by side.
     threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.policy.data_parallel_size)
-    generation = GenerationGroup.start(pg, plan, dict(
-        backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg, device=device,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        batch_size=cfg.policy.generation_batch_size, offload_when_idle=colocated), threads)
-    policy = PolicyGroup.start(pg, plan, dict(
-        megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device, temperature=gen_cfg.temperature,
-        keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed), threads,
-        tp_size=cfg.policy.tensor_parallel_size)
+    policy, generation = start_groups(
+        pg, plan,
+        policy_kwargs=dict(megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device,
+                           temperature=gen_cfg.temperature, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
+                           seed=cfg.grpo.seed),
+        generation_kwargs=dict(backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg,
+                               device=device, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                               max_total_sequence_length=cfg.policy.max_total_sequence_length,
+                               batch_size=cfg.policy.generation_batch_size, offload_when_idle=colocated),
+        torch_threads=threads, tp_size=cfg.policy.tensor_parallel_size)
     refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8",
                                offload_trainer=gen_cfg.colocated.moves_trainer_state,

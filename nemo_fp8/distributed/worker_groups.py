@@ -1,12 +1,21 @@
 """Ray worker groups for the policy (N data-parallel ranks) and the rollout engine, with typed facades.
 
-Layout (``plan_cluster``): one Ray placement group whose bundles hold every actor of the run.
+Layout (``plan_cluster``): one Ray placement group whose bundles hold every actor of the run. The
+engine runs on ``engine_gpus`` GPUs (vLLM's ``tensor_parallel_size``; 1 for the torch engine).
 
 * CPU: one ``{"CPU": 1}`` bundle per policy rank plus one for the engine.
 * CUDA, colocated (``policy.generation.colocated.enabled``): one ``{"CPU": 1, "GPU": 1}``
-  bundle per policy rank; the engine shares bundle 0's GPU (0.5 each) and sleeps while the
-  trainer works (NeMo-RL's colocated mode).
-* CUDA, not colocated: the engine gets a bundle of its own (``{"CPU": 1, "GPU": 1}``).
+  bundle per policy rank; the engine sleeps while the trainer works (NeMo-RL's colocated mode).
+  Its actor takes half of bundle 0's GPU (rank 0 the other half) and its engine runs on the GPUs
+  of policy ranks ``0..engine_gpus-1`` (needs a policy world size >= ``engine_gpus``). One Ray
+  actor cannot span bundles, so with ``engine_gpus > 1`` the driver asks those ranks for their
+  GPU ids (``ray.get_gpu_ids()``) and the engine actor sets ``CUDA_VISIBLE_DEVICES`` to them
+  before anything touches CUDA; vLLM's worker processes inherit it (``start_groups``).
+* CUDA, not colocated: the engine gets a bundle of its own, ``{"CPU": 1, "GPU": engine_gpus}``,
+  and Ray gives its actor those GPUs.
+
+Start order (``start_groups``): the policy's rank actors (no backend yet, nothing on the GPUs),
+then the engine (vLLM measures the free GPU memory as it starts), then the policy backends.
 
 The driver holds ``PolicyGroup`` and ``GenerationGroup``, which implement the backend interfaces
 at group level (the GRPO loop cannot tell them from local backends): batches are sharded by
@@ -21,8 +30,8 @@ import logging
 import math
 import os
 import socket
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 import ray
 import torch
@@ -30,6 +39,7 @@ import torch
 from nemo_fp8.batch import GenerationOutput, TrainBatch
 from nemo_fp8.distributed.weight_sync import PackedBucket, iter_buckets, pack_bucket, unpack_bucket, weight_stream
 from nemo_fp8.fp8.kv_scales import KvScales
+from nemo_fp8.generation.config import colocated_engine_error
 from nemo_fp8.utils.memory import MemoryWatch
 
 logger = logging.getLogger(__name__)
@@ -64,11 +74,16 @@ class ClusterPlan:
         bundles: resources of each bundle, e.g. ``{"CPU": 1, "GPU": 1}``.
         policy_slots: per data-parallel rank, ``(bundle index, actor resources)``.
         generation_slot: the engine actor's ``(bundle index, actor resources)``.
+        engine_gpus: GPUs the engine runs on (vLLM's ``tensor_parallel_size``; 0 on CPU).
+        engine_policy_ranks: colocated on CUDA, the policy ranks whose GPUs the engine runs on
+            (``0..engine_gpus-1``); empty when the engine has a bundle of its own or on CPU.
     """
 
     bundles: list[dict[str, float]]
     policy_slots: list[tuple[int, dict[str, float]]]
     generation_slot: tuple[int, dict[str, float]]
+    engine_gpus: int = 1
+    engine_policy_ranks: list[int] = field(default_factory=list)
 
     def required(self) -> dict[str, float]:
         """Total resources the run asks of the Ray cluster (compare with ``ray.cluster_resources()``)."""
@@ -79,26 +94,35 @@ class ClusterPlan:
         return total
 
 
-def plan_cluster(dp_size: int, use_gpu: bool, colocated: bool) -> ClusterPlan:
+def plan_cluster(dp_size: int, use_gpu: bool, colocated: bool, engine_gpus: int = 1) -> ClusterPlan:
     """The placement plan described in the module docstring; ``dp_size`` is the number of policy
-    ranks (``policy.world_size``: data parallel x Megatron tensor parallel).
+    ranks (``policy.world_size``: data parallel x Megatron tensor parallel), ``engine_gpus`` the
+    engine's (``policy.generation.engine_gpus``: vLLM's ``tensor_parallel_size``; ignored on CPU,
+    where the engine is the torch reference). ``engine_gpus=1`` gives the one-GPU engine's layout.
 
     Raises:
-        ValueError: ``dp_size < 1``.
+        ValueError: ``dp_size < 1``, ``engine_gpus < 1``, or a colocated engine of more GPUs than
+            there are policy ranks (the text names ``policy.generation.vllm_cfg.tensor_parallel_size``
+            and the valid values; the config check says the same before any GPU work).
     """
     if dp_size < 1:
         raise ValueError(f"policy.data_parallel_size must be >= 1, got {dp_size}")
+    if engine_gpus < 1:
+        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size must be >= 1, got {engine_gpus}")
     if not use_gpu:
         bundles = [{"CPU": 1.0} for _ in range(dp_size + 1)]
-        return ClusterPlan(bundles, [(i, {"CPU": 1.0}) for i in range(dp_size)], (dp_size, {"CPU": 1.0}))
+        return ClusterPlan(bundles, [(i, {"CPU": 1.0}) for i in range(dp_size)], (dp_size, {"CPU": 1.0}), engine_gpus=0)
     bundles = [{"CPU": 1.0, "GPU": 1.0} for _ in range(dp_size)]
     if colocated:
+        why = colocated_engine_error(engine_gpus, dp_size)
+        if why:
+            raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size: {why}")
         bundles[0]["CPU"] += 1.0
         slots = [(0, {"CPU": 1.0, "GPU": 0.5})] + [(i, {"CPU": 1.0, "GPU": 1.0}) for i in range(1, dp_size)]
-        return ClusterPlan(bundles, slots, (0, {"CPU": 1.0, "GPU": 0.5}))
-    bundles.append({"CPU": 1.0, "GPU": 1.0})
+        return ClusterPlan(bundles, slots, (0, {"CPU": 1.0, "GPU": 0.5}), engine_gpus, list(range(engine_gpus)))
+    bundles.append({"CPU": 1.0, "GPU": float(engine_gpus)})
     return ClusterPlan(bundles, [(i, {"CPU": 1.0, "GPU": 1.0}) for i in range(dp_size)],
-                       (dp_size, {"CPU": 1.0, "GPU": 1.0}))
+                       (dp_size, {"CPU": 1.0, "GPU": float(engine_gpus)}), engine_gpus)
 
 
 def create_placement_group(plan: ClusterPlan, timeout_s: float = 60.0):
@@ -117,7 +141,8 @@ def create_placement_group(plan: ClusterPlan, timeout_s: float = 60.0):
         have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         raise RuntimeError(f"ray: the run needs {plan.required()} in {len(plan.bundles)} bundles {plan.bundles}; the "
                            f"cluster has {have} free; raise cluster.num_cpus / GPUs or lower "
-                           "policy.data_parallel_size")
+                           "policy.data_parallel_size (or policy.generation.vllm_cfg.tensor_parallel_size: a bundle's "
+                           "GPUs must be on one node)")
     return pg
 
 
@@ -156,6 +181,10 @@ class PolicyWorker(_MemoryProbe):
     def __init__(self, torch_threads: Optional[int] = None):
         _set_threads(torch_threads)
         self.backend = None
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this rank, as ``CUDA_VISIBLE_DEVICES`` values (``ray.get_gpu_ids()``)."""
+        return [str(i) for i in ray.get_gpu_ids()]
 
     def rendezvous_address(self) -> str:
         """``tcp://ip:port`` with a free port on this node, for ``torch.distributed`` (rank 0)."""
@@ -252,9 +281,27 @@ class PolicyWorker(_MemoryProbe):
 
 @ray.remote
 class GenerationWorker(_MemoryProbe):
-    """The rollout engine: a ``GenerationBackend`` in its own process."""
+    """The rollout engine: a ``GenerationBackend`` in its own process.
 
-    def __init__(self, backend_kwargs: dict, torch_threads: Optional[int] = None):
+    Args:
+        backend_kwargs: ``build_generation_backend``'s arguments.
+        torch_threads: CPU threads of torch in this process.
+        cuda_visible_devices: physical GPU ids (``ray.get_gpu_ids()`` of the policy ranks it shares, module
+            docstring) that replace the ``CUDA_VISIBLE_DEVICES`` Ray set (bundle 0's GPU) before the backend
+            is built: torch reads it when CUDA initializes, vLLM's worker processes inherit it, so the
+            engine's ``cuda:i`` is the i-th of them. None: Ray's setting stays.
+
+    Raises:
+        RuntimeError: ``cuda_visible_devices`` given after CUDA was initialized in this process (too late).
+    """
+
+    def __init__(self, backend_kwargs: dict, torch_threads: Optional[int] = None,
+                 cuda_visible_devices: Optional[Sequence[str]] = None):
+        if cuda_visible_devices:
+            if torch.cuda.is_initialized():
+                raise RuntimeError("GenerationWorker: CUDA is initialized already; CUDA_VISIBLE_DEVICES="
+                                   f"{','.join(cuda_visible_devices)} would not apply")
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in cuda_visible_devices)
         from nemo_fp8.generation import build_generation_backend
 
         _set_threads(torch_threads)
@@ -262,6 +309,10 @@ class GenerationWorker(_MemoryProbe):
 
     def ready(self) -> bool:
         return True
+
+    def cuda_visible_devices(self) -> Optional[str]:
+        """This process's ``CUDA_VISIBLE_DEVICES`` (None: unset): the GPUs its engine runs on."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def generate(self, prompt_token_ids: list[list[int]], sampling) -> GenerationOutput:
         return self.backend.generate(prompt_token_ids, sampling)
@@ -345,15 +396,39 @@ class PolicyGroup:
         self.dp_size = len(workers) // tp_size
 
     @classmethod
+    def create(cls, pg, plan: ClusterPlan, global_batch_size: int, torch_threads: Optional[int],
+               tp_size: int = 1) -> "PolicyGroup":
+        """Start the rank actors on their bundles without building their backends (nothing on the GPUs yet);
+        ``setup`` builds them."""
+        workers = [PolicyWorker.options(**_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
+        return cls(workers, global_batch_size, tp_size)
+
+    def setup(self, backend_kwargs: dict) -> None:
+        """Build every rank's backend (``build_policy_backend``; errors surface here)."""
+        world = len(self.workers)
+        init = ray.get(self.workers[0].rendezvous_address.remote()) if world > 1 else None
+        ray.get([w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(self.workers)])
+        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", world, self.dp_size,
+                    self.tp_size)
+
+    @classmethod
     def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
               tp_size: int = 1) -> "PolicyGroup":
-        """Start the ranks on their bundles and build the backends (errors surface here)."""
-        workers = [PolicyWorker.options(**_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
-        world = len(workers)
-        init = ray.get(workers[0].rendezvous_address.remote()) if world > 1 else None
-        ray.get([w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(workers)])
-        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", world, world // tp_size, tp_size)
-        return cls(workers, backend_kwargs["cfg"].train_global_batch_size, tp_size)
+        """``create`` then ``setup``: the ranks on their bundles with their backends built."""
+        group = cls.create(pg, plan, backend_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
+        group.setup(backend_kwargs)
+        return group
+
+    def gpu_ids(self, ranks: Sequence[int]) -> list[str]:
+        """The physical GPU id (a ``CUDA_VISIBLE_DEVICES`` value) of each rank in ``ranks``, in that order.
+
+        Raises:
+            RuntimeError: a rank holds other than one GPU, or two ranks the same one.
+        """
+        ids = ray.get([self.workers[r].gpu_ids.remote() for r in ranks])
+        if any(len(i) != 1 for i in ids) or len({i[0] for i in ids}) != len(ids):
+            raise RuntimeError(f"policy ranks {list(ranks)} hold GPUs {ids}; each must hold one GPU of its own")
+        return [i[0] for i in ids]
 
     @property
     def weight_source(self):
@@ -422,10 +497,16 @@ class GenerationGroup:
         self.worker = worker
 
     @classmethod
-    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int]) -> "GenerationGroup":
-        worker = GenerationWorker.options(**_options(pg, plan.generation_slot)).remote(backend_kwargs, torch_threads)
+    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
+              cuda_visible_devices: Optional[Sequence[str]] = None) -> "GenerationGroup":
+        """Start the engine actor on ``plan.generation_slot`` and build its backend (errors surface here).
+
+        ``cuda_visible_devices``: the GPUs a colocated multi-GPU engine runs on (``GenerationWorker``).
+        """
+        worker = GenerationWorker.options(**_options(pg, plan.generation_slot)).remote(
+            backend_kwargs, torch_threads, cuda_visible_devices)
         ray.get(worker.ready.remote())  # re-raises the backend's construction error
-        logger.info("generation engine ready")
+        logger.info("generation engine ready (CUDA_VISIBLE_DEVICES=%s)", ray.get(worker.cuda_visible_devices.remote()))
         return cls(worker)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling) -> GenerationOutput:
@@ -452,3 +533,29 @@ class GenerationGroup:
     def shutdown(self) -> None:
         ray.get(self.worker.shutdown.remote())
         ray.kill(self.worker)
+
+
+def start_groups(pg, plan: ClusterPlan, policy_kwargs: dict, generation_kwargs: dict, torch_threads: Optional[int],
+                 tp_size: int = 1) -> tuple[PolicyGroup, GenerationGroup]:
+    """Start the policy ranks and the engine on ``plan``'s bundles, in the order the GPUs need.
+
+    1. the policy's rank actors, backends not built (``PolicyGroup.create``: nothing on the GPUs);
+    2. colocated with ``plan.engine_gpus > 1``: the GPU ids of policy ranks ``plan.engine_policy_ranks``,
+       which become the engine actor's ``CUDA_VISIBLE_DEVICES`` (a one-GPU engine keeps Ray's: bundle 0's);
+    3. the engine (vLLM measures the free memory of its GPUs as it starts, so before the trainer allocates);
+    4. the policy backends (``PolicyGroup.setup``).
+
+    Args:
+        policy_kwargs: ``build_policy_backend``'s arguments (``cfg``: ``PolicyConfig``).
+        generation_kwargs: ``build_generation_backend``'s arguments.
+        tp_size: Megatron tensor parallelism of the policy.
+
+    Raises:
+        RuntimeError: a shared policy rank holds other than one GPU of its own; or what building a
+            backend raised.
+    """
+    policy = PolicyGroup.create(pg, plan, policy_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
+    visible = policy.gpu_ids(plan.engine_policy_ranks) if len(plan.engine_policy_ranks) > 1 else None
+    generation = GenerationGroup.start(pg, plan, generation_kwargs, torch_threads, cuda_visible_devices=visible)
+    policy.setup(policy_kwargs)
+    return policy, generation

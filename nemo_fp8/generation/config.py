@@ -13,6 +13,26 @@ from pydantic import Field
 from nemo_fp8.utils.config import StrictConfig
 
 SUPPORTED_WEIGHT_BLOCK_SIZE = [128, 128]
+SUPPORTED_TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+
+
+def colocated_engine_error(tensor_parallel_size: int, policy_world_size: int) -> Optional[str]:
+    """Why a colocated vLLM engine of ``tensor_parallel_size`` GPUs cannot run beside a policy of
+    ``policy_world_size`` ranks (None: it can).
+
+    A colocated engine shares the GPUs of policy ranks ``0..tensor_parallel_size-1`` (one GPU per
+    rank, ``nemo_fp8.distributed.worker_groups.plan_cluster``), so it needs at least that many ranks.
+    The text follows ``policy.generation.vllm_cfg.tensor_parallel_size: `` in both the config check
+    and ``plan_cluster``'s error.
+    """
+    if tensor_parallel_size <= policy_world_size:
+        return None
+    valid = [n for n in SUPPORTED_TENSOR_PARALLEL_SIZES if n <= policy_world_size]
+    return (f"{tensor_parallel_size} with policy.generation.colocated.enabled=true runs the engine on the GPUs of "
+            f"policy ranks 0..{tensor_parallel_size - 1}, but the policy has {policy_world_size} rank(s) (policy world "
+            "size = policy.data_parallel_size x policy.megatron_cfg.tensor_model_parallel_size); valid: "
+            f"{', '.join(map(str, valid))}, or a policy world size >= {tensor_parallel_size}, or "
+            f"policy.generation.colocated.enabled=false (the engine then gets {tensor_parallel_size} GPUs of its own)")
 
 
 class VllmConfig(StrictConfig):
@@ -32,7 +52,9 @@ class VllmConfig(StrictConfig):
     kv_cache_memory_bytes: Optional[int] = Field(
         None, ge=1, description="vLLM's kv_cache_memory_bytes: a fixed KV cache size per GPU that skips vLLM's "
         "memory profiling (which fails when another process on the GPU frees memory while it profiles)")
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM's tensor parallelism: the engine runs on this many GPUs, those of policy ranks "
+        "0..n-1 when colocated, else GPUs of its own (nemo_fp8/distributed/worker_groups.py's plan_cluster)")
     max_model_len: Optional[int] = Field(None, ge=1)
     enforce_eager: bool = False
 
@@ -87,8 +109,14 @@ class GenerationConfig(StrictConfig):
         if self.top_p != 1.0 or self.top_k is not None:
             errs.append("top_p/top_k: must be 1.0/null; the trainer's log-probs cannot reproduce a truncated sampling "
                         "distribution, so IS correction would be wrong")
-        if self.backend == "vllm" and self.vllm_cfg.tensor_parallel_size != 1:
-            errs.append(f"vllm_cfg.tensor_parallel_size: {self.vllm_cfg.tensor_parallel_size} is not supported by the "
-                        "trainer yet: its vLLM engine is one Ray actor on one GPU (nemo_fp8/distributed/worker_groups.py"
-                        "'s plan_cluster), so a tensor-parallel engine would not find its second GPU (valid: 1)")
+        tp = self.vllm_cfg.tensor_parallel_size
+        if self.backend == "vllm" and tp not in SUPPORTED_TENSOR_PARALLEL_SIZES:
+            errs.append(f"vllm_cfg.tensor_parallel_size: {tp} is not supported (valid: "
+                        f"{', '.join(map(str, SUPPORTED_TENSOR_PARALLEL_SIZES))})")
         return errs
+
+    @property
+    def engine_gpus(self) -> int:
+        """GPUs of the rollout engine: vLLM's ``tensor_parallel_size``; 1 for the torch engine (which has no
+        tensor parallelism and leaves the key alone)."""
+        return self.vllm_cfg.tensor_parallel_size if self.backend == "vllm" else 1

@@ -12,7 +12,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from nemo_fp8.distributed.config import WeightSyncConfig
-from nemo_fp8.generation.config import GenerationConfig
+from nemo_fp8.generation.config import GenerationConfig, colocated_engine_error
 from nemo_fp8.utils.config import StrictConfig
 
 
@@ -222,11 +222,19 @@ class PolicyConfig(StrictConfig):
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")
+        engine_gpus = self.generation.engine_gpus
+        if self.generation.colocated.enabled and engine_gpus > 1:
+            why = colocated_engine_error(engine_gpus, self.world_size)
+            if why:
+                errs.append(f"generation.vllm_cfg.tensor_parallel_size: {why}")
         if self.weight_sync.method == "cuda_ipc":
             why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
                                     ("generation.colocated.enabled: true", not self.generation.colocated.enabled),
                                     (f"one policy rank (world size {self.world_size})", self.world_size != 1),
-                                    ("device: cuda or auto", self.device == "cpu")) if bad]
+                                    ("device: cuda or auto", self.device == "cpu"),
+                                    ("a one-GPU engine (generation.vllm_cfg.tensor_parallel_size: 1, not "
+                                     f"{engine_gpus}: the rank's handles are for its own GPU only, the engine's other "
+                                     "workers would find none)", engine_gpus > 1)) if bad]
             if why:
                 errs.append(f"weight_sync.method: 'cuda_ipc' hands CUDA IPC handles from the policy's one rank to the "
                             f"vLLM engine on its GPU; it needs {', '.join(why)} (valid otherwise: 'auto', "

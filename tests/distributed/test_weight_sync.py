@@ -199,6 +199,22 @@ def test_cuda_ipc_refit_is_refused_where_it_cannot_run():
     assert "generation.colocated.enabled: true" in msg and "one policy rank (world size 2)" in msg
 
 
+def test_cuda_ipc_refit_is_refused_into_a_tensor_parallel_engine():
+    """One policy rank's handles cover its own GPU only: an engine of two GPUs would leave its second worker
+    without a handle, so ``cuda_ipc`` is refused there, pointing at the transports that work."""
+    from nemo_fp8.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc",
+                                    "policy.generation.vllm_cfg.tensor_parallel_size=2"])
+    msg = str(e.value)
+    assert "weight_sync.method: 'cuda_ipc'" in msg and "a one-GPU engine" in msg and "not 2" in msg
+    assert "(valid otherwise: 'auto', 'object_store')" in msg
+    cfg = load_config(TINY_MEGATRON, ["policy.generation.vllm_cfg.tensor_parallel_size=2",
+                                      "policy.generation.colocated.enabled=false"])  # auto: the object store
+    assert cfg.policy.weight_sync.method == "auto" and cfg.policy.generation.engine_gpus == 2
+
+
 def test_make_weight_sync_picks_the_configured_transport():
     from nemo_fp8.config import load_config
     from nemo_fp8.distributed.weight_sync import CudaIpcWeightSync, ObjectStoreWeightSync

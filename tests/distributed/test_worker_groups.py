@@ -47,6 +47,37 @@ def test_cluster_plan_and_sharding():
         train_shard_indices(6, 4, 2, 0)
 
 
+def test_cluster_plan_for_a_two_gpu_engine():
+    """vLLM tensor parallel 2: colocated, the engine actor keeps its half of bundle 0 and runs on the GPUs of
+    policy ranks 0 and 1 (no GPU more is reserved); on its own, its bundle holds both its GPUs. One GPU
+    reproduces today's plans exactly."""
+    colo = plan_cluster(2, use_gpu=True, colocated=True, engine_gpus=2)
+    assert colo.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert colo.generation_slot == (0, {"CPU": 1.0, "GPU": 0.5}) and colo.required() == {"CPU": 3.0, "GPU": 2.0}
+    assert colo.policy_slots == [(0, {"CPU": 1.0, "GPU": 0.5}), (1, {"CPU": 1.0, "GPU": 1.0})]
+    assert (colo.engine_gpus, colo.engine_policy_ranks) == (2, [0, 1])
+    assert plan_cluster(4, use_gpu=True, colocated=True, engine_gpus=2).engine_policy_ranks == [0, 1]
+    own = plan_cluster(2, use_gpu=True, colocated=False, engine_gpus=2)
+    assert own.bundles[-1] == {"CPU": 1.0, "GPU": 2.0} and own.generation_slot == (2, {"CPU": 1.0, "GPU": 2.0})
+    assert own.required() == {"CPU": 3.0, "GPU": 4.0} and own.engine_policy_ranks == []
+    assert plan_cluster(1, use_gpu=True, colocated=False, engine_gpus=2).required() == {"CPU": 2.0, "GPU": 3.0}
+    for dp, colocated in ((1, True), (2, True), (1, False), (3, False)):  # engine_gpus=1: the one-GPU plans
+        one = plan_cluster(dp, use_gpu=True, colocated=colocated, engine_gpus=1)
+        old = plan_cluster(dp, use_gpu=True, colocated=colocated)
+        assert (one.bundles, one.policy_slots, one.generation_slot) == (old.bundles, old.policy_slots,
+                                                                       old.generation_slot)
+    assert plan_cluster(2, use_gpu=True, colocated=False).bundles[-1] == {"CPU": 1.0, "GPU": 1.0}
+    cpu = plan_cluster(2, use_gpu=False, colocated=True, engine_gpus=2)  # the torch engine: no GPUs to plan
+    assert cpu.required() == {"CPU": 3.0} and cpu.engine_policy_ranks == []
+    with pytest.raises(ValueError) as e:
+        plan_cluster(1, use_gpu=True, colocated=True, engine_gpus=2)
+    msg = str(e.value)
+    assert msg.startswith("policy.generation.vllm_cfg.tensor_parallel_size: 2 with policy.generation.colocated")
+    assert "the policy has 1 rank(s)" in msg and "valid: 1," in msg
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        plan_cluster(1, use_gpu=True, colocated=False, engine_gpus=0)
+
+
 def _perturbed_policy_checkpoint(cfg, path: Path) -> TorchPolicyBackend:
     policy = TorchPolicyBackend(cfg.policy, CPU)
     gen = torch.Generator().manual_seed(0)

@@ -36,6 +36,9 @@ class _FakeLLM:
     def finish_weight_update(self):
         self.calls.append("finish")
 
+    def update_weights(self, request):
+        self.calls.append("update")
+
     def generate(self, *args, **kwargs):
         raise _Generated()
 
@@ -141,3 +144,27 @@ def test_moe_refit_is_complete_with_fused_or_per_expert_expert_names(backend):
     be.start_weight_update(3)
     with pytest.raises(KeyError, match=r"experts\.4\.up_proj"):
         be.update_weights([("model.layers.0.mlp.experts.4.up_proj.weight", None)])
+
+
+def test_tensor_parallel_engine_refits_every_gpu_and_refuses_a_one_gpu_sender(backend, monkeypatch):
+    """An engine of two GPUs: ``update_weights`` hands ``send_weights_ipc`` the workers' devices (cuda:0, cuda:1),
+    so every worker gets a copy on its own GPU; a trainer's direct CUDA IPC refit (one GPU's handles) is refused.
+    A one-GPU engine passes no devices: vLLM's own IPC sender, as before."""
+    import torch
+
+    from nemo_fp8.generation.vllm import backend as mod
+
+    sent = []
+    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None: sent.append(
+        (len(items), devices)) or len(items))
+    be = backend(tensor_parallel_size=2)
+    assert be.llm.kwargs["tensor_parallel_size"] == 2 and be.llm.kwargs["distributed_executor_backend"] == "mp"
+    be.start_weight_update(1)
+    be.update_weights([("model.embed_tokens.weight", None)])
+    assert sent == [(1, [torch.device("cuda", 0), torch.device("cuda", 1)])]
+    with pytest.raises(RuntimeError, match="tensor_parallel_size=2.*'object_store' or 'auto'"):
+        be.direct_refit_spec()
+    one = backend()
+    one.start_weight_update(1)
+    one.update_weights([("model.embed_tokens.weight", None)])
+    assert sent[-1] == (1, None) and set(one.direct_refit_spec()) == {"plan", "skip"}

@@ -9,7 +9,7 @@ from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.vllm.engine_args import (WORKER_EXTENSION_CLS, build_engine_spec, engine_env,
                                                   live_activation_scales)
 from nemo_fp8.generation.vllm.patches import PATCHES, check_patch_table
-from nemo_fp8.generation.vllm.refit import build_refit_plan
+from nemo_fp8.generation.vllm.refit import build_refit_plan, merge_ipc_handles
 
 DENSE = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, vocab_size=512, tie_word_embeddings=False)
@@ -33,6 +33,89 @@ def test_fp8_engine_args():
     assert "kv_cache_memory_bytes" not in kw  # vLLM sizes the KV cache from gpu_memory_utilization
     sized = build_engine_spec(VllmConfig(kv_cache_memory_bytes=2**30), DENSE).engine_kwargs
     assert sized["kv_cache_memory_bytes"] == 2**30
+
+
+def test_tensor_parallel_engine_runs_vllms_multiprocessing_executor():
+    """n > 1: vLLM's worker processes inside the engine actor's GPUs ("mp"); inside a Ray placement group vLLM
+    0.22 would otherwise pick its Ray executor. One GPU: vLLM's own choice (its in-process executor), as before."""
+    one = build_engine_spec(VllmConfig(precision="fp8"), DENSE).engine_kwargs
+    assert one["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in one
+    for tp in (2, 4, 8):
+        kw = build_engine_spec(VllmConfig(precision="fp8", tensor_parallel_size=tp), DENSE).engine_kwargs
+        assert kw["tensor_parallel_size"] == tp and kw["distributed_executor_backend"] == "mp"
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3; valid: 1, 2, 4, 8"):
+        build_engine_spec(VllmConfig(tensor_parallel_size=3), DENSE)
+
+
+def test_ipc_handles_of_every_gpu_are_merged_per_tensor():
+    """A tensor-parallel engine's refit: each tensor's copies on n GPUs become one ``{uuid: args}`` dict (vLLM
+    0.22's non-packed ``ipc_handles``), so every worker finds the copy on its own GPU."""
+    gpu0 = [{"GPU-a": ("w0", 0)}, {"GPU-a": ("s0", 0)}]
+    gpu1 = [{"GPU-b": ("w1", 1)}, {"GPU-b": ("s1", 1)}]
+    assert merge_ipc_handles([gpu0, gpu1]) == [{"GPU-a": ("w0", 0), "GPU-b": ("w1", 1)},
+                                               {"GPU-a": ("s0", 0), "GPU-b": ("s1", 1)}]
+    assert merge_ipc_handles([gpu0]) == gpu0 and merge_ipc_handles([[], []]) == []
+    with pytest.raises(ValueError, match=r"different numbers of tensors \[2, 1\]"):
+        merge_ipc_handles([gpu0, gpu1[:1]])
+    with pytest.raises(ValueError, match="GPU GPU-a appears twice for tensor 0"):
+        merge_ipc_handles([gpu0, gpu0])
+    with pytest.raises(ValueError, match="no devices"):
+        merge_ipc_handles([])
+
+
+def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypatch):
+    """``send_weights_ipc(devices=...)`` on stand-ins for CUDA and vLLM's dataclass: one update per bucket whose
+    ``ipc_handles`` hold, per tensor, a handle for each GPU's UUID; every copy alive while the engine loads;
+    ``ipc_collect`` after each bucket (what vLLM's trainer does)."""
+    import sys
+    import types
+    import weakref
+    from dataclasses import dataclass
+
+    from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
+
+    @dataclass
+    class UpdateInfo:  # the fields of vLLM 0.22's IPCWeightTransferUpdateInfo
+        names: list
+        dtype_names: list
+        shapes: list
+        ipc_handles: list
+        tensor_sizes: object = None
+        packed: bool = False
+
+    ipc_engine = types.ModuleType("vllm.distributed.weight_transfer.ipc_engine")
+    ipc_engine.IPCWeightTransferUpdateInfo = UpdateInfo
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, ipc_engine.__name__, ipc_engine)
+    uuids = iter(["GPU-aaa", "GPU-bbb"])  # asked once per device, in order
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=next(uuids)))
+    shared = []
+    monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor",
+                        lambda t: shared.append(weakref.ref(t)) or (None, ("args", len(shared) - 1)))
+    collects = []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collects.append(1))
+    updates = []
+
+    def update(payload):
+        mine = shared[-2 * len(payload["update_info"]["names"]):]  # this bucket's copies on the two devices
+        assert all(r() is not None for r in mine)  # every copy alive while the engine loads
+        updates.append(payload["update_info"])
+
+    tensors = [("a.weight", torch.randn(4, 8)), ("b.weight", torch.randn(16)),
+               ("model.layers.0.self_attn.k_scale", torch.tensor(0.5))]
+    cpu = torch.device("cpu")  # stands in for cuda:0 and cuda:1 (the copies are no-ops here)
+    n = send_weights_ipc(tensors, update, RefitPlan(set()), bucket_bytes=64, devices=[cpu, cpu])
+    assert n == 3 and len(updates) == 2 and len(collects) == 3  # 64 bytes of bf16 [4, 8]: a bucket alone
+    first, second = updates
+    assert first["names"] == ["a.weight"] and first["dtype_names"] == ["bfloat16"] and first["shapes"] == [[4, 8]]
+    assert first["ipc_handles"] == [{"GPU-aaa": ("args", 0), "GPU-bbb": ("args", 1)}] and not first["packed"]
+    assert second["names"] == ["b.weight", "model.layers.0.self_attn.k_scale"]
+    assert second["dtype_names"] == ["bfloat16", "float32"] and second["shapes"] == [[16], []]
+    assert second["ipc_handles"] == [{"GPU-aaa": ("args", 2), "GPU-bbb": ("args", 4)},
+                                     {"GPU-aaa": ("args", 3), "GPU-bbb": ("args", 5)}]
+    with pytest.raises(ValueError, match="not both"):
+        send_weights_ipc(tensors, update, RefitPlan(set()), devices=[cpu, cpu], device=cpu)
 
 
 def test_bf16_engine_has_no_quantization():

@@ -80,10 +80,17 @@ def engine(path, **cfg):
 
 
 def engine_params(backend, names):
-    """name -> CPU copy of the engine's parameter (exact bytes, engine dtype and shape)."""
-    raw = backend.llm.collective_rpc("nemo_fp8_params", args=(names,))[0]
+    """name -> CPU copy of the engine's parameter (exact bytes, engine dtype and shape) on worker 0."""
+    return engine_params_per_rank(backend, names)[0]
+
+
+def engine_params_per_rank(backend, names):
+    """``engine_params`` of every worker, in tensor-parallel rank order (``collective_rpc`` answers once per
+    worker): each holds its shard of a tensor-parallel engine's parameters."""
     dtypes = {"float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32, "bfloat16": torch.bfloat16}
-    return {n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtypes[d]).reshape(s) for n, (d, s, b) in raw.items()}
+    return [{n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtypes[d]).reshape(s)
+             for n, (d, s, b) in raw.items()}
+            for raw in backend.llm.collective_rpc("nemo_fp8_params", args=(names,))]
 
 
 def refit(backend, state, version):

@@ -58,11 +58,26 @@ def test_fp8_kv_cache_needs_fp8_precision():
     assert "policy.generation.vllm_cfg.kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8'" in msg
 
 
-def test_tensor_parallel_vllm_engine_is_refused_before_any_gpu_work():
-    msg = _error("policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2")
-    assert "policy.generation.vllm_cfg.tensor_parallel_size: 2 is not supported" in msg and "(valid: 1)" in msg
+def test_tensor_parallel_vllm_engine_needs_enough_policy_gpus_when_colocated():
+    """A colocated engine of n GPUs runs on those of policy ranks 0..n-1: refused at config time, before any GPU
+    work, when the policy has fewer ranks; an engine on GPUs of its own, or enough ranks, is fine."""
+    tp2 = ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2"]
+    msg = _error(*tp2)
+    assert "policy.generation.vllm_cfg.tensor_parallel_size: 2 with policy.generation.colocated.enabled=true" in msg
+    assert "the policy has 1 rank(s)" in msg and "valid: 1, or a policy world size >= 2" in msg
+    assert "policy.generation.colocated.enabled=false" in msg
+    cfg = load_config(TINY, [*tp2, "policy.data_parallel_size=2"])
+    assert cfg.policy.generation.engine_gpus == 2 and cfg.policy.world_size == 2
+    assert load_config(TINY, [*tp2, "policy.generation.colocated.enabled=false"]).policy.generation.engine_gpus == 2
+    msg = _error("policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=8",
+                 "policy.data_parallel_size=4", "policy.train_global_batch_size=32", "policy.train_micro_batch_size=8")
+    assert "the policy has 4 rank(s)" in msg and "valid: 1, 2, 4, or a policy world size >= 8" in msg
+    msg = _error("policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=3",
+                 "policy.generation.colocated.enabled=false")
+    assert "policy.generation.vllm_cfg.tensor_parallel_size: 3 is not supported (valid: 1, 2, 4, 8)" in msg
     # the torch engine has no tensor parallelism to configure: the key is left alone there
-    assert load_config(TINY, ["policy.generation.vllm_cfg.tensor_parallel_size=2"]).policy.generation.backend == "torch"
+    torch_cfg = load_config(TINY, ["policy.generation.vllm_cfg.tensor_parallel_size=2"])
+    assert torch_cfg.policy.generation.backend == "torch" and torch_cfg.policy.generation.engine_gpus == 1
 
 
 def test_fp8_rollout_without_is_correction_needs_explicit_allow():

@@ -1,13 +1,21 @@
 """``VllmGenerationBackend``: the rollout engine behind ``GenerationBackend``, in FP8 or BF16.
 
-Owns one ``vllm.LLM`` (tensor parallel 1 or 2) started from the model's config with
-``load_format="dummy"``: the first refit brings the real weights (the backend does that itself
-from ``model_name``'s checkpoint when ``load_initial_weights`` is set). Refit:
-``start_weight_update`` -> ``update_weights`` (buckets of HF-named high-precision tensors,
-quantized on the GPU and sent over CUDA IPC; the trainer may call ``send_weights_ipc`` /
-``send_weights_nccl`` from ``refit`` directly instead) -> ``finish_weight_update`` (vLLM's
-layerwise reload, in place). Generation returns ``processed_logprobs``: log-probs of the
-distribution actually sampled (logits / temperature). Sleep/wake (level 1) for colocation.
+Owns one ``vllm.LLM`` started from the model's config with ``load_format="dummy"``: the first
+refit brings the real weights (the backend does that itself from ``model_name``'s checkpoint when
+``load_initial_weights`` is set). Refit: ``start_weight_update`` -> ``update_weights`` (buckets of
+HF-named high-precision tensors, quantized on the GPU and sent over CUDA IPC; the trainer may call
+``send_weights_ipc`` / ``send_weights_nccl`` from ``refit`` directly instead) ->
+``finish_weight_update`` (vLLM's layerwise reload, in place). Generation returns
+``processed_logprobs``: log-probs of the distribution actually sampled (logits / temperature).
+Sleep/wake (level 1) for colocation.
+
+Tensor parallelism (``vllm_cfg.tensor_parallel_size`` n > 1): vLLM's multiprocessing executor runs
+one worker per GPU of this process's ``CUDA_VISIBLE_DEVICES`` (the trainer's engine actor sets it
+to its n GPUs, ``nemo_fp8.distributed.worker_groups``). ``update_weights`` quantizes each bucket on
+``cuda:0``, copies it to ``cuda:1 .. cuda:n-1`` and sends every worker the handle of the copy on
+its own GPU (``send_weights_ipc(devices=...)``); each worker loads the full tensors and keeps its
+shard. The trainer-side CUDA IPC refit (``direct_refit_spec``) sends one GPU's handles and is
+refused for such an engine.
 """
 
 from __future__ import annotations
@@ -63,6 +71,9 @@ class VllmGenerationBackend:
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
         self.num_layers = int(_model_config(model_name)["num_hidden_layers"])
         self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
+        tp = int(self.spec.engine_kwargs.get("tensor_parallel_size", 1))
+        # The engine's workers' GPUs as this process numbers them (vLLM's worker i runs on cuda:i).
+        self.refit_devices = [torch.device("cuda", i) for i in range(tp)] if tp > 1 else None
         self.llm = LLM(**self.spec.engine_kwargs)
         self._version = WeightVersion()
         self._pending: Optional[int] = None
@@ -92,11 +103,21 @@ class VllmGenerationBackend:
         items = [(n, t) for n, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
                  if n not in self._tied]
         self._seen.update(self.plan.checked_names(n for n, _ in items))
-        self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes)
+        self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes,
+                                       devices=self.refit_devices)
 
     def direct_refit_spec(self) -> dict:
         """What a trainer needs to send straight to this engine (``send_weights_ipc`` in its own process):
-        ``plan`` (``RefitPlan``) and ``skip`` (HF names the engine does not take: a tied ``lm_head``)."""
+        ``plan`` (``RefitPlan``) and ``skip`` (HF names the engine does not take: a tied ``lm_head``).
+
+        Raises:
+            RuntimeError: a tensor-parallel engine: a trainer's handles cover its own GPU only, the other
+                workers would find none (``policy.weight_sync.method``: ``object_store`` or ``auto`` instead).
+        """
+        if self.refit_devices is not None:
+            raise RuntimeError(f"direct CUDA IPC refit into an engine of tensor_parallel_size={len(self.refit_devices)}"
+                               ": the trainer's handles are for its own GPU only; use policy.weight_sync.method "
+                               "'object_store' or 'auto' (the engine then sends every worker its own copy)")
         return {"plan": self.plan, "skip": set(self._tied)}
 
     def receive_update(self, payload: dict) -> None:

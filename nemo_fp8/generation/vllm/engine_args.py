@@ -11,6 +11,11 @@ What the FP8 engine needs, and where each piece comes from:
 * ``load_format="dummy"``: the engine starts with random weights; the first refit brings the
   policy's (so no checkpoint is read twice, and FP8 weights are always *our* quantization).
 * ``weight_transfer_config``: ``ipc`` (trainer on the same GPU) or ``nccl`` (elsewhere).
+* ``tensor_parallel_size`` and, above 1, ``distributed_executor_backend="mp"``: vLLM's
+  multiprocessing executor, one worker process per GPU, spawned from the process that builds the
+  engine (the trainer's engine actor) and inheriting its ``CUDA_VISIBLE_DEVICES``. vLLM 0.22 would
+  otherwise pick its Ray executor inside a Ray placement group (``ParallelConfig.__post_init__``)
+  and ask Ray for GPUs the trainer's placement group already holds.
 * ``logprobs_mode="processed_logprobs"``: log-probs of the distribution actually sampled.
 * ``compilation_config={"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}`` in
   every compiled FP8 engine. vLLM 0.22's compile passes otherwise replace SiLU-and-mul + group quant and
@@ -44,7 +49,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nemo_fp8.generation.config import VllmConfig
+from nemo_fp8.generation.config import SUPPORTED_TENSOR_PARALLEL_SIZES, VllmConfig
 
 WORKER_EXTENSION_CLS = "nemo_fp8.generation.vllm.worker_extension.Fp8WorkerExtension"
 ENV_POW2_ACT = "NEMO_FP8_POW2_ACT_SCALES"
@@ -175,8 +180,9 @@ def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[s
     errs = list(cfg.config_errors()) + scale_convention_errors(cfg)
     if weight_transfer not in WEIGHT_TRANSFER_BACKENDS:
         errs.append(f"weight_transfer: {weight_transfer!r}; valid: {list(WEIGHT_TRANSFER_BACKENDS)}")
-    if cfg.tensor_parallel_size not in (1, 2, 4, 8):
-        errs.append(f"tensor_parallel_size: {cfg.tensor_parallel_size}; valid: 1, 2, 4, 8")
+    if cfg.tensor_parallel_size not in SUPPORTED_TENSOR_PARALLEL_SIZES:
+        errs.append(f"tensor_parallel_size: {cfg.tensor_parallel_size}; valid: "
+                    f"{', '.join(map(str, SUPPORTED_TENSOR_PARALLEL_SIZES))}")
     if errs:
         raise ValueError("vLLM engine config: " + "; ".join(errs))
     from nemo_fp8.generation.vllm.refit import build_refit_plan
@@ -199,6 +205,8 @@ def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[s
         "enable_prefix_caching": False,
         "seed": seed,
     }
+    if cfg.tensor_parallel_size > 1:  # one worker process per GPU inside this process's GPUs (module docstring)
+        kwargs["distributed_executor_backend"] = "mp"
     if model_path is not None:
         kwargs["model"] = str(model_path)
     if cfg.max_model_len is not None:

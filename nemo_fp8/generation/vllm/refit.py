@@ -22,6 +22,13 @@ Transports (``send_weights``): CUDA IPC when trainer and engine share the GPU (v
 is told names/dtypes/shapes first). Both are bracketed by ``start_weight_update`` /
 ``finish_weight_update``, which run vLLM's layerwise reload: weights are loaded in place
 (data pointers unchanged, CUDA graphs stay valid).
+
+A tensor-parallel engine (``send_weights_ipc(..., devices=[cuda:0, ..., cuda:n-1])``, the GPUs of
+its n workers as the sending process sees them): vLLM 0.22's IPC engine gives each worker the
+handle keyed by its own GPU's UUID (``receive_weights``), and every worker loads the FULL tensor
+and keeps its shard (the model's ``load_weights``). So each converted tensor is copied to every
+device and one update carries, per tensor, a ``{uuid: rebuild args}`` dict with all n GPUs
+(``merge_ipc_handles``): what vLLM's own multi-rank trainer path builds with an all-gather.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import math
 import re
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -218,22 +225,107 @@ def _buckets(items: Iterator[tuple[str, Tensor]], bucket_bytes: int) -> Iterator
         yield bucket
 
 
+def merge_ipc_handles(per_device: Sequence[Sequence[dict[str, tuple]]]) -> list[dict[str, tuple]]:
+    """One ``{GPU UUID: rebuild args}`` dict per tensor from each device's handles of the same tensors.
+
+    Args:
+        per_device: for each device, one dict per tensor, in the same tensor order on every device
+            (``{str(torch.cuda.get_device_properties(d).uuid): reduce_tensor(copy)[1]}``).
+
+    Returns:
+        ``merged[j]`` = the union of ``per_device[i][j]`` over devices ``i``: the non-packed
+        ``ipc_handles`` of vLLM 0.22's ``IPCWeightTransferUpdateInfo`` (its trainer merges the ranks'
+        handles the same way, ``IPCWeightTransferEngine._all_gather_and_merge_handles``).
+
+    Raises:
+        ValueError: no devices, devices with different numbers of tensors, or a GPU UUID twice for
+            one tensor (two devices that are one GPU: a worker would get one of two copies).
+    """
+    if not per_device:
+        raise ValueError("merge_ipc_handles: no devices")
+    counts = [len(handles) for handles in per_device]
+    if len(set(counts)) != 1:
+        raise ValueError(f"merge_ipc_handles: the devices hold different numbers of tensors {counts}; each must "
+                         "hold a copy of every tensor of the bucket")
+    merged: list[dict[str, tuple]] = []
+    for j in range(counts[0]):
+        m: dict[str, tuple] = {}
+        for i, handles in enumerate(per_device):
+            for uuid, args in handles[j].items():
+                if uuid in m:
+                    raise ValueError(f"merge_ipc_handles: GPU {uuid} appears twice for tensor {j} (device {i} is a GPU "
+                                     "already listed); each device must be a different GPU")
+                m[uuid] = args
+        merged.append(m)
+    return merged
+
+
 def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None) -> int:
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None,
+                     devices: Optional[Sequence[torch.device]] = None) -> int:
     """Quantize and send over CUDA IPC, one ``update_fn({"update_info": ...})`` per bucket.
 
+    ``named_tensors``: ``(HF name, tensor)``, any float dtype and device, converted by ``plan.convert``
+    (an FP8 Linear's [N, K] weight -> e4m3 [N, K] + fp32 ``weight_scale_inv`` [ceil(N/128), ceil(K/128)];
+    KV scales -> fp32 scalars; the rest -> ``plan.dtype``); ``bucket_bytes`` counts converted bytes.
     ``update_fn`` is ``LLM.update_weights`` (or a Ray actor's method calling it). Tensors are
     converted on ``device`` (default: the current CUDA device) and kept alive until their
     bucket has been loaded. Returns the number of tensors sent.
+
+    ``devices`` (a tensor-parallel engine, its workers' n GPUs as this process numbers them, e.g.
+    ``cuda:0 .. cuda:n-1``): each bucket is converted on ``devices[0]`` and copied to the others, and one
+    update per bucket carries every copy's handle keyed by its GPU's UUID (module docstring); every copy
+    lives until ``update_fn`` returns. One device (or None) takes vLLM's
+    ``IPCWeightTransferEngine.trainer_send_weights`` as before.
+
+    Raises:
+        ValueError: both ``device`` and ``devices``; ``devices`` naming one GPU twice (``merge_ipc_handles``).
     """
+    if devices is not None and device is not None:
+        raise ValueError("send_weights_ipc: pass device (one-GPU engine) or devices (tensor-parallel), not both")
+    if devices is not None and len(devices) > 1:
+        return _send_weights_ipc_tp(named_tensors, update_fn, plan, bucket_bytes, list(devices))
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-    device = device or torch.device("cuda", torch.cuda.current_device())
+    device = device or (devices[0] if devices else torch.device("cuda", torch.cuda.current_device()))
     n = 0
     for bucket in _buckets(plan.convert_all(named_tensors, device), bucket_bytes):
         IPCWeightTransferEngine.trainer_send_weights(
             iter(bucket), {"send_mode": lambda info: update_fn({"update_info": asdict(info)})})
         n += len(bucket)
+    return n
+
+
+def _send_weights_ipc_tp(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
+                         plan: RefitPlan, bucket_bytes: int, devices: list[torch.device]) -> int:
+    """``send_weights_ipc`` into a tensor-parallel engine: every bucket on every device (see there)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
+    n = 0
+    for bucket in _buckets(plan.convert_all(named_tensors, devices[0]), bucket_bytes):
+        # reduce_tensor's args do not keep the memory alive: every copy is held here until the engine has
+        # loaded the bucket. A copy to another GPU is ordered before that GPU's current stream (torch's
+        # cross-device copy), where reduce_tensor records the event the receiving worker waits on.
+        copies: list[Tensor] = []
+        per_device: list[list[dict[str, tuple]]] = []
+        for dev, uuid in zip(devices, uuids):
+            handles = []
+            for _, t in bucket:
+                copy = t.detach().to(dev).contiguous()  # devices[0]: the converted tensor itself
+                copies.append(copy)
+                handles.append({uuid: reduce_tensor(copy)[1]})
+            per_device.append(handles)
+        info = IPCWeightTransferUpdateInfo(names=[name for name, _ in bucket],
+                                           dtype_names=[str(t.dtype).split(".")[-1] for _, t in bucket],
+                                           shapes=[list(t.shape) for _, t in bucket],
+                                           ipc_handles=merge_ipc_handles(per_device), packed=False)
+        update_fn({"update_info": asdict(info)})
+        n += len(bucket)
+        del copies, per_device, info, bucket
+        torch.cuda.ipc_collect()  # as vLLM's trainer does after each send: free what the workers released
+    torch.cuda.ipc_collect()  # the last bucket's tensors on devices[0], released as the bucket stream ended
     return n
 
 

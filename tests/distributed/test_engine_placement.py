@@ -1,0 +1,88 @@
+"""A colocated engine of two GPUs on a Ray cluster with two (logical) GPUs: the start order and the
+``CUDA_VISIBLE_DEVICES`` the engine actor gets, with the torch backends on the CPU.
+
+Ray hands out logical GPUs as it would real ones (ids, ``CUDA_VISIBLE_DEVICES`` per actor), so the
+driver's part of a tensor-parallel vLLM engine's placement runs here; the GPU test
+``tests/gpu/test_vllm_tp2.py`` runs the engine itself.
+"""
+
+import os
+
+import pytest
+import ray
+import torch
+from ray.util.placement_group import remove_placement_group
+
+from nemo_fp8.batch import TrainBatch
+from nemo_fp8.distributed.worker_groups import create_placement_group, plan_cluster, start_groups
+from nemo_fp8.generation import SamplingParams
+from nemo_fp8.models.hf import load_tokenizer
+
+CPU = torch.device("cpu")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def ray_two_gpus():
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()
+
+
+def _start(pg, plan, cfg, tok):
+    return start_groups(
+        pg, plan, policy_kwargs=dict(megatron=False, cfg=cfg.policy, device=CPU, temperature=1.0, keep_reference=False),
+        generation_kwargs=dict(backend="torch", model_name=cfg.policy.model_name,
+                               vllm_cfg=cfg.policy.generation.vllm_cfg, device=CPU, pad_token_id=tok.pad_token_id,
+                               eos_token_id=tok.eos_token_id,
+                               max_total_sequence_length=cfg.policy.max_total_sequence_length, batch_size=8,
+                               offload_when_idle=True),
+        torch_threads=1)
+
+
+def test_colocated_two_gpu_engine_runs_on_the_gpus_of_policy_ranks_0_and_1(ray_two_gpus, tiny_cfg):
+    cfg = tiny_cfg("policy.data_parallel_size=2")
+    tok = load_tokenizer(cfg.policy.model_name)
+    plan = plan_cluster(2, use_gpu=True, colocated=True, engine_gpus=2)
+    pg = create_placement_group(plan)
+    try:
+        policy, generation = _start(pg, plan, cfg, tok)
+        try:
+            ranks = ray.get([w.gpu_ids.remote() for w in policy.workers])
+            assert sorted(ranks) == [["0"], ["1"]]
+            # rank 0's GPU first: the engine's cuda:0, where the refit converts, is the GPU its actor shares
+            assert ray.get(generation.worker.cuda_visible_devices.remote()) == f"{ranks[0][0]},{ranks[1][0]}"
+            assert policy.gpu_ids([1, 0]) == [ranks[1][0], ranks[0][0]]
+            prompts = [tok.encode(f"Q: What is {i} + {i}?\n", add_special_tokens=False) for i in range(2)]
+            out = generation.generate(prompts, SamplingParams(max_new_tokens=3, greedy=True))
+            batch = TrainBatch(out.token_ids, out.prompt_lengths, out.response_lengths, torch.zeros(2),
+                               out.generation_logprobs)
+            assert policy.get_logprobs(batch).shape == out.token_ids.shape  # the policy backends were built too
+        finally:
+            generation.shutdown()
+            policy.shutdown()
+    finally:
+        remove_placement_group(pg)
+
+
+def test_one_gpu_engine_keeps_the_gpu_ray_gave_it(ray_two_gpus, tiny_cfg):
+    """``engine_gpus=1``: no ids are asked for, the engine actor keeps Ray's ``CUDA_VISIBLE_DEVICES``
+    (rank 0's GPU, which it shares)."""
+    cfg = tiny_cfg()
+    tok = load_tokenizer(cfg.policy.model_name)
+    plan = plan_cluster(1, use_gpu=True, colocated=True)
+    pg = create_placement_group(plan)
+    try:
+        policy, generation = _start(pg, plan, cfg, tok)
+        try:
+            (rank0,) = ray.get([w.gpu_ids.remote() for w in policy.workers])
+            assert ray.get(generation.worker.cuda_visible_devices.remote()) == rank0[0]
+        finally:
+            generation.shutdown()
+            policy.shutdown()
+    finally:
+        remove_placement_group(pg)
