@@ -56,9 +56,16 @@ _RULES = (
 
 
 def categorize(kernel_name: str) -> str:
-    """The category (one of ``CATEGORIES``) of a CUDA kernel, from its name (rules in ``_RULES``)."""
+    """The category (one of ``CATEGORIES``) of a CUDA kernel, from its name (rules in ``_RULES``).
+
+    Inductor names a kernel after the ops it fused, so its group quantizer fused into SiLU / RMSNorm
+    (``custom_ops: ["-quant_fp8"]``) carries the name of the GEMM op it feeds (``..._clamp_..._fp8_gemm_nt_op_...``):
+    an Inductor kernel (``triton_``) with the FP8 cast's ``clamp`` is quantization, checked before the GEMM patterns.
+    """
     n = kernel_name.lower()
     for cat, keys in _RULES:
+        if cat == "gemm" and n.startswith("triton_") and "clamp" in n:
+            return "quant"
         if any(k in n for k in keys):
             return cat
     return "other"

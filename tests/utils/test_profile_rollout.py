@@ -24,6 +24,9 @@ _spec.loader.exec_module(pr)
     ("void vllm::rms_norm_static_fp8_quant_kernel<c10::BFloat16>", "quant"),  # fused norm + quant: quant
     ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm_act"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm_act"),
+    # Inductor's group quantizer fused into SiLU (custom_ops -quant_fp8), named after the GEMM op it feeds
+    ("triton_red_fused__to_copy_abs_ceil_clamp_div_exp2_fp8_gemm_nt_op_log2_max_mul_silu_slice_s", "quant"),
+    ("triton_poi_fused__to_copy_ceil_clamp_div_exp2_fp8_gemm_nt_op_log2_mul_silu_slice_squeeze_t", "quant"),
     ("void vllm::act_and_mul_kernel<silu_kernel>", "norm_act"),
     ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>", "norm_act"),
     ("fused_moe_kernel", "moe"),
