@@ -7,6 +7,9 @@
 # /tmp/gpu-site/env.sh; it is installed here on first use). Elsewhere, have vLLM / TE / megatron-core /
 # Megatron-Bridge importable. Logs (and metrics) go to $OUT (default logs/gpu_jobs).
 #   mtest   megatron GPU tests (K: pytest -k filter, default all)   vtest   vLLM FP8 tests (dense + MoE)
+#   x2      every check that needs two GPUs (nvidia-h200-x2), in one go: the vLLM engine of tensor parallel 2
+#           (tests/gpu/test_vllm_tp2.py), the refit over NCCL to an engine on its own GPU
+#           (tests/gpu/test_weight_sync_nccl.py), Megatron tensor parallel 2 vs 1 (test_tensor_parallel_2_matches_1)
 #   kvtest  FP8 KV cache tests                                      e2e     tiny megatron GRPO: E2E="fp8 bf16 fp16" (FP8
 #           rollout + FP8 training, all BF16, FP8 rollout + FP16 training with loss scaling; fp8ipc: fp8 with the
 #           refit over CUDA IPC, policy.weight_sync.method=cuda_ipc; bf16ipc, kv, kvipc: the same pairs for BF16 and
@@ -76,6 +79,12 @@ for job in "$@"; do
              -k "${K:-}" -p no:cacheprovider 2>&1 | tee "$OUT/mtest.log" | tail -40 ;;
     vtest) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 -m pytest -q -s -m gpu tests/gpu/test_vllm_fp8.py \
              tests/gpu/test_vllm_moe_pow2.py -p no:cacheprovider 2>&1 | tee "$OUT/vtest.log" | tail -40 ;;
+    x2) [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "x2: needs two GPUs (nvidia-h200-x2)"; continue; }
+        for t in tests/gpu/test_vllm_tp2.py tests/gpu/test_weight_sync_nccl.py \
+                 "tests/gpu/test_megatron_policy.py::test_tensor_parallel_2_matches_1"; do
+          VLLM_USE_DEEP_GEMM=0 timeout $(( $(left) - 5 )) python3 -m pytest -q -s -m gpu "$t" -p no:cacheprovider 2>&1 \
+            | tee -a "$OUT/x2.log" | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -25
+        done ;;
     kvtest) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 -m pytest -q -s -m gpu tests/gpu/test_vllm_fp8_kv.py \
               -p no:cacheprovider 2>&1 | tee "$OUT/kvtest.log" | tail -40 ;;
     kvgrpo) VLLM_USE_DEEP_GEMM=0 timeout $((L-5)) python3 examples/run_grpo_math.py --config $TINY \
