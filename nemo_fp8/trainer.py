@@ -120,12 +120,15 @@ class Workers:
 
 
 def make_weight_sync(cfg: MasterConfig, policy, generation):
-    """The refit transport for ``policy.weight_sync`` (``auto``: by where the backends live).
+    """The refit transport for ``policy.weight_sync`` (``auto``: by where the backends live). Calls no actor:
+    ``nccl``'s group is formed afterwards (``NcclWeightSync.connect``, in ``start_workers``).
 
     Raises:
-        ValueError: ``in_process`` requested for backends that run in Ray actors.
+        ValueError: ``in_process`` requested for backends that run in Ray actors, or a transport between
+            actors for backends in this process.
     """
-    from nemo_fp8.distributed.weight_sync import CudaIpcWeightSync, InProcessWeightSync, ObjectStoreWeightSync
+    from nemo_fp8.distributed.weight_sync import (CudaIpcWeightSync, InProcessWeightSync, NcclWeightSync,
+                                                  ObjectStoreWeightSync)
     from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
 
     ws = cfg.policy.weight_sync
@@ -133,13 +136,32 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     remote = isinstance(policy, PolicyGroup) and isinstance(generation, GenerationGroup)
     if remote and ws.method == "cuda_ipc":  # config checks: vLLM, colocated, one policy rank, CUDA
         return CudaIpcWeightSync(policy.weight_source, generation.worker, bucket_bytes)
+    if remote and ws.method == "nccl":  # config checks: vLLM, not colocated, CUDA
+        return NcclWeightSync(policy.weight_source, generation.worker, bucket_bytes,
+                              engine_gpus=cfg.policy.generation.engine_gpus, peers=policy.weight_peers)
     if remote and ws.method in ("auto", "object_store"):
         return ObjectStoreWeightSync(policy.weight_source, generation.worker, bucket_bytes, peers=policy.weight_peers)
     if not remote and ws.method in ("auto", "in_process"):
         return InProcessWeightSync(policy, generation, bucket_bytes)
-    valid = "'auto', 'object_store', 'cuda_ipc'" if remote else "'auto', 'in_process'"
+    valid = "'auto', 'object_store', 'cuda_ipc', 'nccl'" if remote else "'auto', 'in_process'"
     raise ValueError(f"policy.weight_sync.method={ws.method!r} does not fit backends that run "
                      f"{'in Ray actors' if remote else 'in this process'} (valid: {valid})")
+
+
+def generation_backend_kwargs(cfg: MasterConfig, tokenizer, device: torch.device) -> dict:
+    """``build_generation_backend``'s arguments for ``cfg`` (built inside the engine actor).
+
+    A vLLM engine gets ``weight_transfer``: ``"nccl"`` for ``policy.weight_sync.method: nccl`` (vLLM's
+    ``weight_transfer_config`` backend: the trainer's NCCL broadcast, no initial load), else ``"ipc"``.
+    """
+    gen_cfg = cfg.policy.generation
+    kwargs = dict(backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg, device=device,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  max_total_sequence_length=cfg.policy.max_total_sequence_length,
+                  batch_size=cfg.policy.generation_batch_size, offload_when_idle=gen_cfg.colocated.enabled)
+    if gen_cfg.backend == "vllm":
+        kwargs["weight_transfer"] = "nccl" if cfg.policy.weight_sync.method == "nccl" else "ipc"
+    return kwargs
 
 
 def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
@@ -147,8 +169,12 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
 
     On a GPU host the engine is colocated with the policy (on the GPUs of ranks
     ``0..tensor_parallel_size-1``) unless ``policy.generation.colocated.enabled`` is false, when it gets
-    ``policy.generation.vllm_cfg.tensor_parallel_size`` GPUs of its own.
+    ``policy.generation.vllm_cfg.tensor_parallel_size`` GPUs of its own. With ``policy.weight_sync.method: nccl``
+    the refit's NCCL group (policy rank 0 + the engine's workers) is formed once both groups exist; the
+    engine holds no weights until the first refit (the ``RefitController`` starts stale, so that refit, of
+    ``version``, runs before the first rollout).
     """
+    from nemo_fp8.distributed.weight_sync import NcclWeightSync
     from nemo_fp8.distributed.worker_groups import create_placement_group, init_ray, plan_cluster, start_groups
 
     device = resolve_device(cfg.policy.device)
@@ -164,12 +190,12 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
         policy_kwargs=dict(megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device,
                            temperature=gen_cfg.temperature, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
                            seed=cfg.grpo.seed),
-        generation_kwargs=dict(backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg,
-                               device=device, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                               max_total_sequence_length=cfg.policy.max_total_sequence_length,
-                               batch_size=cfg.policy.generation_batch_size, offload_when_idle=colocated),
+        generation_kwargs=generation_backend_kwargs(cfg, tokenizer, device),
         torch_threads=threads, tp_size=cfg.policy.tensor_parallel_size)
-    refitter = RefitController(policy, generation, make_weight_sync(cfg, policy, generation), version=version,
+    weight_sync = make_weight_sync(cfg, policy, generation)
+    if isinstance(weight_sync, NcclWeightSync):
+        weight_sync.connect()
+    refitter = RefitController(policy, generation, weight_sync, version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8",
                                offload_trainer=gen_cfg.colocated.moves_trainer_state,
                                colocated=colocated)

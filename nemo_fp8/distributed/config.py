@@ -22,14 +22,18 @@ class WeightSyncConfig(StrictConfig):
 
     Attributes:
         method: ``auto`` picks ``object_store`` when the backends are Ray actors and
-            ``in_process`` when they live in the driver. ``object_store``: buckets travel
-            policy actor -> Ray object store -> engine actor, one bucket in flight at a time.
-            ``cuda_ipc``: the policy quantizes on its GPU and hands the colocated vLLM engine CUDA
-            IPC handles, bucket by bucket (one policy rank, ``generation.backend: vllm``,
-            ``generation.colocated.enabled``, a CUDA device).
+            ``in_process`` when they live in the driver (never ``nccl``: not yet run on two GPUs).
+            ``object_store``: buckets travel policy actor -> Ray object store -> engine actor, one
+            bucket in flight at a time. ``cuda_ipc``: the policy quantizes on its GPU and hands the
+            colocated vLLM engine CUDA IPC handles, bucket by bucket (one policy rank,
+            ``generation.backend: vllm``, ``generation.colocated.enabled``, a CUDA device).
+            ``nccl``: the policy's rank 0 quantizes on its GPU and broadcasts each bucket over NCCL
+            to the workers of a vLLM engine on GPUs of its own, tensor parallel or not (vLLM 0.22's
+            ``NCCLWeightTransferEngine``; ``generation.backend: vllm``,
+            ``generation.colocated.enabled: false``, a CUDA device); nothing goes through host memory.
         bucket_size_mb: bytes per bucket (MiB); a tensor larger than a bucket travels alone.
             Peak extra memory of a refit is about one bucket plus the largest tensor.
     """
 
-    method: Literal["auto", "in_process", "object_store", "cuda_ipc"] = "auto"
+    method: Literal["auto", "in_process", "object_store", "cuda_ipc", "nccl"] = "auto"
     bucket_size_mb: float = Field(256.0, gt=0)

@@ -25,13 +25,19 @@ Transports (``policy.weight_sync.method``):
   weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
   memory. Nothing goes through host memory, and FP8 layers travel as FP8 + ``scale_inv`` (about
   half the bytes of bf16).
-
-NCCL broadcast (separate GPUs) plugs in behind the same ``WeightSync`` protocol with the vLLM backend.
+* ``nccl``: Ray actors, the vLLM engine on GPUs of its own (``generation.colocated.enabled: false``,
+  tensor parallel n >= 1). At start (``NcclWeightSync.connect``) the policy's rank 0 and the
+  engine's n workers form one NCCL group (vLLM 0.22's ``NCCLWeightTransferEngine``: trainer rank 0,
+  workers 1..n); at each refit rank 0 quantizes a bucket on its GPU, tells the engine the
+  names/dtypes/shapes and broadcasts it (``refit.send_weights_nccl``), GPU to GPUs. Nothing goes
+  through host memory; FP8 layers travel as FP8 + ``scale_inv``. Not yet run on two GPUs
+  (``tests/gpu/test_weight_sync_nccl.py``), so ``auto`` does not pick it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -175,6 +181,38 @@ class SyncStats:
                 "refit/gbytes_per_s": self.bytes / 1e9 / max(self.seconds, 1e-9)}
 
 
+def direct_refit_stream(named_tensors: Iterable[tuple[str, Tensor]], plan, skip: set[str],
+                        sent_names: list[str]) -> Iterator[tuple[str, Tensor]]:
+    """The refit's tensors as a trainer sends them straight into a vLLM engine (CUDA IPC or NCCL).
+
+    Drops the names in ``skip`` (what the engine does not take: a tied ``lm_head``), checks each other name
+    against the engine's ``plan`` (``RefitPlan.checked_names``) before it is yielded, so before anything of
+    it is quantized or sent, and appends it to ``sent_names`` (for ``note_sent``).
+
+    Args:
+        named_tensors: ``(HF name, tensor)``, e.g. ``weight_stream(...)``.
+        plan, skip: the engine's ``direct_refit_spec()`` (``"plan"``, ``"skip"``).
+        sent_names: filled with the names yielded, in order.
+
+    Raises:
+        KeyError: a name the engine's model has no weight for.
+    """
+    for name, t in named_tensors:
+        if name in skip:
+            continue
+        plan.checked_names([name])
+        sent_names.append(name)
+        yield name, t
+
+
+def update_info_stats(update_info: dict) -> tuple[int, int]:
+    """(tensors, bytes) of one ``update_info`` of vLLM's weight-transfer engines (IPC or NCCL), from its
+    ``names`` / ``dtype_names`` / ``shapes`` (a shape ``[]`` is a scalar)."""
+    nbytes = sum(math.prod(shape) * getattr(torch, d).itemsize
+                 for d, shape in zip(update_info["dtype_names"], update_info["shapes"]))
+    return len(update_info["names"]), nbytes
+
+
 class WeightSync(Protocol):
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         """Move the policy's current weights (and KV scales) into the engine, as ``version``."""
@@ -272,6 +310,106 @@ class CudaIpcWeightSync:
         for num_tensors, nbytes in ray.get(self.policy_worker.send_weights_cuda_ipc.remote(self.generation_worker,
                                                                                           self.bucket_bytes, kv_scales)):
             stats.add_bucket(num_tensors, nbytes)
+        _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+def wait_all(refs: Sequence) -> list:
+    """``ray.get`` of ``refs``, raising the first failure as soon as it happens.
+
+    For calls that block until their peers join (an NCCL group's set-up): a plain ``ray.get`` of the list
+    could wait forever on the side that still waits for the one that failed.
+    """
+    import ray
+
+    pending, out = list(refs), {}
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        out[done[0]] = ray.get(done[0])
+    return [out[r] for r in refs]
+
+
+class NcclWeightSync:
+    """Ray actors on separate GPUs: the policy's rank 0 quantizes each bucket and broadcasts it over NCCL to
+    the workers of a vLLM engine of its own (vLLM 0.22's ``NCCLWeightTransferEngine``).
+
+    ``connect`` (once, at start, ``nemo_fp8.trainer.start_workers``): policy rank 0 picks an address on its node
+    (``PolicyWorker.nccl_rendezvous``); the engine actor's workers join as ranks 1..n
+    (``GenerationWorker.init_weight_transfer``) and rank 0 as the trainer
+    (``PolicyWorker.init_weight_transfer_nccl``). Both block until all ``1 + engine_gpus`` ranks have joined,
+    so both calls are started before either is waited on.
+
+    ``sync`` (each refit): the engine's ``start_weight_update``; the Megatron tensor-parallel ``peers`` join the
+    export (``drain_weights``) as in ``ObjectStoreWeightSync``; rank 0 streams its weights and KV scales in
+    buckets of ``bucket_bytes`` (``PolicyWorker.send_weights_nccl``), then ``note_sent``; the engine's
+    ``finish_weight_update`` and the version checks. At most one bucket (converted, plus vLLM's packed
+    buffer of it) exists besides the policy's weights.
+
+    Why the two actors (each ``max_concurrency=1``) do not deadlock: while rank 0's ``send_weights_nccl``
+    holds the policy actor, the driver waits on it and sends the engine actor nothing, so the engine actor
+    runs one call at a time from rank 0: ``receive_update`` per bucket, whose ``LLM.update_weights`` blocks in
+    vLLM's workers until the broadcast arrives. Rank 0 makes that call from a thread of its own
+    (``refit.send_weights_nccl``) and broadcasts meanwhile from the actor's thread; ``ray.get`` from a second
+    thread needs no free slot of the policy actor. The broadcast's receivers are the engine's worker
+    processes, not the engine actor, so it completes, the workers load, ``receive_update`` returns, and the
+    next bucket starts.
+
+    Args:
+        policy_worker: the policy's rank-0 actor (``PolicyWorker``), which sends a full replica.
+        generation_worker: the engine's actor (``GenerationWorker`` with a vLLM backend built with
+            ``weight_transfer="nccl"``).
+        bucket_bytes: bucket size in bytes, of the policy's tensors before conversion (an FP8 layer then
+            travels in about half).
+        engine_gpus: the engine's workers (vLLM's ``tensor_parallel_size``): the group has ``1 + engine_gpus``.
+        peers: policy actors that must take part in the export without sending (``ObjectStoreWeightSync``).
+    """
+
+    def __init__(self, policy_worker, generation_worker, bucket_bytes: int, engine_gpus: int = 1,
+                 peers: Sequence = ()):
+        self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
+        self.engine_gpus, self.peers = engine_gpus, list(peers)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the NCCL group: the trainer's rank 0 plus the engine's workers."""
+        return 1 + self.engine_gpus
+
+    def connect(self) -> None:
+        """Form the NCCL group (see the class docstring); returns once every rank has joined.
+
+        Raises:
+            RuntimeError, ValueError: what either side raised (an engine built without NCCL weight transfer,
+                a world size that does not match the engine, a group formed already).
+        """
+        import ray
+
+        address, port = ray.get(self.policy_worker.nccl_rendezvous.remote())
+        engine = self.generation_worker.init_weight_transfer.remote(address, port, self.world_size)
+        trainer = self.policy_worker.init_weight_transfer_nccl.remote(address, port, self.world_size)
+        wait_all([engine, trainer])
+        logger.info("refit over NCCL: policy rank 0 + %d engine worker(s) joined at %s:%d", self.engine_gpus,
+                    address, port)
+
+    def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
+        """Move the policy's current weights (and KV scales) into the engine as ``version``; per-bucket stats are
+        of the converted tensors (FP8 + ``scale_inv`` where the engine is FP8).
+
+        Raises:
+            RuntimeError: a refit in progress, the group not formed (``connect``), or the engine's checks
+                (weights missing, KV scales incomplete or of another step, another version held).
+            KeyError: a weight the engine's model does not have (raised before it is sent).
+        """
+        import ray
+
+        t0 = time.perf_counter()
+        stats = SyncStats(version)
+        ray.get(self.generation_worker.start_weight_update.remote(version))
+        draining = [p.drain_weights.remote() for p in self.peers]
+        for num_tensors, nbytes in ray.get(self.policy_worker.send_weights_nccl.remote(
+                self.generation_worker, self.bucket_bytes, kv_scales)):
+            stats.add_bucket(num_tensors, nbytes)
+        ray.get(draining)
         _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
         stats.seconds = time.perf_counter() - t0
         return stats

@@ -21,13 +21,17 @@ The driver holds ``PolicyGroup`` and ``GenerationGroup``, which implement the ba
 at group level (the GRPO loop cannot tell them from local backends): batches are sharded by
 data-parallel rank and gathered back; every call is a typed method of a typed actor (no method
 names as strings). Weights reach the engine through ``nemo_fp8.distributed.weight_sync``,
-actor to actor, never through the driver.
+actor to actor, never through the driver: packed buckets through Ray's object store
+(``packed_weight_buckets`` -> ``receive_packed_bucket``), CUDA IPC handles from a colocated rank 0
+(``send_weights_cuda_ipc``), or an NCCL broadcast from rank 0 to an engine on GPUs of its own
+(``send_weights_nccl``; the group of rank 0 and the engine's workers is formed once at start,
+``init_weight_transfer_nccl`` / ``GenerationWorker.init_weight_transfer``, and released by the two
+actors' ``shutdown``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -37,7 +41,8 @@ import ray
 import torch
 
 from nemo_fp8.batch import GenerationOutput, TrainBatch
-from nemo_fp8.distributed.weight_sync import PackedBucket, iter_buckets, pack_bucket, unpack_bucket, weight_stream
+from nemo_fp8.distributed.weight_sync import (PackedBucket, direct_refit_stream, iter_buckets, pack_bucket,
+                                              unpack_bucket, update_info_stats, weight_stream)
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.generation.config import colocated_engine_error
 from nemo_fp8.utils.memory import MemoryWatch
@@ -154,6 +159,14 @@ def _options(pg, slot: tuple[int, dict[str, float]]) -> dict:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
 
 
+def _free_address() -> tuple[str, int]:
+    """(this node's IP, a port free on it now) for a rendezvous this process will serve."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
 def _set_threads(torch_threads: Optional[int]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if torch_threads:
@@ -181,6 +194,7 @@ class PolicyWorker(_MemoryProbe):
     def __init__(self, torch_threads: Optional[int] = None):
         _set_threads(torch_threads)
         self.backend = None
+        self._nccl_group = None  # rank 0 of the refit's NCCL group (init_weight_transfer_nccl)
 
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray gave this rank, as ``CUDA_VISIBLE_DEVICES`` values (``ray.get_gpu_ids()``)."""
@@ -188,10 +202,13 @@ class PolicyWorker(_MemoryProbe):
 
     def rendezvous_address(self) -> str:
         """``tcp://ip:port`` with a free port on this node, for ``torch.distributed`` (rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        ip, port = _free_address()
+        return f"tcp://{ip}:{port}"
+
+    def nccl_rendezvous(self) -> tuple[str, int]:
+        """(this node's IP, a free port on it): where this rank, rank 0 of the refit's NCCL group, serves the
+        group's TCP store (``NcclWeightSync.connect``)."""
+        return _free_address()
 
     def setup(self, backend_kwargs: dict, rank: int, world_size: int, dist_init_method: Optional[str]) -> bool:
         from nemo_fp8.policy import build_policy_backend
@@ -229,26 +246,71 @@ class PolicyWorker(_MemoryProbe):
         from nemo_fp8.generation.vllm.refit import send_weights_ipc
 
         spec = ray.get(generation_worker.direct_refit_spec.remote())
-        plan, skip = spec["plan"], spec["skip"]
+        plan = spec["plan"]
         names: list[str] = []
         buckets: list[tuple[int, int]] = []
 
-        def stream():
-            for name, t in weight_stream(self.backend.named_weights(), kv_scales):
-                if name in skip:
-                    continue
-                plan.checked_names([name])
-                names.append(name)
-                yield name, t
-
         def update(payload: dict) -> None:
-            info = payload["update_info"]
             ray.get(generation_worker.receive_update.remote(payload))
-            nbytes = sum(math.prod(shape) * getattr(torch, d).itemsize
-                         for d, shape in zip(info["dtype_names"], info["shapes"]))
-            buckets.append((len(info["names"]), nbytes))
+            buckets.append(update_info_stats(payload["update_info"]))
 
-        n = send_weights_ipc(stream(), update, plan, bucket_bytes)
+        stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), plan, spec["skip"], names)
+        n = send_weights_ipc(stream, update, plan, bucket_bytes)
+        ray.get(generation_worker.note_sent.remote(names, n))
+        return buckets
+
+    def init_weight_transfer_nccl(self, master_address: str, master_port: int, world_size: int) -> None:
+        """Join the refit's NCCL group as rank 0, the weights' source, on this rank's GPU (``NcclWeightSync.connect``).
+
+        vLLM 0.22's ``NCCLWeightTransferEngine.trainer_init`` (``refit.nccl_trainer_init``): serves the group's
+        TCP store at ``master_address:master_port`` (``nccl_rendezvous``) and blocks until the engine's
+        ``world_size - 1`` workers have joined (``GenerationWorker.init_weight_transfer``, started first).
+
+        Raises:
+            RuntimeError: this rank joined a group already.
+        """
+        from nemo_fp8.generation.vllm.refit import nccl_trainer_init
+
+        if self._nccl_group is not None:
+            raise RuntimeError("init_weight_transfer_nccl: this policy rank is in an NCCL refit group already")
+        self._nccl_group = nccl_trainer_init(master_address, master_port, world_size)
+
+    def send_weights_nccl(self, generation_worker, bucket_bytes: int,
+                          kv_scales: Optional[KvScales]) -> list[tuple[int, int]]:
+        """The refit from this rank's GPU to a vLLM engine on GPUs of its own, by NCCL broadcast (``NcclWeightSync``).
+
+        The weights (and KV scales) stream in buckets of ``bucket_bytes`` (``iter_buckets``, bytes before
+        conversion), the names the engine skips dropped and the others checked first (``direct_refit_stream``).
+        Per bucket, ``refit.send_weights_nccl`` quantizes it here as the engine's ``direct_refit_spec`` says, has
+        the engine actor's ``receive_update`` (``LLM.update_weights``) tell its workers the names/dtypes/shapes,
+        from a thread, and broadcasts the bucket meanwhile; the call returns once the workers have loaded it
+        (``NcclWeightSync``'s docstring says why this does not deadlock). Then ``note_sent``. Returns (tensors,
+        bytes) per bucket, of the converted tensors.
+
+        Raises:
+            RuntimeError: no NCCL group (``init_weight_transfer_nccl`` first; ``start_workers`` does it for
+                ``policy.weight_sync.method: nccl``).
+            KeyError: a weight the engine's model does not have (raised before its bucket is sent).
+        """
+        from nemo_fp8.generation.vllm.refit import send_weights_nccl
+
+        if self._nccl_group is None:
+            raise RuntimeError("send_weights_nccl: this policy rank is in no NCCL refit group; "
+                               "init_weight_transfer_nccl first (start_workers does it for "
+                               "policy.weight_sync.method='nccl')")
+        spec = ray.get(generation_worker.direct_refit_spec.remote())
+        plan = spec["plan"]
+        names: list[str] = []
+        buckets: list[tuple[int, int]] = []
+
+        def update(payload: dict) -> None:  # runs in send_weights_nccl's thread while this one broadcasts
+            ray.get(generation_worker.receive_update.remote(payload))
+            buckets.append(update_info_stats(payload["update_info"]))
+
+        stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), plan, spec["skip"], names)
+        n = 0
+        for bucket in iter_buckets(stream, bucket_bytes):
+            n += send_weights_nccl(bucket, update, plan, self._nccl_group)
         ray.get(generation_worker.note_sent.remote(names, n))
         return buckets
 
@@ -275,6 +337,14 @@ class PolicyWorker(_MemoryProbe):
         self.backend.load(path)
 
     def shutdown(self) -> None:
+        """Release the refit's NCCL communicator (``PyNcclCommunicator.destroy``, if this rank joined one), then
+        the backend."""
+        group, self._nccl_group = self._nccl_group, None
+        if group is not None:
+            try:
+                group.destroy()
+            except Exception as e:  # the backend must still shut down
+                logger.warning("destroying the NCCL refit communicator failed: %s", e)
         if self.backend is not None:
             self.backend.shutdown()
 
@@ -331,6 +401,15 @@ class GenerationWorker(_MemoryProbe):
 
     def note_sent(self, names: list[str], num_tensors: int) -> None:
         self.backend.note_sent(names, num_tensors)
+
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int) -> None:
+        """Join the engine's workers to the refit's NCCL group as ranks 1..n (``NcclWeightSync.connect``; blocks
+        until policy rank 0 joins too). Raises what ``VllmGenerationBackend.init_weight_transfer`` raises."""
+        self.backend.init_weight_transfer(master_address, master_port, world_size)
+
+    def engine_params(self, names: list[str]) -> list[dict]:
+        """Raw engine parameters per worker (``VllmGenerationBackend.engine_params``; diagnostics and tests)."""
+        return self.backend.engine_params(names)
 
     def receive_packed_bucket(self, bucket: PackedBucket) -> tuple[int, int]:
         """Load one bucket (read straight from the object store); returns (tensors, bytes)."""

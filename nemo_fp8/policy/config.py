@@ -239,4 +239,14 @@ class PolicyConfig(StrictConfig):
                 errs.append(f"weight_sync.method: 'cuda_ipc' hands CUDA IPC handles from the policy's one rank to the "
                             f"vLLM engine on its GPU; it needs {', '.join(why)} (valid otherwise: 'auto', "
                             "'object_store')")
+        if self.weight_sync.method == "nccl":
+            why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
+                                    ("generation.colocated.enabled: false (the engine on GPUs of its own: NCCL "
+                                     "cannot put two ranks of one group on one GPU)",
+                                     self.generation.colocated.enabled),
+                                    ("device: cuda or auto", self.device == "cpu")) if bad]
+            if why:
+                errs.append(f"weight_sync.method: 'nccl' broadcasts the weights from the policy's rank 0 to the GPUs "
+                            f"of a vLLM engine of its own (vLLM's NCCL weight-transfer engine); it needs "
+                            f"{', '.join(why)} (valid otherwise: 'auto', 'object_store')")
         return errs

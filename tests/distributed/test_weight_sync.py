@@ -1,4 +1,7 @@
-"""Weight sync in one process: buckets, packing, versions, FP8 KV scales, completeness."""
+"""Weight sync in one process: buckets, packing, versions, FP8 KV scales, completeness; the transports' choice
+and the NCCL refit's driver side (stand-in actors)."""
+
+import types
 
 import pytest
 import torch
@@ -230,3 +233,171 @@ def test_make_weight_sync_picks_the_configured_transport():
     assert isinstance(make_weight_sync(load_config(TINY_MEGATRON), policy, generation), ObjectStoreWeightSync)
     with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
         make_weight_sync(cfg, object(), object())
+
+
+NCCL = ["policy.weight_sync.method=nccl", "policy.generation.colocated.enabled=false"]
+
+
+def test_nccl_refit_needs_a_vllm_engine_on_gpus_of_its_own():
+    """``nccl`` broadcasts from policy rank 0's GPU to the engine's: refused at config time for a colocated engine
+    (NCCL cannot hold two ranks of one group on one GPU), the torch engine or a CPU policy; any tensor parallelism
+    of the engine, data-parallel or Megatron tensor-parallel policies are fine. ``auto`` never picks it."""
+    from nemo_fp8.config import ConfigError, load_config
+
+    assert load_config(TINY_MEGATRON, NCCL).policy.weight_sync.method == "nccl"
+    big = load_config(TINY_MEGATRON, [*NCCL, "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                                      "policy.megatron_cfg.tensor_model_parallel_size=2",
+                                      "policy.data_parallel_size=2"])
+    assert big.policy.generation.engine_gpus == 2 and big.policy.world_size == 4
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_MEGATRON, ["policy.weight_sync.method=nccl"])  # colocated (the default)
+    msg = str(e.value)
+    assert "policy.weight_sync.method: 'nccl' broadcasts the weights from the policy's rank 0" in msg
+    assert "it needs generation.colocated.enabled: false" in msg and "(valid otherwise: 'auto', 'object_store')" in msg
+    assert "generation.backend: vllm" not in msg
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_MEGATRON, [*NCCL, "policy.generation.backend=torch", "policy.megatron_cfg.enabled=false",
+                                    "policy.device=cpu", "policy.megatron_cfg.fp8_cfg.enabled=false",
+                                    "policy.megatron_cfg.logprob_kernel=chunked"])
+    msg = str(e.value)
+    assert "weight_sync.method: 'nccl'" in msg and "generation.backend: vllm, device: cuda or auto" in msg
+    assert "colocated" not in msg.split("weight_sync.method: 'nccl'")[1]
+    assert load_config(TINY_MEGATRON, ["policy.generation.colocated.enabled=false"]).policy.weight_sync.method == "auto"
+
+
+def test_make_weight_sync_builds_the_nccl_transport_without_calling_an_actor():
+    """Rank 0 sends, the other Megatron tensor-parallel rank of replica 0 joins the export, and the group is the
+    trainer plus the engine's two workers."""
+    from nemo_fp8.config import load_config
+    from nemo_fp8.distributed.weight_sync import NcclWeightSync
+    from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
+    from nemo_fp8.trainer import make_weight_sync
+
+    rank0, rank1, engine = object(), object(), object()
+    policy, generation = PolicyGroup([rank0, rank1], global_batch_size=8, tp_size=2), GenerationGroup(engine)
+    cfg = load_config(TINY_MEGATRON, [*NCCL, "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                                      "policy.megatron_cfg.tensor_model_parallel_size=2",
+                                      "policy.weight_sync.bucket_size_mb=32"])
+    ws = make_weight_sync(cfg, policy, generation)
+    assert isinstance(ws, NcclWeightSync)
+    assert (ws.policy_worker, ws.generation_worker, ws.bucket_bytes, ws.peers) == (rank0, engine, 32 * 2**20, [rank1])
+    assert (ws.engine_gpus, ws.world_size) == (2, 3)
+    with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
+        make_weight_sync(cfg, object(), object())
+
+
+class _Ref:
+    """A stand-in for a Ray ``ObjectRef``: the call's result (or error), and whether it has finished."""
+
+    def __init__(self, value=None, error=None, ready=True):
+        self.value, self.error, self.ready = value, error, ready
+
+
+class _Actor:
+    """A stand-in for a Ray actor handle: ``handle.method.remote(*args)`` logs ``name.method`` and returns the
+    ``_Ref`` that ``methods[method](*args)`` gives (with ``ray.get`` / ``ray.wait`` patched by ``_fake_ray``)."""
+
+    def __init__(self, name, log, **methods):
+        self._name, self._log, self._methods = name, log, methods
+
+    def __getattr__(self, method):
+        def remote(*args):
+            self._log.append((f"{self._name}.{method}", args))
+            out = self._methods[method](*args)
+            return out if isinstance(out, _Ref) else _Ref(out)
+        return types.SimpleNamespace(remote=remote)
+
+
+def _fake_ray(monkeypatch):
+    import ray
+
+    def get(refs):
+        if isinstance(refs, list):
+            return [get(r) for r in refs]
+        if not refs.ready:
+            raise AssertionError("ray.get of a call that never finishes: the driver would hang here")
+        if refs.error is not None:
+            raise refs.error
+        return refs.value
+
+    def wait(refs, num_returns=1):
+        done = [r for r in refs if r.ready][:num_returns]
+        if not done:
+            raise AssertionError("ray.wait with nothing finished: the driver would hang here")
+        return done, [r for r in refs if r not in done]
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", wait)
+
+
+def test_nccl_weight_sync_connects_both_sides_and_refits_in_order(monkeypatch):
+    """The driver's side of the NCCL refit with stand-in actors (no Ray, no GPU, no NCCL): the group's set-up fires
+    the engine's join, then rank 0's (both block until all have joined, so neither is waited on first); a refit is
+    start -> peers join the export -> rank 0 broadcasts the buckets -> finish, with the version checked and the
+    buckets counted."""
+    from nemo_fp8.distributed.weight_sync import NcclWeightSync
+    from nemo_fp8.generation.interfaces import WeightVersion
+
+    _fake_ray(monkeypatch)
+    log = []
+    held = {"version": None}
+    engine = _Actor("engine", log, init_weight_transfer=lambda *a: None,
+                    start_weight_update=lambda v: held.update(version=v),
+                    finish_weight_update=lambda: WeightVersion(weights=held["version"], kv_scales=-1, num_tensors=5))
+    rank0 = _Actor("rank0", log, nccl_rendezvous=lambda: ("10.0.0.1", 29511), init_weight_transfer_nccl=lambda *a: None,
+                   send_weights_nccl=lambda gen, bucket_bytes, kv: [(3, 300), (2, 64)])
+    peer = _Actor("peer", log, drain_weights=lambda: 0)
+    ws = NcclWeightSync(rank0, engine, bucket_bytes=1024, engine_gpus=2, peers=[peer])
+    ws.connect()
+    assert log == [("rank0.nccl_rendezvous", ()), ("engine.init_weight_transfer", ("10.0.0.1", 29511, 3)),
+                   ("rank0.init_weight_transfer_nccl", ("10.0.0.1", 29511, 3))]
+    log.clear()
+    stats = ws.sync(version=4)
+    assert [name for name, _ in log] == ["engine.start_weight_update", "peer.drain_weights", "rank0.send_weights_nccl",
+                                         "engine.finish_weight_update"]
+    assert log[2][1] == (engine, 1024, None)  # rank 0 calls the engine actor itself, bucket by bucket
+    assert (stats.version, stats.num_buckets, stats.num_tensors, stats.bytes, stats.max_bucket_bytes) == (4, 2, 5, 364,
+                                                                                                         300)
+    engine._methods["finish_weight_update"] = lambda: WeightVersion(weights=3)
+    with pytest.raises(RuntimeError, match="weights of version 3 after an update to 5"):
+        ws.sync(version=5)
+
+
+def test_nccl_group_setup_fails_at_once_when_one_side_fails(monkeypatch):
+    """The engine refuses to join (e.g. built without NCCL weight transfer): rank 0 would wait for it forever, so
+    the set-up must raise the engine's error without waiting on rank 0's call first."""
+    from nemo_fp8.distributed.weight_sync import NcclWeightSync
+
+    _fake_ray(monkeypatch)
+    log = []
+    engine = _Actor("engine", log, init_weight_transfer=lambda *a: _Ref(error=RuntimeError("built with IPC")))
+    rank0 = _Actor("rank0", log, nccl_rendezvous=lambda: ("10.0.0.1", 29511),
+                   init_weight_transfer_nccl=lambda *a: _Ref(ready=False))  # blocks: nobody joins
+    with pytest.raises(RuntimeError, match="built with IPC"):
+        NcclWeightSync(rank0, engine, bucket_bytes=1024).connect()
+    assert [name for name, _ in log] == ["rank0.nccl_rendezvous", "engine.init_weight_transfer",
+                                         "rank0.init_weight_transfer_nccl"]
+
+
+def test_direct_refit_stream_skips_checks_and_records_names_and_update_stats_count_bytes():
+    """What rank 0 streams into a vLLM engine (CUDA IPC and NCCL alike): the engine's skipped names dropped, every
+    other name checked against its plan before it is yielded (nothing of an unknown weight is sent), the names kept
+    for ``note_sent``; and the per-bucket (tensors, bytes) read from vLLM's update info."""
+    from nemo_fp8.distributed.weight_sync import direct_refit_stream, update_info_stats
+    from nemo_fp8.generation.vllm.refit import RefitPlan
+
+    plan = RefitPlan(set(), expected={"a.weight", "b.weight"})
+    names = []
+    items = [("a.weight", torch.zeros(2)), ("lm_head.weight", torch.zeros(2)), ("b.weight", torch.zeros(3)),
+             ("model.layers.0.self_attn.k_scale", torch.tensor(1.0))]
+    out = list(direct_refit_stream(iter(items), plan, {"lm_head.weight"}, names))
+    assert [n for n, _ in out] == names == ["a.weight", "b.weight", "model.layers.0.self_attn.k_scale"]
+    names.clear()
+    stream = direct_refit_stream(iter([("a.weight", torch.zeros(2)), ("c.weight", torch.zeros(2))]), plan, set(), names)
+    assert next(stream)[0] == "a.weight"
+    with pytest.raises(KeyError, match="no weight 'c.weight'"):
+        next(stream)
+    assert names == ["a.weight"]
+    info = {"names": ["w", "w_scale_inv", "k_scale"], "dtype_names": ["float8_e4m3fn", "float32", "float32"],
+            "shapes": [[256, 128], [2, 1], []], "packed": True}
+    assert update_info_stats(info) == (3, 256 * 128 + 2 * 4 + 4)

@@ -3,12 +3,14 @@
 The stand-in records the engine calls and answers nothing else, so these tests pin down the
 backend's own rules (which the GPU test ``tests/gpu/test_vllm_fp8_kv.py`` checks on the real
 engine): with an FP8 KV cache, an engine never given KV scales does not generate, a refit without
-scales is refused and leaves the engine refusing to generate, and a complete refit recovers.
+scales is refused and leaves the engine refusing to generate, and a complete refit recovers; an
+engine built for vLLM's NCCL weight transfer takes weights only from the trainer's broadcast.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import sys
 import types
 
@@ -39,6 +41,14 @@ class _FakeLLM:
     def update_weights(self, request):
         self.calls.append("update")
 
+    def init_weight_transfer_engine(self, request):
+        self.calls.append("init")
+        self.init_request = request
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        return []
+
     def generate(self, *args, **kwargs):
         raise _Generated()
 
@@ -52,14 +62,16 @@ def backend(tmp_path, monkeypatch):
 
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams = _FakeLLM, lambda **kw: kw
+    fake.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # build_generation_backend looks for vLLM
     monkeypatch.setitem(sys.modules, "vllm", fake)
     # no patch-table check against the stand-in, no environment changes in the test process
     monkeypatch.setattr(mod, "init_fp8", functools.partial(init_fp8, apply_env=False, check_patches=False))
 
-    def make(model=DENSE, **cfg):
+    def make(model=DENSE, weight_transfer="ipc", load_initial_weights=False, **cfg):
         AutoConfig.for_model(**model).save_pretrained(str(tmp_path))
         return mod.VllmGenerationBackend(str(tmp_path), VllmConfig(precision="fp8", **cfg), pad_token_id=0,
-                                         eos_token_id=1, max_total_sequence_length=64, load_initial_weights=False)
+                                         eos_token_id=1, max_total_sequence_length=64,
+                                         load_initial_weights=load_initial_weights, weight_transfer=weight_transfer)
 
     return make
 
@@ -168,3 +180,89 @@ def test_tensor_parallel_engine_refits_every_gpu_and_refuses_a_one_gpu_sender(ba
     one.start_weight_update(1)
     one.update_weights([("model.embed_tokens.weight", None)])
     assert sent[-1] == (1, None) and set(one.direct_refit_spec()) == {"plan", "skip"}
+
+
+def test_an_engine_never_refit_does_not_generate(backend):
+    """The engine starts on dummy weights (``load_format="dummy"``): without a refit it must not roll out."""
+    be = backend()  # load_initial_weights=False
+    with pytest.raises(RuntimeError, match=r"no policy weights yet \(dummy weights until the first refit\)"):
+        be.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, greedy=True))
+    assert be.llm.calls == []
+
+
+def test_nccl_engine_takes_weights_only_from_the_trainers_broadcast(backend):
+    """``weight_transfer="nccl"``: vLLM's NCCL weight-transfer engine. No initial load (it would go over CUDA IPC),
+    no tensors through ``update_weights``; its workers join the trainer's group as ranks 1..n; the trainer's first
+    refit (version 0: names through ``receive_update`` while the trainer broadcasts, then ``note_sent``) is what
+    lets it generate; shutdown aborts the workers' communicators. The broadcast itself needs two GPUs
+    (``tests/gpu/test_weight_sync_nccl.py``)."""
+    import torch
+
+    be = backend(weight_transfer="nccl", load_initial_weights=True)
+    llm = be.llm
+    assert llm.kwargs["weight_transfer_config"] == {"backend": "nccl"}
+    assert llm.calls == [] and be.weight_version().weights == -1  # nothing loaded at start
+    sp = SamplingParams(max_new_tokens=4, greedy=True)
+    with pytest.raises(RuntimeError, match="no policy weights yet.*the trainer's first refit over NCCL"):
+        be.generate([[5, 6, 7]], sp)
+    with pytest.raises(ValueError, match=r"world_size=3, but .* 1 worker\(s\): 2"):
+        be.init_weight_transfer("10.0.0.1", 29500, 3)
+    be.init_weight_transfer("10.0.0.1", 29500, 2)
+    assert llm.init_request == {"init_info": {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
+                                              "world_size": 2}}
+    with pytest.raises(RuntimeError, match="joined an NCCL group already"):
+        be.init_weight_transfer("10.0.0.1", 29500, 2)
+    be.start_weight_update(0)
+    with pytest.raises(RuntimeError, match="NCCL weight transfer.*only by NCCL broadcast from the trainer"):
+        be.update_weights([("model.embed_tokens.weight", torch.zeros(512, 256))])
+    spec = be.direct_refit_spec()
+    names = sorted(spec["plan"].expected)
+    be.receive_update({"update_info": {"names": names, "dtype_names": ["bfloat16"] * len(names),
+                                       "shapes": [[1]] * len(names), "packed": True}})
+    be.note_sent(names, len(names))
+    assert be.finish_weight_update().weights == 0
+    with pytest.raises(_Generated):
+        be.generate([[5, 6, 7]], sp)
+    assert llm.calls == ["init", "start", "update", "finish"]
+    be.shutdown()
+    assert llm.calls[-1] == "nemo_fp8_close_weight_transfer"
+
+
+def test_nccl_engine_of_two_gpus_answers_the_trainer_and_ipc_engines_join_no_group(backend):
+    """The broadcast reaches every worker, so a tensor-parallel NCCL engine gives the trainer its refit spec (a
+    CUDA IPC engine of two GPUs refuses it: ``test_tensor_parallel_engine_refits_every_gpu...``); its group has the
+    trainer plus two workers. A CUDA IPC engine refuses to join an NCCL group and shuts down without one."""
+    tp2 = backend(weight_transfer="nccl", tensor_parallel_size=2)
+    assert set(tp2.direct_refit_spec()) == {"plan", "skip"}
+    tp2.init_weight_transfer("10.0.0.1", 29500, 3)
+    assert tp2.llm.init_request["init_info"]["world_size"] == 3
+    ipc = backend()
+    with pytest.raises(RuntimeError, match="IPC weight transfer; an NCCL group needs weight_transfer='nccl'"):
+        ipc.init_weight_transfer("10.0.0.1", 29500, 2)
+    llm = ipc.llm
+    ipc.shutdown()
+    assert "nemo_fp8_close_weight_transfer" not in llm.calls
+
+
+def test_trainer_builds_an_nccl_engine_for_weight_sync_nccl(backend, tmp_path):
+    """``start_workers``' engine arguments (``generation_backend_kwargs``) through ``build_generation_backend``:
+    ``policy.weight_sync.method=nccl`` gives the engine vLLM's NCCL weight transfer and no sleep mode (GPUs of its
+    own); the default keeps IPC."""
+    from nemo_fp8.config import load_config
+    from nemo_fp8.generation import build_generation_backend
+    from nemo_fp8.trainer import generation_backend_kwargs
+
+    backend()  # the stand-in vLLM module and the model's config.json in tmp_path
+    tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    base = ["policy.tiny_model.build_if_missing=false", f"policy.model_name={tmp_path}"]
+    cfg = load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml",
+                      [*base, "policy.weight_sync.method=nccl", "policy.generation.colocated.enabled=false"])
+    kwargs = generation_backend_kwargs(cfg, tok, device=None)
+    assert kwargs["weight_transfer"] == "nccl" and kwargs["offload_when_idle"] is False
+    be = build_generation_backend(**kwargs)
+    assert be.llm.kwargs["weight_transfer_config"] == {"backend": "nccl"} and not be.llm.kwargs["enable_sleep_mode"]
+    assert be.llm.calls == [] and be.weight_transfer == "nccl"  # no initial load
+    ipc = generation_backend_kwargs(load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml", base), tok, None)
+    assert ipc["weight_transfer"] == "ipc"
+    torch_engine = load_config("examples/configs/grpo_math_tiny_fp8.yaml", base)  # the torch engine takes no such key
+    assert "weight_transfer" not in generation_backend_kwargs(torch_engine, tok, None)

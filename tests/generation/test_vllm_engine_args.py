@@ -289,3 +289,48 @@ def test_refit_names_are_checked_before_anything_is_sent():
         *(f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(4)), "model.layers.0.self_attn.k_scale"]
     with pytest.raises(KeyError, match="has no weight 'model.layers.9.mlp.up_proj.weight'"):
         plan.checked_names(["model.embed_tokens.weight", "model.layers.9.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
+def test_nccl_update_info_lists_exactly_what_the_sender_broadcasts(model):
+    """The NCCL refit's contract: the engine's workers allocate receive buffers from ``nccl_update_info``
+    (names, dtypes, shapes, in order) and, packed, cut the stream into chunks by the same byte counts as the
+    sender, which broadcasts ``plan.convert_all``'s tensors. Both must agree tensor for tensor over a whole refit
+    (FP8 and BF16 layers, fused experts split per expert, KV scales as fp32 scalars) or wrong bytes are loaded.
+    The quantization runs as the torch reference here (no CUDA); the broadcast needs two GPUs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nemo_fp8.fp8.kv_scales import KvScales
+    from nemo_fp8.generation.vllm.refit import nccl_update_info
+
+    plan, _ = build_refit_plan(VllmConfig(precision="fp8", num_first_layers_in_bf16=1), model)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model)).to(torch.bfloat16)
+    n = model["num_hidden_layers"]
+    scales = KvScales.from_amax(torch.ones(n), torch.ones(n), torch.ones(n), step=1)
+    stream = [(k, v) for k, v in hf.state_dict().items()] + list(scales.named_tensors())
+    info = nccl_update_info(stream, plan)
+    sent = list(plan.convert_all(stream, torch.device("cpu")))
+    assert info["packed"] and len(info["names"]) == len(info["dtype_names"]) == len(info["shapes"]) == len(sent)
+    assert info["names"] == [name for name, _ in sent]
+    assert info["dtype_names"] == [str(t.dtype).removeprefix("torch.") for _, t in sent]
+    assert info["shapes"] == [list(t.shape) for _, t in sent]
+    assert "float8_e4m3fn" in info["dtype_names"] and "bfloat16" in info["dtype_names"]
+    assert info["shapes"][-1] == [] and info["dtype_names"][-1] == "float32"  # the last KV scale
+    if model is MOE:
+        assert "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv" in info["names"]
+
+
+def test_nccl_engine_args_and_init_info():
+    """``weight_transfer="nccl"`` builds vLLM's NCCL weight-transfer engine; its workers join as ranks 1..n after
+    the trainer's rank 0."""
+    from nemo_fp8.generation.vllm.refit import nccl_init_info
+
+    spec = build_engine_spec(VllmConfig(precision="fp8", tensor_parallel_size=2), DENSE, "/m", weight_transfer="nccl",
+                             colocated=False)
+    assert spec.engine_kwargs["weight_transfer_config"] == {"backend": "nccl"}
+    assert not spec.engine_kwargs["enable_sleep_mode"]
+    with pytest.raises(ValueError, match=r"weight_transfer: 'rdma'; valid: \['ipc', 'nccl'\]"):
+        build_engine_spec(VllmConfig(), DENSE, weight_transfer="rdma")
+    assert nccl_init_info("10.0.0.1", "29500", 3) == {"master_address": "10.0.0.1", "master_port": 29500,
+                                                      "rank_offset": 1, "world_size": 3}

@@ -87,10 +87,16 @@ def engine_params(backend, names):
 def engine_params_per_rank(backend, names):
     """``engine_params`` of every worker, in tensor-parallel rank order (``collective_rpc`` answers once per
     worker): each holds its shard of a tensor-parallel engine's parameters."""
+    return decode_engine_params(backend.llm.collective_rpc("nemo_fp8_params", args=(names,)))
+
+
+def decode_engine_params(per_worker):
+    """What ``Fp8WorkerExtension.nemo_fp8_params`` answered per worker (name -> (dtype name, shape, raw bytes);
+    also ``GenerationWorker.engine_params``) -> per worker, name -> CPU tensor of the engine's dtype and shape."""
     dtypes = {"float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32, "bfloat16": torch.bfloat16}
     return [{n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtypes[d]).reshape(s)
              for n, (d, s, b) in raw.items()}
-            for raw in backend.llm.collective_rpc("nemo_fp8_params", args=(names,))]
+            for raw in per_worker]
 
 
 def refit(backend, state, version):

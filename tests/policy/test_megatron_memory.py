@@ -103,7 +103,8 @@ def test_preflight_refuses_a_trainer_bigger_than_the_gpu(tmp_path):
     assert err.startswith("policy.megatron_cfg:")
     assert check_trainer_memory(cfg, gpu_bytes=NON_TORCH_BYTES + need, host_bytes=HOST) == []
     torch_backend = load_config(CONFIG_8B, [f"policy.model_name={tmp_path}", "policy.megatron_cfg.enabled=false",
-                                                "policy.megatron_cfg.tensor_model_parallel_size=1"])
+                                                "policy.megatron_cfg.tensor_model_parallel_size=1",
+                                                "policy.megatron_cfg.logprob_kernel=chunked"])  # fused: Megatron's
     assert check_trainer_memory(torch_backend, gpu_bytes=1) == []  # the megatron backend's estimate only
 
 

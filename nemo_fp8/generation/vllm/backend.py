@@ -16,6 +16,14 @@ to its n GPUs, ``nemo_fp8.distributed.worker_groups``). ``update_weights`` quant
 its own GPU (``send_weights_ipc(devices=...)``); each worker loads the full tensors and keeps its
 shard. The trainer-side CUDA IPC refit (``direct_refit_spec``) sends one GPU's handles and is
 refused for such an engine.
+
+NCCL engine (``weight_transfer="nccl"``, ``policy.weight_sync.method: nccl``; the engine on GPUs of its
+own): vLLM 0.22's ``NCCLWeightTransferEngine``. ``init_weight_transfer`` joins the engine's n workers to
+the trainer's NCCL group once (ranks 1..n; the trainer is rank 0); each refit's buckets are broadcast by
+the trainer (``refit.send_weights_nccl``), the engine actor only passes their names/dtypes/shapes to
+``LLM.update_weights`` (``receive_update``). Such an engine takes no tensors itself: ``update_weights``
+is refused and the initial load from ``model_name`` is skipped, so it holds dummy weights until the
+trainer's first refit (version 0, before the first rollout) and ``generate`` refuses until then.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_sca
 from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
 from nemo_fp8.generation.vllm.engine_args import init_fp8
-from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, send_weights_ipc
+from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +55,23 @@ class VllmGenerationBackend:
         max_total_sequence_length: prompt + response cap (also the engine's ``max_model_len``
             unless ``vllm_cfg.max_model_len`` is set).
         colocated: enable sleep mode (trainer on the same GPU).
-        load_initial_weights: refit version 0 from ``model_name``'s safetensors at start.
+        load_initial_weights: refit version 0 from ``model_name``'s safetensors at start (CUDA IPC; ignored by
+            an NCCL engine, whose first weights come from the trainer's first refit).
         seed: engine seed.
         engine_overrides: extra ``vllm.LLM`` keyword arguments (tests, benchmarks).
+        weight_transfer: vLLM's ``weight_transfer_config`` backend: ``"ipc"`` (tensors handed to this process,
+            ``update_weights``, or CUDA IPC handles from a trainer on the same GPU) or ``"nccl"`` (broadcast
+            from a trainer on other GPUs; module docstring).
+
+    Raises:
+        ValueError: invalid engine config, or ``weight_transfer`` not ``"ipc"`` / ``"nccl"`` (``init_fp8``).
     """
 
     def __init__(self, model_name: str, vllm_cfg: VllmConfig, pad_token_id: int, eos_token_id: int,
                  max_total_sequence_length: int, colocated: bool = True, load_initial_weights: bool = True,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, engine_overrides: Optional[dict] = None,
-                 device: Optional[torch.device] = None, batch_size: Optional[int] = None):
+                 device: Optional[torch.device] = None, batch_size: Optional[int] = None,
+                 weight_transfer: str = "ipc"):
         from vllm import LLM
 
         self.vllm_cfg = vllm_cfg
@@ -65,7 +81,10 @@ class VllmGenerationBackend:
         overrides = dict(engine_overrides or {})
         if vllm_cfg.max_model_len is None:
             overrides.setdefault("max_model_len", max_total_sequence_length)
-        self.spec = init_fp8(vllm_cfg, model_name, model_name, colocated=colocated, seed=seed, extra=overrides)
+        self.spec = init_fp8(vllm_cfg, model_name, model_name, weight_transfer=weight_transfer, colocated=colocated,
+                             seed=seed, extra=overrides)
+        self.weight_transfer = weight_transfer
+        self._nccl_joined = False  # init_weight_transfer done: this engine's workers hold an NCCL communicator
         self.plan = self.spec.refit_plan
         # A tied lm_head is the embedding in vLLM: the trainer's state dict still lists it; skip it.
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
@@ -81,7 +100,10 @@ class VllmGenerationBackend:
         self._sent = 0
         self._asleep_tags: set[str] = set()  # what sleep(level=1) released and no wake_up restored yet
         self._refused: Optional[str] = None  # why the last refit was refused (the engine must not generate)
-        if load_initial_weights:
+        if load_initial_weights and weight_transfer == "nccl":
+            logger.info("NCCL weight transfer: no initial load from %s; the trainer's first refit brings the weights",
+                        model_name)
+        elif load_initial_weights:
             self.start_weight_update(0)
             self.update_weights(_iter_checkpoint(model_name))
             self.finish_weight_update(require_kv_scales=False)
@@ -98,6 +120,18 @@ class VllmGenerationBackend:
         self._pending, self._seen, self._sent = version, set(), 0
 
     def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+        """Load one bucket of ``(HF name, high-precision tensor)`` (any device): quantized on ``cuda:0`` and sent
+        to the engine's workers over CUDA IPC (``send_weights_ipc``).
+
+        Raises:
+            RuntimeError: no refit in progress; or an NCCL engine (its weights arrive only by broadcast from
+                the trainer, ``policy.weight_sync.method: nccl``).
+            KeyError: a name the engine's model has no weight for.
+        """
+        if self.weight_transfer == "nccl":
+            raise RuntimeError("update_weights: this engine was built with vLLM's NCCL weight transfer "
+                               "(policy.weight_sync.method='nccl'); it receives weights only by NCCL broadcast from "
+                               "the trainer (NcclWeightSync), not as tensors handed to it (CUDA IPC)")
         if self._pending is None:
             raise RuntimeError("update_weights before start_weight_update")
         items = [(n, t) for n, t in (named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -110,11 +144,13 @@ class VllmGenerationBackend:
         """What a trainer needs to send straight to this engine (``send_weights_ipc`` in its own process):
         ``plan`` (``RefitPlan``) and ``skip`` (HF names the engine does not take: a tied ``lm_head``).
 
+        An NCCL engine of any tensor parallelism answers too: the broadcast reaches every worker.
+
         Raises:
-            RuntimeError: a tensor-parallel engine: a trainer's handles cover its own GPU only, the other
-                workers would find none (``policy.weight_sync.method``: ``object_store`` or ``auto`` instead).
+            RuntimeError: a tensor-parallel CUDA IPC engine: a trainer's handles cover its own GPU only, the
+                other workers would find none (``policy.weight_sync.method``: ``object_store`` or ``auto`` instead).
         """
-        if self.refit_devices is not None:
+        if self.refit_devices is not None and self.weight_transfer == "ipc":
             raise RuntimeError(f"direct CUDA IPC refit into an engine of tensor_parallel_size={len(self.refit_devices)}"
                                ": the trainer's handles are for its own GPU only; use policy.weight_sync.method "
                                "'object_store' or 'auto' (the engine then sends every worker its own copy)")
@@ -122,7 +158,11 @@ class VllmGenerationBackend:
 
     def receive_update(self, payload: dict) -> None:
         """One bucket a trainer sent directly: ``payload`` is ``{"update_info": ...}`` of vLLM's weight-transfer
-        engine (CUDA IPC handles), loaded by ``LLM.update_weights``. ``note_sent`` records the names after.
+        engine, loaded by ``LLM.update_weights``. ``note_sent`` records the names after.
+
+        CUDA IPC: the info carries the handles. NCCL: it carries names/dtypes/shapes only and the call returns
+        once the workers have received the trainer's broadcast of them and loaded it (vLLM 0.22's
+        ``NCCLWeightTransferEngine.receive_weights``).
 
         Raises:
             RuntimeError: no refit in progress (``start_weight_update`` first).
@@ -139,6 +179,40 @@ class VllmGenerationBackend:
         """
         self._seen.update(self.plan.checked_names(names))
         self._sent += num_tensors
+
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int) -> None:
+        """Join this engine's workers to the trainer's NCCL group (once, at start; NCCL engine only).
+
+        The workers take ranks 1..n of ``world_size`` (``refit.nccl_init_info``) through
+        ``LLM.init_weight_transfer_engine`` and block until the trainer's rank 0 joins
+        (``refit.nccl_trainer_init`` at ``master_address:master_port``, called at the same time).
+
+        Raises:
+            RuntimeError: a CUDA IPC engine (``weight_transfer="ipc"``), or joined already.
+            ValueError: ``world_size`` is not 1 (the trainer) + this engine's tensor_parallel_size.
+        """
+        if self.weight_transfer != "nccl":
+            raise RuntimeError("init_weight_transfer: this engine was built with vLLM's IPC weight transfer; an NCCL "
+                               "group needs weight_transfer='nccl' (policy.weight_sync.method='nccl')")
+        if self._nccl_joined:
+            raise RuntimeError("init_weight_transfer: this engine's workers joined an NCCL group already")
+        tp = int(self.spec.engine_kwargs.get("tensor_parallel_size", 1))
+        if world_size != 1 + tp:
+            raise ValueError(f"init_weight_transfer: world_size={world_size}, but the group is the trainer's rank 0 "
+                             f"plus this engine's {tp} worker(s): {1 + tp}")
+        self.llm.init_weight_transfer_engine({"init_info": nccl_init_info(master_address, master_port, world_size)})
+        self._nccl_joined = True
+
+    def engine_params(self, names: list[str]) -> list[dict]:
+        """Raw bytes of engine parameters, per worker in tensor-parallel rank order (diagnostics and tests).
+
+        Returns one dict per worker: vLLM parameter name (e.g. ``model.layers.0.self_attn.qkv_proj.weight``) ->
+        (dtype name, shape, raw bytes) of that worker's shard (``Fp8WorkerExtension.nemo_fp8_params``).
+
+        Raises:
+            KeyError: a name the engine has no parameter for (raised in the workers).
+        """
+        return self.llm.collective_rpc("nemo_fp8_params", args=(list(names),))
 
     def finish_weight_update(self, require_kv_scales: bool = True) -> WeightVersion:
         """End the refit: vLLM's layerwise reload, then the completeness checks; returns the versions held.
@@ -203,8 +277,9 @@ class VllmGenerationBackend:
         """One response per prompt (greedy or seeded sampling); returns a right-padded ``GenerationOutput``.
 
         Raises:
-            RuntimeError: a refit in progress or refused; or ``kv_cache_dtype='fp8'`` and no KV
-                scales ever loaded (vLLM would run on its default 1.0).
+            RuntimeError: a refit in progress or refused; ``kv_cache_dtype='fp8'`` and no KV
+                scales ever loaded (vLLM would run on its default 1.0); or no refit yet (the engine's
+                dummy weights: an NCCL engine, or ``load_initial_weights=False``).
             ValueError: no prompts, or a prompt that is empty or leaves no room under
                 ``max_total_sequence_length``.
         """
@@ -216,6 +291,10 @@ class VllmGenerationBackend:
         if self.kv_fp8 and self._version.kv_scales < 0:
             raise RuntimeError("generate: kv_cache_dtype='fp8' but no KV scales were ever loaded; they arrive with "
                                "the refit (the policy's calibrate_kv_scales), never default to 1.0")
+        if self._version.weights < 0:
+            source = "the trainer's first refit over NCCL" if self.weight_transfer == "nccl" else "the first refit"
+            raise RuntimeError(f"generate: the engine holds no policy weights yet (dummy weights until {source}); "
+                               "refit first")
         if not prompt_token_ids:
             raise ValueError("generate: no prompts")
         from vllm import SamplingParams as VSP
@@ -235,7 +314,19 @@ class VllmGenerationBackend:
                                 {self.eos_token_id, *sampling.stop_token_ids})
 
     def shutdown(self) -> None:
+        """Release the NCCL communicator (an NCCL engine that joined a group) and shut the engine down.
+
+        vLLM 0.22's ``NCCLWeightTransferEngine.shutdown`` (run by the workers' own shutdown) only drops its
+        reference to the communicator; ``Fp8WorkerExtension.nemo_fp8_close_weight_transfer`` first aborts it
+        (``PyNcclCommunicator.destroy``), so no worker is left waiting on the trainer. Best effort, never raises.
+        """
         llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None and getattr(self, "_nccl_joined", False):
+            self._nccl_joined = False
+            try:
+                llm.collective_rpc("nemo_fp8_close_weight_transfer")
+            except Exception:  # best effort: the workers may be gone already
+                logger.debug("closing the NCCL weight transfer failed", exc_info=True)
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()

@@ -18,8 +18,10 @@ checkpoint:
 
 Transports (``send_weights``): CUDA IPC when trainer and engine share the GPU (vLLM 0.22
 ``IPCWeightTransferEngine.trainer_send_weights`` with a callable ``send_mode`` that calls
-``LLM.update_weights``), NCCL broadcast when not (``NCCLWeightTransferEngine``; the engine side
-is told names/dtypes/shapes first). Both are bracketed by ``start_weight_update`` /
+``LLM.update_weights``), NCCL broadcast when not (``NCCLWeightTransferEngine``: once, the trainer's
+``nccl_trainer_init`` and the engine's ``LLM.init_weight_transfer_engine(nccl_init_info(...))`` form one
+group, trainer rank 0 and the engine's workers ranks 1..n; then ``send_weights_nccl`` per bucket, the
+engine side told names/dtypes/shapes first). Both are bracketed by ``start_weight_update`` /
 ``finish_weight_update``, which run vLLM's layerwise reload: weights are loaded in place
 (data pointers unchanged, CUDA graphs stay valid).
 
@@ -329,20 +331,69 @@ def _send_weights_ipc_tp(named_tensors: Iterable[tuple[str, Tensor]], update_fn:
     return n
 
 
-def send_weights_nccl(named_tensors: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
-                      group: Any, src: int = 0, packed: bool = True) -> int:
-    """Quantize on the trainer's GPU and broadcast over NCCL (trainer not on the engine's GPUs).
+def nccl_init_info(master_address: str, master_port: int, world_size: int) -> dict[str, Any]:
+    """``init_info`` of ``LLM.init_weight_transfer_engine`` for an engine whose workers join the trainer's group.
 
-    The engine side is told names/dtypes/shapes first (``update_fn`` runs in a thread, as it
-    blocks until the broadcast is received); ``group`` comes from
-    ``NCCLWeightTransferEngine.trainer_init`` after ``LLM.init_weight_transfer_engine``.
-    Returns the number of tensors sent.
+    vLLM 0.22's ``NCCLWeightTransferEngine.init_transfer_engine`` gives worker ``r`` of a (data-parallel 1)
+    engine rank ``r + rank_offset``; the trainer is rank 0, so ``rank_offset`` is 1 and the engine's n
+    workers are ranks 1..n of ``world_size = 1 + n``. ``master_address:master_port`` is where the trainer's
+    rank 0 serves the group's TCP store (``nccl_trainer_init``).
+    """
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1,
+            "world_size": int(world_size)}
+
+
+def nccl_trainer_init(master_address: str, master_port: int, world_size: int) -> Any:
+    """Rank 0 (the trainer) of the refit's NCCL group, on this process's current CUDA device.
+
+    vLLM 0.22's ``NCCLWeightTransferEngine.trainer_init``: a ``StatelessProcessGroup`` (its TCP store served
+    here at ``master_address:master_port``, outside ``torch.distributed``'s global group, so a trainer's own
+    data-parallel group is untouched) and a ``PyNcclCommunicator`` over it. Blocks until the engine's
+    workers have joined (``LLM.init_weight_transfer_engine`` with ``nccl_init_info``, called at the same
+    time). Returns the communicator (``send_weights_nccl``'s ``group``; ``.destroy()`` releases it).
     """
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
+    return NCCLWeightTransferEngine.trainer_init({"master_address": master_address, "master_port": int(master_port),
+                                                  "world_size": int(world_size)})
+
+
+def nccl_update_info(named_tensors: Sequence[tuple[str, Tensor]], plan: RefitPlan, packed: bool = True
+                     ) -> dict[str, Any]:
+    """What the engine's workers must know before a broadcast: the ``update_info`` of vLLM 0.22's
+    ``NCCLWeightTransferUpdateInfo`` for the converted form of ``named_tensors``.
+
+    ``names`` / ``dtype_names`` / ``shapes`` list, in order, the tensors ``plan.convert_all(named_tensors)``
+    yields (``RefitPlan.converted_meta``; no data touched): the receiving workers allocate exactly these and,
+    ``packed``, cut the stream into the same chunks as the sender (both count bytes from them), so a
+    mismatch would load wrong bytes into the model.
+    """
     meta = [m for name, t in named_tensors for m in plan.converted_meta(name, tuple(t.shape), t.dtype)]
-    info = {"names": [m[0] for m in meta], "dtype_names": [m[1] for m in meta], "shapes": [m[2] for m in meta],
+    return {"names": [m[0] for m in meta], "dtype_names": [m[1] for m in meta], "shapes": [m[2] for m in meta],
             "packed": packed}
+
+
+def send_weights_nccl(named_tensors: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
+                      group: Any, src: int = 0, packed: bool = True, device: Optional[torch.device] = None) -> int:
+    """Quantize one bucket on the trainer's GPU and broadcast it over NCCL (trainer not on the engine's GPUs).
+
+    ``named_tensors``: ``(HF name, tensor)``, converted by ``plan.convert`` on ``device`` (default: the
+    current CUDA device; an FP8 Linear's [N, K] weight -> e4m3 [N, K] + fp32 ``weight_scale_inv``
+    [ceil(N/128), ceil(K/128)], KV scales -> fp32 scalars, the rest -> ``plan.dtype``). The engine side is
+    told names/dtypes/shapes first (``nccl_update_info``): ``update_fn({"update_info": info})`` (a call
+    that ends in ``LLM.update_weights``) runs in a thread, because it returns only once the engine's workers
+    have received and loaded the broadcast, which this thread sends meanwhile with vLLM 0.22's
+    ``NCCLWeightTransferEngine.trainer_send_weights`` (packed: the bucket as one uint8 buffer per 1 GiB).
+    ``group`` is the communicator of ``nccl_trainer_init``. Returns the number of tensors sent.
+
+    Raises:
+        whatever ``update_fn`` raised (re-raised here after the broadcast). An engine that fails after it
+        took the names but before it received leaves the broadcast waiting: NCCL has no timeout here, so the
+        names are checked before this call (``RefitPlan.checked_names``) rather than in the engine.
+    """
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    info = nccl_update_info(named_tensors, plan, packed)
     errors: list[BaseException] = []
 
     def receive():
@@ -353,10 +404,10 @@ def send_weights_nccl(named_tensors: list[tuple[str, Tensor]], update_fn: Callab
 
     th = threading.Thread(target=receive, daemon=True)
     th.start()
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = device or torch.device("cuda", torch.cuda.current_device())
     NCCLWeightTransferEngine.trainer_send_weights(plan.convert_all(named_tensors, device),
                                                   {"group": group, "src": src, "packed": packed})
     th.join()
     if errors:
         raise errors[0]
-    return len(meta)
+    return len(info["names"])

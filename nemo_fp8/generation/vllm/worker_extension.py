@@ -53,6 +53,21 @@ class Fp8WorkerExtension:
         out = (out[0] if isinstance(out, tuple) else out).contiguous()
         return str(out.dtype).split(".")[-1], list(out.shape), out.view(torch.uint8).cpu().numpy().tobytes()
 
+    def nemo_fp8_close_weight_transfer(self) -> bool:
+        """Abort this worker's NCCL communicator with the trainer and drop it; True if there was one.
+
+        vLLM 0.22's ``NCCLWeightTransferEngine.shutdown`` only sets ``model_update_group`` to None, leaving the
+        NCCL communicator to the garbage collector; ``PyNcclCommunicator.destroy`` aborts it first (in a
+        daemon thread with a 5 s limit, vLLM's own way of avoiding a hang at teardown).
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        group = getattr(engine, "model_update_group", None)
+        if group is None:
+            return False
+        group.destroy()
+        engine.shutdown()
+        return True
+
     def nemo_fp8_param_info(self) -> dict:
         """name -> (dtype name, shape, data_ptr) of every parameter."""
         return {n: (str(p.dtype).split(".")[-1], list(p.shape), p.data_ptr())
