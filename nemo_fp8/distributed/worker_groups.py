@@ -245,8 +245,15 @@ class PolicyWorker(_MemoryProbe):
         """
         from nemo_fp8.generation.vllm.refit import send_weights_ipc
 
+        return self._send_direct(generation_worker, kv_scales,
+                                 lambda stream, update, plan: send_weights_ipc(stream, update, plan, bucket_bytes))
+
+    def _send_direct(self, generation_worker, kv_scales: Optional[KvScales], send) -> list[tuple[int, int]]:
+        """What the direct refits (CUDA IPC, NCCL) share: the engine's ``direct_refit_spec``, this rank's weights and
+        KV scales through ``direct_refit_stream``, ``send(stream, update, plan) -> tensors sent`` with ``update``
+        handing each bucket's ``{"update_info": ...}`` to the engine actor's ``receive_update``, then ``note_sent``.
+        Returns (tensors, bytes) per bucket, of the converted tensors (``update_info_stats``)."""
         spec = ray.get(generation_worker.direct_refit_spec.remote())
-        plan = spec["plan"]
         names: list[str] = []
         buckets: list[tuple[int, int]] = []
 
@@ -254,8 +261,9 @@ class PolicyWorker(_MemoryProbe):
             ray.get(generation_worker.receive_update.remote(payload))
             buckets.append(update_info_stats(payload["update_info"]))
 
-        stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), plan, spec["skip"], names)
-        n = send_weights_ipc(stream, update, plan, bucket_bytes)
+        stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), spec["plan"],
+                                     spec["skip"], names)
+        n = send(stream, update, spec["plan"])
         ray.get(generation_worker.note_sent.remote(names, n))
         return buckets
 
@@ -298,21 +306,12 @@ class PolicyWorker(_MemoryProbe):
             raise RuntimeError("send_weights_nccl: this policy rank is in no NCCL refit group; "
                                "init_weight_transfer_nccl first (start_workers does it for "
                                "policy.weight_sync.method='nccl')")
-        spec = ray.get(generation_worker.direct_refit_spec.remote())
-        plan = spec["plan"]
-        names: list[str] = []
-        buckets: list[tuple[int, int]] = []
+        group = self._nccl_group
 
-        def update(payload: dict) -> None:  # runs in send_weights_nccl's thread while this one broadcasts
-            ray.get(generation_worker.receive_update.remote(payload))
-            buckets.append(update_info_stats(payload["update_info"]))
+        def send(stream, update, plan) -> int:  # update runs in send_weights_nccl's thread while this one broadcasts
+            return sum(send_weights_nccl(bucket, update, plan, group) for bucket in iter_buckets(stream, bucket_bytes))
 
-        stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), plan, spec["skip"], names)
-        n = 0
-        for bucket in iter_buckets(stream, bucket_bytes):
-            n += send_weights_nccl(bucket, update, plan, self._nccl_group)
-        ray.get(generation_worker.note_sent.remote(names, n))
-        return buckets
+        return self._send_direct(generation_worker, kv_scales, send)
 
     def drain_weights(self) -> int:
         """Take part in an export another rank sends (Megatron tensor-parallel gathers)."""

@@ -87,7 +87,7 @@ def engine_params(backend, names):
 def engine_params_per_rank(backend, names):
     """``engine_params`` of every worker, in tensor-parallel rank order (``collective_rpc`` answers once per
     worker): each holds its shard of a tensor-parallel engine's parameters."""
-    return decode_engine_params(backend.llm.collective_rpc("nemo_fp8_params", args=(names,)))
+    return decode_engine_params(backend.engine_params(names))
 
 
 def decode_engine_params(per_worker):

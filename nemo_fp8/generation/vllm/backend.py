@@ -90,7 +90,7 @@ class VllmGenerationBackend:
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
         self.num_layers = int(_model_config(model_name)["num_hidden_layers"])
         self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
-        tp = int(self.spec.engine_kwargs.get("tensor_parallel_size", 1))
+        tp = vllm_cfg.tensor_parallel_size
         # The engine's workers' GPUs as this process numbers them (vLLM's worker i runs on cuda:i).
         self.refit_devices = [torch.device("cuda", i) for i in range(tp)] if tp > 1 else None
         self.llm = LLM(**self.spec.engine_kwargs)
@@ -196,7 +196,7 @@ class VllmGenerationBackend:
                                "group needs weight_transfer='nccl' (policy.weight_sync.method='nccl')")
         if self._nccl_joined:
             raise RuntimeError("init_weight_transfer: this engine's workers joined an NCCL group already")
-        tp = int(self.spec.engine_kwargs.get("tensor_parallel_size", 1))
+        tp = self.vllm_cfg.tensor_parallel_size
         if world_size != 1 + tp:
             raise ValueError(f"init_weight_transfer: world_size={world_size}, but the group is the trainer's rank 0 "
                              f"plus this engine's {tp} worker(s): {1 + tp}")
