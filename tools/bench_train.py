@@ -5,9 +5,11 @@ TE reads its block-scaling convention at import) on a random-weight model built 
 Megatron-Bridge from a Qwen3-8B- or Qwen3-30B-A3B-shaped config cut to a few layers:
 
     python tools/bench_train.py --shapes dense,moe --recipes bf16,e4m3-tensorwise,hybrid-tensorwise,e4m3-blockwise \
-        --batch 2 --seq-len 4096 --micro-batches 4 --steps 5 --warmup 2
+        --batch 2 --seq-len 4096 --micro-batches 16 --steps 7 --warmup 2
 
-Columns, per micro-batch of ``batch x seq_len`` tokens:
+Columns, per micro-batch of ``batch x seq_len`` tokens. The four forward + backward columns are
+timed in interleaved rounds (``timed_interleaved``), so that the GPU's drift during a run falls on
+each alike; each is the median over ``--steps`` rounds.
 
 * ``raw f+b``: megatron-core alone: ``GPTModel(input_ids, position_ids, labels=...)`` with its own
   vocab-parallel cross entropy, ``.mean().backward()`` (what ``../shared/gpu-host/README.md``
@@ -20,9 +22,11 @@ Columns, per micro-batch of ``batch x seq_len`` tokens:
   ``parallel_cross_entropy``, the kernel behind ``raw f+b``'s loss with ``cross_entropy_fusion_impl='te'``);
 * ``step``: a full training step of the backend (``train``: forward, backward, gradient sync,
   distributed-optimizer step) over a global batch of ``--micro-batches`` micro-batches (a GRPO step
-  has many: the optimizer's cost is shared by all of them), per micro-batch, with the
-  ``--logprob-kernel`` log-probs (default ``chunked``, the configs' kernel); ``tok/s`` = tokens /
-  that; ``vs bf16`` = tok/s ratio to BF16 of the same shape;
+  has many: the 8B configs' 2,048 samples of up to 4,096 tokens make 4 optimizer steps of 512
+  micro-batches each, so the optimizer's cost is shared by all of them), per micro-batch, with the
+  ``--logprob-kernel`` log-probs (default ``fused``, the megatron example configs' kernel);
+  ``tok/s`` = tokens / that; ``vs bf16`` = tok/s ratio to BF16 of the same shape; ``fused vs
+  bf16`` and ``raw vs bf16`` the same ratio for ``fused f+b`` and ``raw f+b``;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child.
 
 Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``.
@@ -68,20 +72,38 @@ def parse_recipe(name: str) -> dict | None:
     return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param")
 
 
-def _timed(fn, steps: int, warmup: int) -> float:
-    """Median seconds of ``fn`` over ``steps`` runs after ``warmup`` (CUDA-synchronised)."""
-    import torch
+def timed_interleaved(fns: dict, steps: int, warmup: int, sync=None) -> dict[str, float]:
+    """Median seconds of each of ``fns`` (name -> callable), measured in interleaved rounds.
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    Each round runs every callable once, the order rotated by one per round, so that a drift of the GPU's
+    clock or temperature during the run falls on every column alike instead of on whichever ran last
+    (runs of one column after another differed by up to 5% for the same kernel). ``warmup`` rounds come
+    first and are not timed. ``sync`` (default ``torch.cuda.synchronize``) is called before each clock read.
+
+    Returns:
+        name -> median seconds over ``steps`` rounds.
+
+    Raises:
+        ValueError: ``steps`` < 1 or ``warmup`` < 0.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + steps):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
 def run_child(a) -> dict:
@@ -127,21 +149,20 @@ def run_child(a) -> dict:
         model.zero_grad_buffer()
         model(input_ids=ids_d, position_ids=pos, attention_mask=None, labels=labels).float().mean().backward()
 
-    def ours():
-        model.zero_grad_buffer()
-        loss, _ = loss_fn(be._forward_logprobs(model, mb), mb, n_tok, n_seq)
-        loss.backward()
+    def ours(kernel):
+        def f():
+            be.cfg.megatron_cfg.logprob_kernel = kernel
+            model.zero_grad_buffer()
+            loss, _ = loss_fn(be._forward_logprobs(model, mb), mb, n_tok, n_seq)
+            loss.backward()
+        return f
 
     # raw and ours reuse TE's cached FP8 weights (the micro-batches after a global batch's first); the full step
     # (be.train) quantizes every weight once per global batch, as megatron-core's schedules do
-    raw_s = _timed(raw, a.steps, a.warmup)
-    kernel_s = {}
-    for kernel in ("chunked", "fused", "te"):
-        be.cfg.megatron_cfg.logprob_kernel = kernel
-        kernel_s[kernel] = _timed(ours, a.steps, a.warmup)
+    fb = timed_interleaved({"raw": raw, **{k: ours(k) for k in ("chunked", "fused", "te")}}, a.steps, a.warmup)
+    raw_s, ours_s, fused_s, te_s = fb["raw"], fb["chunked"], fb["fused"], fb["te"]
     be.cfg.megatron_cfg.logprob_kernel = a.logprob_kernel
-    ours_s, fused_s, te_s = kernel_s["chunked"], kernel_s["fused"], kernel_s["te"]
-    step_s = _timed(lambda: be.train(batch, loss_fn), a.steps, a.warmup) / a.micro_batches
+    step_s = timed_interleaved({"step": lambda: be.train(batch, loss_fn)}, a.steps, a.warmup)["step"] / a.micro_batches
     out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, fused_ms=fused_s * 1e3,
                te_ms=te_s * 1e3, step_ms=step_s * 1e3, micro_batches=a.micro_batches, logprob_kernel=a.logprob_kernel,
                tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
@@ -154,7 +175,7 @@ def print_table(rows: list[dict]) -> None:
     base = {r["shape"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'fused f+b':>9} " \
            f"{'fused/raw':>9} {'te f+b ms':>9} {'te/raw':>6} {'step ms':>8} {'tok/s':>8} {'vs bf16':>8} " \
-           f"{'raw vs bf16':>11} {'peak GiB':>8}"
+           f"{'fused vs bf16':>13} {'raw vs bf16':>11} {'peak GiB':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -165,9 +186,10 @@ def print_table(rows: list[dict]) -> None:
         tps = r["tokens"] / r["step_ms"] * 1e3
         vs = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         raw_vs = f"{b['raw_ms'] / r['raw_ms']:.3f}" if b else "-"
+        fused_vs = f"{b['fused_ms'] / r['fused_ms']:.3f}" if b else "-"
         print(f"{r['shape']:6} {r['recipe']:22} {r['raw_ms']:10.1f} {r['ours_ms']:11.1f} {r['ours_ms'] / r['raw_ms']:8.3f} "
               f"{r['fused_ms']:9.1f} {r['fused_ms'] / r['raw_ms']:9.3f} {r['te_ms']:9.1f} {r['te_ms'] / r['raw_ms']:6.3f} "
-              f"{r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {raw_vs:>11} "
+              f"{r['step_ms']:8.1f} {tps:8.0f} {vs:>8} {fused_vs:>13} {raw_vs:>11} "
               f"{r['peak_gib']:8.1f}")
 
 
@@ -177,10 +199,11 @@ def main() -> int:
     p.add_argument("--recipes", default="bf16,e4m3-tensorwise,hybrid-tensorwise,e4m3-blockwise")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (step column)")
-    p.add_argument("--logprob-kernel", choices=["chunked", "fused", "te"], default="chunked",
-                   help="megatron_cfg.logprob_kernel of the step column")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--micro-batches", type=int, default=16,
+                   help="micro-batches per optimizer step (step column; the 8B configs have 512 of 1 x 4096 tokens)")
+    p.add_argument("--logprob-kernel", choices=["chunked", "fused", "te"], default="fused",
+                   help="megatron_cfg.logprob_kernel of the step column (the megatron example configs' kernel)")
+    p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=300, help="seconds per child")
     p.add_argument("--json", help="also write the rows here")

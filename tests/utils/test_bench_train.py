@@ -1,0 +1,57 @@
+"""CPU tests of ``tools/bench_train.py``'s pure part: recipe names, the interleaved timer, the table."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "tools" / "bench_train.py"
+_spec = importlib.util.spec_from_file_location("bench_train", _PATH)
+bt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bt)
+
+
+def test_parse_recipe():
+    assert bt.parse_recipe("bf16") is None
+    assert bt.parse_recipe("hybrid-blockwise+param") == dict(enabled=True, fp8="hybrid", fp8_recipe="blockwise",
+                                                             fp8_param=True)
+    for bad in ("e5m2-tensorwise", "e4m3-delayed", "e4m3-blockwise+x"):
+        with pytest.raises(ValueError, match="--recipes"):
+            bt.parse_recipe(bad)
+
+
+def test_timed_interleaved_rotates_and_takes_medians(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(bt.time, "perf_counter", lambda: clock[0])
+    order = []
+
+    def fn(name, seconds):
+        def f():
+            order.append(name)
+            # "b" drifts: slower each call; its median is the middle one of the timed calls
+            clock[0] += seconds(sum(1 for x in order if x == name))
+        return f
+
+    fns = {"a": fn("a", lambda i: 1.0), "b": fn("b", lambda i: float(i)), "c": fn("c", lambda i: 3.0)}
+    out = bt.timed_interleaved(fns, steps=3, warmup=1, sync=lambda: None)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # b's calls take 1, 2, 3, 4 s; the first is warm-up, the median of 2, 3, 4 is 3
+    assert out == {"a": 1.0, "b": 3.0, "c": 3.0}
+    with pytest.raises(ValueError, match="steps"):
+        bt.timed_interleaved(fns, steps=0, warmup=1, sync=lambda: None)
+
+
+def test_table_ratios(capsys):
+    def row(recipe, raw, fused, step):
+        return dict(shape="dense", recipe=recipe, raw_ms=raw, ours_ms=raw * 1.1, fused_ms=fused, te_ms=fused,
+                    step_ms=step, tokens=8192, peak_gib=70.0)
+
+    bt.print_table([row("bf16", 220.0, 227.0, 240.0), row("e4m3-tensorwise", 176.0, 181.6, 192.0),
+                    dict(shape="dense", recipe="e4m3-blockwise", error="timeout 300s")])
+    out = capsys.readouterr().out.splitlines()
+    fp8 = out[3].split()
+    # step 240/192 = 1.250, fused f+b 227/181.6 = 1.250, raw 220/176 = 1.250
+    assert fp8[1] == "e4m3-tensorwise" and fp8[11:14] == ["1.250", "1.250", "1.250"]
+    assert "failed: timeout 300s" in out[4]
