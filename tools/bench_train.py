@@ -29,7 +29,13 @@ each alike; each is the median over ``--steps`` rounds.
   bf16`` and ``raw vs bf16`` the same ratio for ``fused f+b`` and ``raw f+b``;
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child.
 
-Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``.
+* ``--profile N``: a second table, N profiled ``fused`` forward + backward passes: ms by kernel
+  category (``tools/profile_rollout.py``'s), GPU kernel time, host time (wall - GPU) and kernels
+  launched per pass.
+
+Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``,
+then any ``@key=value`` (``megatron_cfg.override_transformer_config``), e.g.
+``e4m3-blockwise@moe_router_padding_for_quantization=true``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))  # profile_rollout's kernel categories (--profile)
 
 from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_shape_config  # noqa: E402
 
@@ -57,19 +64,32 @@ def write_config(kind: str, root: Path) -> Path:
     return write_shape_config(name, root / kind, layers)
 
 
-def parse_recipe(name: str) -> dict | None:
-    """``bf16`` -> None; ``e4m3-blockwise+param`` -> fp8_cfg keys.
+def parse_recipe(name: str) -> tuple[dict | None, dict]:
+    """``bf16`` -> (None, {}); ``e4m3-blockwise+param@moe_router_padding_for_quantization=true`` ->
+    (fp8_cfg keys, ``override_transformer_config``). Each ``@key=value`` sets one megatron-core
+    ``TransformerConfig`` attribute (the value read as YAML: ``true``, ``3``, ``fp32``), so a run can
+    set one engine knob beside the same recipe without it.
 
     Raises:
-        ValueError: an unknown recipe name (lists the valid parts).
+        ValueError: an unknown recipe name or a malformed ``@key=value`` (lists the valid forms).
     """
+    import yaml
+
+    name, *sets = name.split("@")
+    overrides = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"--recipes: {item!r} in {name!r} is not @key=value (a TransformerConfig attribute)")
+        overrides[key] = yaml.safe_load(value)
     if name == "bf16":
-        return None
+        return None, overrides
     base, _, extra = name.partition("+")
     fp8, _, recipe = base.partition("-")
     if fp8 not in ("e4m3", "hybrid") or recipe not in ("tensorwise", "blockwise") or extra not in ("", "param"):
-        raise ValueError(f"--recipes: {name!r} is not bf16 or {{e4m3,hybrid}}-{{tensorwise,blockwise}}[+param]")
-    return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param")
+        raise ValueError(f"--recipes: {name!r} is not bf16 or {{e4m3,hybrid}}-{{tensorwise,blockwise}}[+param]"
+                         "[@key=value...]")
+    return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param"), overrides
 
 
 def timed_interleaved(fns: dict, steps: int, warmup: int, sync=None) -> dict[str, float]:
@@ -106,6 +126,51 @@ def timed_interleaved(fns: dict, steps: int, warmup: int, sync=None) -> dict[str
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
+def profile_fb(fn, rounds: int) -> dict:
+    """Where one forward + backward's time goes: ``fn`` run ``rounds`` times under ``torch.profiler``.
+
+    Returns:
+        ``tools/profile_rollout.summarize``'s ms per round by kernel category (``gemm``, ``moe``,
+        ``attention``, ``quant``, ...), ``gpu`` (their sum), ``wall``, ``host`` (wall - gpu: time no
+        kernel ran, e.g. the CPU launching kernels), ``top`` (8 longest kernels), and ``launches``:
+        CUDA kernels per round.
+    """
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_rollout import summarize
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    cuda = [e for e in p.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    out = summarize([(e.key, float(e.self_device_time_total)) for e in cuda], wall, rounds)
+    out["launches"] = sum(e.count for e in cuda) / rounds
+    return out
+
+
+def print_profile(rows: list[dict]) -> None:
+    """The ``--profile`` table: ms per forward + backward (``fused`` log-probs) by kernel category."""
+    rows = [r for r in rows if "profile" in r]
+    if not rows:
+        return
+    from profile_rollout import CATEGORIES
+
+    keys = list(CATEGORIES) + ["gpu", "host", "wall"]
+    print("\nms per forward + backward (fused log-probs) by kernel category, and CUDA kernels launched")
+    head = f"{'shape':6} {'recipe':22}" + "".join(f" {k:>9}" for k in keys) + f" {'launches':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        pr = r["profile"]
+        print(f"{r['shape']:6} {r['recipe']:22}" + "".join(f" {pr[k]:9.1f}" for k in keys) + f" {pr['launches']:9.0f}")
+
+
 def run_child(a) -> dict:
     """Child: one (shape, recipe); prints one JSON line."""
     import torch
@@ -116,11 +181,13 @@ def run_child(a) -> dict:
     from nemo_fp8.policy.config import PolicyConfig
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend, _unwrap
 
-    fp8 = parse_recipe(a.recipe) or {"enabled": False}
+    fp8, overrides = parse_recipe(a.recipe)
+    fp8 = fp8 or {"enabled": False}
     cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda",
                        train_global_batch_size=a.batch * a.micro_batches, train_micro_batch_size=a.batch,
                        logprob_batch_size=a.batch, max_total_sequence_length=a.seq_len,
-                       megatron_cfg={"enabled": True, "fp8_cfg": fp8, "logprob_kernel": a.logprob_kernel},
+                       megatron_cfg={"enabled": True, "fp8_cfg": fp8, "logprob_kernel": a.logprob_kernel,
+                                     "override_transformer_config": overrides},
                        generation={"vllm_cfg": {"precision": "fp8"}})
     t0 = time.perf_counter()
     be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
@@ -163,10 +230,13 @@ def run_child(a) -> dict:
     raw_s, ours_s, fused_s, te_s = fb["raw"], fb["chunked"], fb["fused"], fb["te"]
     be.cfg.megatron_cfg.logprob_kernel = a.logprob_kernel
     step_s = timed_interleaved({"step": lambda: be.train(batch, loss_fn)}, a.steps, a.warmup)["step"] / a.micro_batches
+    prof = profile_fb(ours("fused"), a.profile) if a.profile else None
     out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, fused_ms=fused_s * 1e3,
                te_ms=te_s * 1e3, step_ms=step_s * 1e3, micro_batches=a.micro_batches, logprob_kernel=a.logprob_kernel,
                tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
                params_b=sum(p.numel() for p in _unwrap(model).parameters()) / 1e9)
+    if prof:
+        out["profile"] = prof
     be.shutdown()
     return out
 
@@ -206,6 +276,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=300, help="seconds per child")
+    p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
+                   help="also profile ROUNDS forward+backward passes (fused log-probs): ms by kernel category")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -231,7 +303,7 @@ def main() -> int:
                 cmd = [sys.executable, __file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
                        "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
                        "--warmup", str(a.warmup), "--micro-batches", str(a.micro_batches),
-                       "--logprob-kernel", a.logprob_kernel]
+                       "--logprob-kernel", a.logprob_kernel, "--profile", str(a.profile)]
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=os.environ.copy())
                     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -246,6 +318,7 @@ def main() -> int:
     print(f"bench_train: {a.batch} x {a.seq_len} tokens per micro-batch, {a.micro_batches} micro-batches per "
           f"optimizer step (step: {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
     print_table(rows)
+    print_profile(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

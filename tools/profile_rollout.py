@@ -45,9 +45,11 @@ CATEGORIES = ("gemm", "moe", "attention", "quant", "sampler", "norm_act", "other
 # (category, substrings of the lower-cased kernel name), first match wins: MoE and attention before the
 # GEMM patterns (their kernels are GEMMs too), quantization before norms (vLLM fuses rms_norm + FP8 quant).
 _RULES = (
-    ("moe", ("fused_moe", "moe_", "_moe", "expert", "grouped_gemm", "m_grouped")),
-    ("attention", ("flash", "fmha", "attn", "attention", "reshape_and_cache", "paged")),
-    ("quant", ("quant", "fp8_cast", "ue8m0", "e8m0", "scaled_fp8")),
+    ("moe", ("fused_moe", "moe_", "_moe", "expert", "grouped_gemm", "m_grouped", "permute")),
+    ("attention", ("flash", "fmha", "attn", "attention", "reshape_and_cache", "paged", "sdpa")),
+    # TransformerEngine's (training, tools/bench_train.py --profile): cast(+transpose), amax and scale kernels
+    ("quant", ("quant", "fp8_cast", "ue8m0", "e8m0", "scaled_fp8", "cast_transpose", "amax", "cast_fp8",
+               "compute_scale")),
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "wgmma", "sm90_", "deep_gemm", "mma_")),
     ("sampler", ("sampl", "topk", "top_k", "top_p", "softmax", "argmax", "gumbel", "exponential", "multinomial",
                  "sort", "cumsum", "logprob", "penalt")),

@@ -7,7 +7,7 @@ Key names follow NeMo-RL's ``PolicyConfig`` / ``MegatronConfig``; the rollout en
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field
 
@@ -114,6 +114,33 @@ class DistributedDataParallelConfig(StrictConfig):
     grad_reduce_in_fp32: bool = True
 
 
+# TransformerConfig attributes this project sets itself (``settings.provider_overrides``), each with the key
+# that sets it: ``override_transformer_config`` may not set them behind those keys' backs
+MANAGED_TRANSFORMER_KEYS = {
+    "tensor_model_parallel_size": "megatron_cfg.tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "megatron_cfg.pipeline_model_parallel_size",
+    "context_parallel_size": "megatron_cfg.context_parallel_size",
+    "expert_model_parallel_size": "megatron_cfg.expert_model_parallel_size",
+    "sequence_parallel": "megatron_cfg.sequence_parallel",
+    "gradient_accumulation_fusion": "(fixed: off, it needs APEX)",
+    "calculate_per_token_loss": "(fixed: on, the loss is normalised by the global batch's token count)",
+    "bf16": "megatron_cfg.optimizer.bf16 / policy.precision",
+    "fp16": "megatron_cfg.optimizer.fp16",
+    "params_dtype": "megatron_cfg.optimizer.bf16|fp16 / policy.precision",
+    "pipeline_dtype": "megatron_cfg.optimizer.bf16|fp16 / policy.precision",
+    "autocast_dtype": "megatron_cfg.optimizer.bf16|fp16 / policy.precision",
+    "recompute_granularity": "megatron_cfg.activation_checkpointing",
+    "recompute_method": "megatron_cfg.activation_checkpointing",
+    "recompute_num_layers": "megatron_cfg.activation_checkpointing",
+    "fp8": "megatron_cfg.fp8_cfg.fp8 / fp8_cfg.enabled",
+    "fp8_recipe": "megatron_cfg.fp8_cfg.fp8_recipe",
+    "fp8_param": "megatron_cfg.fp8_cfg.fp8_param",
+    "first_last_layers_bf16": "generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16",
+    "num_layers_at_start_in_bf16": "generation.vllm_cfg.num_first_layers_in_bf16",
+    "num_layers_at_end_in_bf16": "generation.vllm_cfg.num_last_layers_in_bf16",
+}
+
+
 class MegatronConfig(StrictConfig):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, ge=1)
@@ -129,9 +156,20 @@ class MegatronConfig(StrictConfig):
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     distributed_data_parallel_config: DistributedDataParallelConfig = DistributedDataParallelConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
+    override_transformer_config: dict[str, Any] = Field(
+        default_factory=dict, description="more megatron-core TransformerConfig attributes, set on Megatron-Bridge's "
+        "provider after this project's own (verl's actor.megatron.override_transformer_config), e.g. "
+        "{moe_router_padding_for_quantization: true}; a name the provider lacks fails at start-up")
 
     def config_errors(self) -> list[str]:
         errs = []
+        for key in self.override_transformer_config:
+            if key in MANAGED_TRANSFORMER_KEYS:
+                errs.append(f"override_transformer_config.{key}: set by policy.{MANAGED_TRANSFORMER_KEYS[key]}, "
+                            "not by an override")
+        if self.override_transformer_config and not self.enabled:
+            errs.append("override_transformer_config: megatron-core settings need the megatron backend "
+                        "(policy.megatron_cfg.enabled=true)")
         if self.fp8_cfg.fp8_param and not self.enabled:
             errs.append("fp8_cfg.fp8_param: FP8 parameters need the megatron backend (policy.megatron_cfg.enabled=true); "
                         "the torch backend emulates activations/weights only")

@@ -137,3 +137,19 @@ def test_sgd_is_refused_with_the_distributed_optimizer():
         _cfg(optimizer=dict(optimizer="sgd"))
     assert settings.optimizer_config_kwargs(_cfg(optimizer=dict(optimizer="sgd", use_distributed_optimizer=False)))[
         "optimizer"] == "sgd"
+
+
+def test_override_transformer_config_comes_last_and_cannot_touch_managed_keys():
+    from nemo_fp8.policy.config import MANAGED_TRANSFORMER_KEYS
+
+    cfg = _cfg(fp8_cfg=dict(enabled=True), override_transformer_config={"moe_router_padding_for_quantization": True})
+    assert settings.provider_overrides(cfg)["moe_router_padding_for_quantization"] is True
+    # every key this project sets itself is in the managed list (so an override can't shadow it silently)
+    for c in (_cfg(), _cfg(fp8_cfg=dict(enabled=True)), _cfg(activation_checkpointing=True),
+              _cfg(optimizer=dict(bf16=False, fp16=True))):
+        assert set(settings.provider_overrides(c)) <= set(MANAGED_TRANSFORMER_KEYS)
+    with pytest.raises(ValidationError, match=r"override_transformer_config.fp8_recipe: set by policy.megatron_cfg"
+                                              r".fp8_cfg.fp8_recipe"):
+        _cfg(override_transformer_config={"fp8_recipe": "tensorwise"})
+    with pytest.raises(ValidationError, match="override_transformer_config: megatron-core settings need the megatron"):
+        PolicyConfig(model_name="m", megatron_cfg={"override_transformer_config": {"moe_router_fusion": True}})

@@ -14,9 +14,9 @@ _spec.loader.exec_module(bt)
 
 
 def test_parse_recipe():
-    assert bt.parse_recipe("bf16") is None
-    assert bt.parse_recipe("hybrid-blockwise+param") == dict(enabled=True, fp8="hybrid", fp8_recipe="blockwise",
-                                                             fp8_param=True)
+    assert bt.parse_recipe("bf16") == (None, {})
+    assert bt.parse_recipe("hybrid-blockwise+param") == (dict(enabled=True, fp8="hybrid", fp8_recipe="blockwise",
+                                                              fp8_param=True), {})
     for bad in ("e5m2-tensorwise", "e4m3-delayed", "e4m3-blockwise+x"):
         with pytest.raises(ValueError, match="--recipes"):
             bt.parse_recipe(bad)
@@ -55,3 +55,23 @@ def test_table_ratios(capsys):
     # step 240/192 = 1.250, fused f+b 227/181.6 = 1.250, raw 220/176 = 1.250
     assert fp8[1] == "e4m3-tensorwise" and fp8[11:14] == ["1.250", "1.250", "1.250"]
     assert "failed: timeout 300s" in out[4]
+
+
+def test_recipe_overrides():
+    fp8, over = bt.parse_recipe("e4m3-blockwise@moe_router_padding_for_quantization=true@moe_router_dtype=fp32")
+    assert fp8["fp8_recipe"] == "blockwise"
+    assert over == {"moe_router_padding_for_quantization": True, "moe_router_dtype": "fp32"}
+    assert bt.parse_recipe("bf16@moe_router_fusion=1") == (None, {"moe_router_fusion": 1})
+    with pytest.raises(ValueError, match="not @key=value"):
+        bt.parse_recipe("bf16@moe_router_fusion")
+
+
+def test_profile_table(capsys):
+    import profile_rollout as pr
+
+    prof = pr.summarize([("nvjet_gemm", 3000.0), ("cast_transpose_kernel", 1000.0)], wall_s=0.01, steps=2)
+    prof["launches"] = 1234.0
+    bt.print_profile([dict(shape="moe", recipe="e4m3-blockwise", profile=prof), dict(shape="moe", recipe="bf16")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].split()[:4] == ["moe", "e4m3-blockwise", "1.5", "0.0"]  # gemm 1.5 ms/pass, moe 0
+    assert out[-1].split()[-4:] == ["2.0", "3.0", "5.0", "1234"]  # gpu, host, wall, launches

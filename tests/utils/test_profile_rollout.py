@@ -34,6 +34,12 @@ _spec.loader.exec_module(pr)
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "sampler"),
     ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "sampler"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+    # TransformerEngine's training kernels (tools/bench_train.py --profile)
+    ("void transformer_engine::detail::cast_transpose_kernel<8, 4, __nv_bfloat16>", "quant"),
+    ("void transformer_engine::block_scaled_1d_cast_transpose_kernel<...>", "quant"),
+    ("void transformer_engine::amax_kernel<4, float>", "quant"),
+    ("void moe_permute_row_map(int const*, int*, int, int, int)", "moe"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
 ])
 def test_kernels_fall_in_their_category(name, want):
     assert pr.categorize(name) == want

@@ -211,6 +211,9 @@ class MegatronPolicyBackend:
         # memory), so the first optimizer step would write garbage. Initialise, load later.
         provider = bridge.to_megatron_provider(load_weights=load_weights and not self._fp8_param)
         for key, value in settings.provider_overrides(self.cfg).items():
+            if not hasattr(provider, key):
+                raise ValueError(f"policy.megatron_cfg.override_transformer_config.{key}: {type(provider).__name__} "
+                                 "(a megatron-core TransformerConfig) has no such attribute")
             setattr(provider, key, value)
         provider.finalize()
         ddp = DistributedDataParallelConfig(**settings.ddp_config_kwargs(self.cfg))

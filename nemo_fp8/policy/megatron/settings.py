@@ -55,6 +55,8 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
     ``policy.megatron_cfg.fp8_cfg``); megatron-core applies them per layer itself
     (``get_fp8_context`` / ``is_first_last_bf16_layer`` in ``megatron/core/fp8_utils.py``).
     ``gradient_accumulation_fusion`` is off: it needs APEX's fused wgrad kernels.
+    ``megatron_cfg.override_transformer_config`` comes last (its keys are none of the ones set here:
+    ``nemo_fp8.policy.config.MANAGED_TRANSFORMER_KEYS``).
     """
     m = cfg.megatron_cfg
     dtype = train_dtype(cfg)
@@ -82,6 +84,7 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
                    num_layers_at_start_in_bf16=first, num_layers_at_end_in_bf16=last)
     else:
         out.update(fp8=None, fp8_param=False)
+    out.update(m.override_transformer_config)  # config validation keeps these off the keys above
     return out
 
 
