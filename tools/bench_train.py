@@ -27,8 +27,7 @@ each alike; each is the median over ``--steps`` rounds.
   ``--logprob-kernel`` log-probs (default ``fused``, the megatron example configs' kernel);
   ``tok/s`` = tokens / that; ``vs bf16`` = tok/s ratio to BF16 of the same shape; ``fused vs
   bf16`` and ``raw vs bf16`` the same ratio for ``fused f+b`` and ``raw f+b``;
-* ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child.
-
+* ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child;
 * ``--profile N``: a second table, N profiled ``fused`` forward + backward passes: ms by kernel
   category (``tools/profile_rollout.py``'s), GPU kernel time, host time (wall - GPU) and kernels
   launched per pass.
