@@ -117,27 +117,27 @@ class DistributedDataParallelConfig(StrictConfig):
 # TransformerConfig attributes this project sets itself (``settings.provider_overrides``), each with the key
 # that sets it: ``override_transformer_config`` may not set them behind those keys' backs
 MANAGED_TRANSFORMER_KEYS = {
-    "tensor_model_parallel_size": "megatron_cfg.tensor_model_parallel_size",
-    "pipeline_model_parallel_size": "megatron_cfg.pipeline_model_parallel_size",
-    "context_parallel_size": "megatron_cfg.context_parallel_size",
-    "expert_model_parallel_size": "megatron_cfg.expert_model_parallel_size",
-    "sequence_parallel": "megatron_cfg.sequence_parallel",
-    "gradient_accumulation_fusion": "(fixed: off, it needs APEX)",
-    "calculate_per_token_loss": "(fixed: on, the loss is normalised by the global batch's token count)",
-    "bf16": "megatron_cfg.optimizer.bf16 / policy.precision",
-    "fp16": "megatron_cfg.optimizer.fp16",
-    "params_dtype": "megatron_cfg.optimizer.bf16|fp16 / policy.precision",
-    "pipeline_dtype": "megatron_cfg.optimizer.bf16|fp16 / policy.precision",
-    "autocast_dtype": "megatron_cfg.optimizer.bf16|fp16 / policy.precision",
-    "recompute_granularity": "megatron_cfg.activation_checkpointing",
-    "recompute_method": "megatron_cfg.activation_checkpointing",
-    "recompute_num_layers": "megatron_cfg.activation_checkpointing",
-    "fp8": "megatron_cfg.fp8_cfg.fp8 / fp8_cfg.enabled",
-    "fp8_recipe": "megatron_cfg.fp8_cfg.fp8_recipe",
-    "fp8_param": "megatron_cfg.fp8_cfg.fp8_param",
-    "first_last_layers_bf16": "generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16",
-    "num_layers_at_start_in_bf16": "generation.vllm_cfg.num_first_layers_in_bf16",
-    "num_layers_at_end_in_bf16": "generation.vllm_cfg.num_last_layers_in_bf16",
+    "tensor_model_parallel_size": "policy.megatron_cfg.tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "policy.megatron_cfg.pipeline_model_parallel_size",
+    "context_parallel_size": "policy.megatron_cfg.context_parallel_size",
+    "expert_model_parallel_size": "policy.megatron_cfg.expert_model_parallel_size",
+    "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
+    "gradient_accumulation_fusion": "the backend (off: megatron-core needs APEX for it)",
+    "calculate_per_token_loss": "the backend (on: the loss is normalised by the global batch's token count)",
+    "bf16": "policy.megatron_cfg.optimizer.bf16 / policy.precision",
+    "fp16": "policy.megatron_cfg.optimizer.fp16",
+    "params_dtype": "policy.megatron_cfg.optimizer.bf16|fp16 / policy.precision",
+    "pipeline_dtype": "policy.megatron_cfg.optimizer.bf16|fp16 / policy.precision",
+    "autocast_dtype": "policy.megatron_cfg.optimizer.bf16|fp16 / policy.precision",
+    "recompute_granularity": "policy.megatron_cfg.activation_checkpointing",
+    "recompute_method": "policy.megatron_cfg.activation_checkpointing",
+    "recompute_num_layers": "policy.megatron_cfg.activation_checkpointing",
+    "fp8": "policy.megatron_cfg.fp8_cfg.fp8 / fp8_cfg.enabled",
+    "fp8_recipe": "policy.megatron_cfg.fp8_cfg.fp8_recipe",
+    "fp8_param": "policy.megatron_cfg.fp8_cfg.fp8_param",
+    "first_last_layers_bf16": "policy.generation.vllm_cfg.num_first_layers_in_bf16 / num_last_layers_in_bf16",
+    "num_layers_at_start_in_bf16": "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+    "num_layers_at_end_in_bf16": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
 }
 
 
@@ -165,7 +165,7 @@ class MegatronConfig(StrictConfig):
         errs = []
         for key in self.override_transformer_config:
             if key in MANAGED_TRANSFORMER_KEYS:
-                errs.append(f"override_transformer_config.{key}: set by policy.{MANAGED_TRANSFORMER_KEYS[key]}, "
+                errs.append(f"override_transformer_config.{key}: set by {MANAGED_TRANSFORMER_KEYS[key]}, "
                             "not by an override")
         if self.override_transformer_config and not self.enabled:
             errs.append("override_transformer_config: megatron-core settings need the megatron backend "

@@ -151,5 +151,8 @@ def test_override_transformer_config_comes_last_and_cannot_touch_managed_keys():
     with pytest.raises(ValidationError, match=r"override_transformer_config.fp8_recipe: set by policy.megatron_cfg"
                                               r".fp8_cfg.fp8_recipe"):
         _cfg(override_transformer_config={"fp8_recipe": "tensorwise"})
+    with pytest.raises(ValidationError, match=r"gradient_accumulation_fusion: set by the backend \(off: megatron-core "
+                                              r"needs APEX"):
+        _cfg(override_transformer_config={"gradient_accumulation_fusion": True})
     with pytest.raises(ValidationError, match="override_transformer_config: megatron-core settings need the megatron"):
         PolicyConfig(model_name="m", megatron_cfg={"override_transformer_config": {"moe_router_fusion": True}})
