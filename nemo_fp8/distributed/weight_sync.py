@@ -41,7 +41,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -226,6 +226,31 @@ def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvSca
         raise RuntimeError(f"refit: the engine reports KV scales of step {got.kv_scales}, sent {kv_scales.step}")
 
 
+def _sync_actors(generation_worker, peers: Sequence, version: int, kv_scales: Optional[KvScales],
+                 transfer: Callable[[], Iterable[tuple[int, int]]]) -> SyncStats:
+    """The frame every refit between Ray actors shares: the engine's ``start_weight_update``; the ``peers``
+    (Megatron tensor-parallel ranks that gather their shards into rank 0's export) join with
+    ``drain_weights``; ``transfer()`` moves the buckets and yields (tensors, bytes) per bucket; then the
+    engine's ``finish_weight_update`` and the version checks.
+
+    Raises:
+        RuntimeError: the engine's checks (a refit in progress, weights missing, KV scales incomplete or of
+            another step, another version held); whatever ``transfer`` raises.
+    """
+    import ray
+
+    t0 = time.perf_counter()
+    stats = SyncStats(version)
+    ray.get(generation_worker.start_weight_update.remote(version))
+    draining = [p.drain_weights.remote() for p in peers]
+    for num_tensors, nbytes in transfer():
+        stats.add_bucket(num_tensors, nbytes)
+    ray.get(draining)
+    _check_version(ray.get(generation_worker.finish_weight_update.remote()), version, kv_scales)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
 class InProcessWeightSync:
     """Policy and engine objects in one process: buckets of views, no copies.
 
@@ -268,21 +293,17 @@ class ObjectStoreWeightSync:
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         import ray
 
-        t0 = time.perf_counter()
-        stats = SyncStats(version)
-        ray.get(self.generation_worker.start_weight_update.remote(version))
-        draining = [p.drain_weights.remote() for p in self.peers]
-        # One bucket is packed ahead while the engine loads the previous one (back-pressure 1).
-        stream = self.policy_worker.packed_weight_buckets.options(
-            num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
-        for ref in stream:
-            # The ref resolves inside the engine actor, straight from the object store.
-            stats.add_bucket(*ray.get(self.generation_worker.receive_packed_bucket.remote(ref)))
-            del ref  # its object can be freed now
-        ray.get(draining)
-        _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
-        stats.seconds = time.perf_counter() - t0
-        return stats
+        def transfer():
+            # One bucket is packed ahead while the engine loads the previous one (back-pressure 1).
+            stream = self.policy_worker.packed_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
+            for ref in stream:
+                # The ref resolves inside the engine actor, straight from the object store.
+                loaded = ray.get(self.generation_worker.receive_packed_bucket.remote(ref))
+                del ref  # its object can be freed now
+                yield loaded
+
+        return _sync_actors(self.generation_worker, self.peers, version, kv_scales, transfer)
 
 
 class CudaIpcWeightSync:
@@ -304,15 +325,8 @@ class CudaIpcWeightSync:
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         import ray
 
-        t0 = time.perf_counter()
-        stats = SyncStats(version)
-        ray.get(self.generation_worker.start_weight_update.remote(version))
-        for num_tensors, nbytes in ray.get(self.policy_worker.send_weights_cuda_ipc.remote(self.generation_worker,
-                                                                                          self.bucket_bytes, kv_scales)):
-            stats.add_bucket(num_tensors, nbytes)
-        _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
-        stats.seconds = time.perf_counter() - t0
-        return stats
+        return _sync_actors(self.generation_worker, (), version, kv_scales, lambda: ray.get(
+            self.policy_worker.send_weights_cuda_ipc.remote(self.generation_worker, self.bucket_bytes, kv_scales)))
 
 
 def wait_all(refs: Sequence) -> list:
@@ -402,14 +416,5 @@ class NcclWeightSync:
         """
         import ray
 
-        t0 = time.perf_counter()
-        stats = SyncStats(version)
-        ray.get(self.generation_worker.start_weight_update.remote(version))
-        draining = [p.drain_weights.remote() for p in self.peers]
-        for num_tensors, nbytes in ray.get(self.policy_worker.send_weights_nccl.remote(
-                self.generation_worker, self.bucket_bytes, kv_scales)):
-            stats.add_bucket(num_tensors, nbytes)
-        ray.get(draining)
-        _check_version(ray.get(self.generation_worker.finish_weight_update.remote()), version, kv_scales)
-        stats.seconds = time.perf_counter() - t0
-        return stats
+        return _sync_actors(self.generation_worker, self.peers, version, kv_scales, lambda: ray.get(
+            self.policy_worker.send_weights_nccl.remote(self.generation_worker, self.bucket_bytes, kv_scales)))
