@@ -33,8 +33,8 @@ each alike; each is the median over ``--steps`` rounds.
   launched per pass.
 
 Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``,
-then any ``@key=value`` (``megatron_cfg.override_transformer_config``), e.g.
-``e4m3-blockwise@moe_router_padding_for_quantization=true``.
+then any ``@key=value``: a ``policy.megatron_cfg`` key of ours (``bf16@fuse_wgrad_accumulation=false``) or
+a ``megatron_cfg.override_transformer_config`` attribute (``e4m3-blockwise@moe_router_padding_for_quantization=true``).
 """
 
 from __future__ import annotations
@@ -65,30 +65,38 @@ def write_config(kind: str, root: Path) -> Path:
 
 def parse_recipe(name: str) -> tuple[dict | None, dict]:
     """``bf16`` -> (None, {}); ``e4m3-blockwise+param@moe_router_padding_for_quantization=true`` ->
-    (fp8_cfg keys, ``override_transformer_config``). Each ``@key=value`` sets one megatron-core
-    ``TransformerConfig`` attribute (the value read as YAML: ``true``, ``3``, ``fp32``), so a run can
-    set one engine knob beside the same recipe without it.
+    (fp8_cfg keys, more ``policy.megatron_cfg`` keys). Each ``@key=value`` (the value read as YAML:
+    ``true``, ``3``, ``fp32``) sets ``megatron_cfg.<key>`` where that is one of our own keys (e.g.
+    ``@fuse_wgrad_accumulation=false``), else one megatron-core ``TransformerConfig`` attribute through
+    ``megatron_cfg.override_transformer_config``, so a run can set one knob beside the same recipe without it.
 
     Raises:
         ValueError: an unknown recipe name or a malformed ``@key=value`` (lists the valid forms).
     """
     import yaml
 
+    from nemo_fp8.policy.config import MegatronConfig
+
+    own = set(MegatronConfig.model_fields) - {"enabled", "fp8_cfg", "override_transformer_config"}
     name, *sets = name.split("@")
-    overrides = {}
+    extra_cfg: dict = {}
     for item in sets:
         key, eq, value = item.partition("=")
         if not eq or not key.isidentifier():
-            raise ValueError(f"--recipes: {item!r} in {name!r} is not @key=value (a TransformerConfig attribute)")
-        overrides[key] = yaml.safe_load(value)
+            raise ValueError(f"--recipes: {item!r} in {name!r} is not @key=value (a policy.megatron_cfg key or a "
+                             "TransformerConfig attribute)")
+        if key in own:
+            extra_cfg[key] = yaml.safe_load(value)
+        else:
+            extra_cfg.setdefault("override_transformer_config", {})[key] = yaml.safe_load(value)
     if name == "bf16":
-        return None, overrides
+        return None, extra_cfg
     base, _, extra = name.partition("+")
     fp8, _, recipe = base.partition("-")
     if fp8 not in ("e4m3", "hybrid") or recipe not in ("tensorwise", "blockwise") or extra not in ("", "param"):
         raise ValueError(f"--recipes: {name!r} is not bf16 or {{e4m3,hybrid}}-{{tensorwise,blockwise}}[+param]"
                          "[@key=value...]")
-    return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param"), overrides
+    return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param"), extra_cfg
 
 
 def timed_interleaved(fns: dict, steps: int, warmup: int, sync=None) -> dict[str, float]:
@@ -180,13 +188,13 @@ def run_child(a) -> dict:
     from nemo_fp8.policy.config import PolicyConfig
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend, _unwrap
 
-    fp8, overrides = parse_recipe(a.recipe)
+    fp8, extra_cfg = parse_recipe(a.recipe)
     fp8 = fp8 or {"enabled": False}
     cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda",
                        train_global_batch_size=a.batch * a.micro_batches, train_micro_batch_size=a.batch,
                        logprob_batch_size=a.batch, max_total_sequence_length=a.seq_len,
                        megatron_cfg={"enabled": True, "fp8_cfg": fp8, "logprob_kernel": a.logprob_kernel,
-                                     "override_transformer_config": overrides},
+                                     **extra_cfg},
                        generation={"vllm_cfg": {"precision": "fp8"}})
     t0 = time.perf_counter()
     be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)

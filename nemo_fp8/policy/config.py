@@ -122,7 +122,8 @@ MANAGED_TRANSFORMER_KEYS = {
     "context_parallel_size": "policy.megatron_cfg.context_parallel_size",
     "expert_model_parallel_size": "policy.megatron_cfg.expert_model_parallel_size",
     "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
-    "gradient_accumulation_fusion": "the backend (off: megatron-core needs APEX for it)",
+    "gradient_accumulation_fusion": "policy.megatron_cfg.fuse_wgrad_accumulation (TE layers; megatron-core's flag "
+                                    "also needs APEX for its output layer)",
     "calculate_per_token_loss": "the backend (on: the loss is normalised by the global batch's token count)",
     "bf16": "policy.megatron_cfg.optimizer.bf16 / policy.precision",
     "fp16": "policy.megatron_cfg.optimizer.fp16",
@@ -153,6 +154,10 @@ class MegatronConfig(StrictConfig):
         "chunked", description="per-token log-probs from the vocab-parallel logits: 'chunked' (ours, fp32 chunks "
         "recomputed in backward), 'fused' (the same math in one Triton pass each way) or 'te' "
         "(TransformerEngine's fused parallel_cross_entropy, its gradient stored in the bf16 logits in the forward)")
+    fuse_wgrad_accumulation: bool = Field(
+        True, description="TransformerEngine layers accumulate weight gradients into the DDP gradient buffer "
+        "(main_grad) inside the wgrad GEMM instead of a separate add (TE's fuse_wgrad_accumulation; megatron-core's "
+        "gradient_accumulation_fusion without its APEX part)")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     distributed_data_parallel_config: DistributedDataParallelConfig = DistributedDataParallelConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
@@ -188,6 +193,9 @@ class MegatronConfig(StrictConfig):
             errs.append("optimizer.use_precision_aware_optimizer / distributed_data_parallel_config.grad_reduce_in_fp32 "
                         "set the megatron backend's memory (policy.megatron_cfg.enabled=true); the torch backend "
                         "trains with fp32 AdamW (policy.optimizer)")
+        if not self.enabled and not self.fuse_wgrad_accumulation:
+            errs.append("fuse_wgrad_accumulation: false is a setting of the megatron backend's TransformerEngine layers "
+                        "(policy.megatron_cfg.enabled=true); the torch backend has no gradient buffer to fuse into")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")

@@ -151,8 +151,13 @@ def test_override_transformer_config_comes_last_and_cannot_touch_managed_keys():
     with pytest.raises(ValidationError, match=r"override_transformer_config.fp8_recipe: set by policy.megatron_cfg"
                                               r".fp8_cfg.fp8_recipe"):
         _cfg(override_transformer_config={"fp8_recipe": "tensorwise"})
-    with pytest.raises(ValidationError, match=r"gradient_accumulation_fusion: set by the backend \(off: megatron-core "
-                                              r"needs APEX"):
+    with pytest.raises(ValidationError, match=r"gradient_accumulation_fusion: set by policy.megatron_cfg"
+                                              r".fuse_wgrad_accumulation \(TE layers; .* needs APEX"):
         _cfg(override_transformer_config={"gradient_accumulation_fusion": True})
+    # TE's wgrad fusion is on by default, off only through the megatron backend's own key
+    assert _cfg().megatron_cfg.fuse_wgrad_accumulation is True
+    assert _cfg(fuse_wgrad_accumulation=False).megatron_cfg.fuse_wgrad_accumulation is False
+    with pytest.raises(ValidationError, match="fuse_wgrad_accumulation: false is a setting of the megatron backend"):
+        PolicyConfig(model_name="m", megatron_cfg={"fuse_wgrad_accumulation": False})
     with pytest.raises(ValidationError, match="override_transformer_config: megatron-core settings need the megatron"):
         PolicyConfig(model_name="m", megatron_cfg={"override_transformer_config": {"moe_router_fusion": True}})

@@ -60,8 +60,12 @@ def test_table_ratios(capsys):
 def test_recipe_overrides():
     fp8, over = bt.parse_recipe("e4m3-blockwise@moe_router_padding_for_quantization=true@moe_router_dtype=fp32")
     assert fp8["fp8_recipe"] == "blockwise"
-    assert over == {"moe_router_padding_for_quantization": True, "moe_router_dtype": "fp32"}
-    assert bt.parse_recipe("bf16@moe_router_fusion=1") == (None, {"moe_router_fusion": 1})
+    assert over == {"override_transformer_config": {"moe_router_padding_for_quantization": True,
+                                                    "moe_router_dtype": "fp32"}}
+    assert bt.parse_recipe("bf16@moe_router_fusion=1") == (None, {"override_transformer_config": {"moe_router_fusion": 1}})
+    # our own megatron_cfg keys go to megatron_cfg, not to TransformerConfig
+    assert bt.parse_recipe("bf16@fuse_wgrad_accumulation=false@moe_router_fusion=true") == (
+        None, {"fuse_wgrad_accumulation": False, "override_transformer_config": {"moe_router_fusion": True}})
     with pytest.raises(ValueError, match="not @key=value"):
         bt.parse_recipe("bf16@moe_router_fusion")
 

@@ -54,7 +54,9 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
     FP8 keys follow megatron-core's ``TransformerConfig`` (NeMo-RL sets the same ones from
     ``policy.megatron_cfg.fp8_cfg``); megatron-core applies them per layer itself
     (``get_fp8_context`` / ``is_first_last_bf16_layer`` in ``megatron/core/fp8_utils.py``).
-    ``gradient_accumulation_fusion`` is off: it needs APEX's fused wgrad kernels.
+    ``gradient_accumulation_fusion`` is off: for megatron-core's own output layer it needs APEX's
+    fused wgrad kernels; the TE layers get TE's fusion after the build instead
+    (``megatron_cfg.fuse_wgrad_accumulation``, ``backend.fuse_te_wgrad_accumulation``).
     ``megatron_cfg.override_transformer_config`` comes last (its keys are none of the ones set here:
     ``nemo_fp8.policy.config.MANAGED_TRANSFORMER_KEYS``).
     """
