@@ -124,6 +124,8 @@ MANAGED_TRANSFORMER_KEYS = {
     "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
     "gradient_accumulation_fusion": "policy.megatron_cfg.fuse_wgrad_accumulation (TE layers; megatron-core's flag "
                                     "also needs APEX for its output layer)",
+    "apply_rope_fusion": "policy.megatron_cfg.apply_rope_fusion",
+    "bias_activation_fusion": "policy.megatron_cfg.bias_activation_fusion",
     "calculate_per_token_loss": "the backend (on: the loss is normalised by the global batch's token count)",
     "bf16": "policy.megatron_cfg.optimizer.bf16 / policy.precision",
     "fp16": "policy.megatron_cfg.optimizer.fp16",
@@ -140,6 +142,9 @@ MANAGED_TRANSFORMER_KEYS = {
     "num_layers_at_start_in_bf16": "policy.generation.vllm_cfg.num_first_layers_in_bf16",
     "num_layers_at_end_in_bf16": "policy.generation.vllm_cfg.num_last_layers_in_bf16",
 }
+
+# megatron_cfg keys that switch a fused kernel of the megatron backend (all on by default)
+ENGINE_FUSIONS = ("fuse_wgrad_accumulation", "apply_rope_fusion", "bias_activation_fusion")
 
 
 class MegatronConfig(StrictConfig):
@@ -158,6 +163,12 @@ class MegatronConfig(StrictConfig):
         True, description="TransformerEngine layers accumulate weight gradients into the DDP gradient buffer "
         "(main_grad) inside the wgrad GEMM instead of a separate add (TE's fuse_wgrad_accumulation; megatron-core's "
         "gradient_accumulation_fusion without its APEX part)")
+    apply_rope_fusion: bool = Field(
+        True, description="megatron-core's apply_rope_fusion (NeMo-RL's key): rotary embeddings in TE's fused kernel "
+        "instead of elementwise torch ops")
+    bias_activation_fusion: bool = Field(
+        True, description="megatron-core's bias_activation_fusion (NeMo-RL's key): the MLP's SwiGLU in one fused kernel "
+        "each way instead of separate silu and multiply")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     distributed_data_parallel_config: DistributedDataParallelConfig = DistributedDataParallelConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
@@ -193,9 +204,10 @@ class MegatronConfig(StrictConfig):
             errs.append("optimizer.use_precision_aware_optimizer / distributed_data_parallel_config.grad_reduce_in_fp32 "
                         "set the megatron backend's memory (policy.megatron_cfg.enabled=true); the torch backend "
                         "trains with fp32 AdamW (policy.optimizer)")
-        if not self.enabled and not self.fuse_wgrad_accumulation:
-            errs.append("fuse_wgrad_accumulation: false is a setting of the megatron backend's TransformerEngine layers "
-                        "(policy.megatron_cfg.enabled=true); the torch backend has no gradient buffer to fuse into")
+        off = [k for k in ENGINE_FUSIONS if not getattr(self, k)]
+        if off and not self.enabled:
+            errs.append(f"{', '.join(off)}: false is a setting of the megatron backend's kernels "
+                        "(policy.megatron_cfg.enabled=true); the torch backend has none of these fusions")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")

@@ -159,5 +159,16 @@ def test_override_transformer_config_comes_last_and_cannot_touch_managed_keys():
     assert _cfg(fuse_wgrad_accumulation=False).megatron_cfg.fuse_wgrad_accumulation is False
     with pytest.raises(ValidationError, match="fuse_wgrad_accumulation: false is a setting of the megatron backend"):
         PolicyConfig(model_name="m", megatron_cfg={"fuse_wgrad_accumulation": False})
+    # NeMo-RL's fusion keys: on by default, set on the provider, refused as overrides
+    o = settings.provider_overrides(_cfg())
+    assert o["apply_rope_fusion"] is True and o["bias_activation_fusion"] is True
+    o = settings.provider_overrides(_cfg(apply_rope_fusion=False, bias_activation_fusion=False))
+    assert o["apply_rope_fusion"] is False and o["bias_activation_fusion"] is False
+    with pytest.raises(ValidationError, match="override_transformer_config.apply_rope_fusion: set by policy.megatron_cfg"
+                                              ".apply_rope_fusion"):
+        _cfg(override_transformer_config={"apply_rope_fusion": False})
+    with pytest.raises(ValidationError, match="apply_rope_fusion, bias_activation_fusion: false is a setting of the "
+                                              "megatron backend"):
+        PolicyConfig(model_name="m", megatron_cfg={"apply_rope_fusion": False, "bias_activation_fusion": False})
     with pytest.raises(ValidationError, match="override_transformer_config: megatron-core settings need the megatron"):
         PolicyConfig(model_name="m", megatron_cfg={"override_transformer_config": {"moe_router_fusion": True}})

@@ -57,6 +57,8 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
     ``gradient_accumulation_fusion`` is off: for megatron-core's own output layer it needs APEX's
     fused wgrad kernels; the TE layers get TE's fusion after the build instead
     (``megatron_cfg.fuse_wgrad_accumulation``, ``backend.fuse_te_wgrad_accumulation``).
+    ``apply_rope_fusion`` and ``bias_activation_fusion`` come from the ``megatron_cfg`` keys of
+    those names (NeMo-RL's; on by default, as in Megatron-LM's training arguments).
     ``megatron_cfg.override_transformer_config`` comes last (its keys are none of the ones set here:
     ``nemo_fp8.policy.config.MANAGED_TRANSFORMER_KEYS``).
     """
@@ -69,6 +71,8 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
         expert_model_parallel_size=m.expert_model_parallel_size,
         sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
         gradient_accumulation_fusion=False,
+        apply_rope_fusion=m.apply_rope_fusion,
+        bias_activation_fusion=m.bias_activation_fusion,
         calculate_per_token_loss=True,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
