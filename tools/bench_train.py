@@ -297,8 +297,16 @@ def main() -> int:
         print("RESULT " + json.dumps(run_child(a)), flush=True)
         return 0
     recipes = a.recipes.split(",")
-    for r in recipes:
-        parse_recipe(r)  # bad names fail before any GPU work
+    from pydantic import ValidationError
+
+    from nemo_fp8.policy.config import MegatronConfig
+
+    for r in recipes:  # bad names and bad megatron_cfg values fail before any GPU work
+        try:
+            fp8, extra_cfg = parse_recipe(r)
+            MegatronConfig(enabled=True, fp8_cfg=fp8 or {"enabled": False}, **extra_cfg)
+        except (ValueError, ValidationError) as e:
+            p.error(f"--recipes {r}: {e}")
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
         p.error(f"--shapes: unknown {unknown}; valid: {sorted(SHAPES)}")

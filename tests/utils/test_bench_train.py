@@ -79,3 +79,18 @@ def test_profile_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1].split()[:4] == ["moe", "e4m3-blockwise", "1.5", "0.0"]  # gemm 1.5 ms/pass, moe 0
     assert out[-1].split()[-4:] == ["2.0", "3.0", "5.0", "1234"]  # gpu, host, wall, launches
+
+
+def test_bad_recipe_values_fail_before_any_child(monkeypatch, capsys):
+    """A megatron_cfg value or a managed TransformerConfig key in ``--recipes`` is refused by the config's own
+    validation in the parent, naming the recipe, before any child (GPU) process starts."""
+    started = []
+    monkeypatch.setattr(bt.subprocess, "run", lambda *a, **k: started.append(a))
+    for recipe, why in (("bf16@fuse_wgrad_accumulation=maybe", "valid boolean"),
+                        ("e4m3-blockwise@gradient_accumulation_fusion=true", "set by policy.megatron_cfg.fuse_wgrad")):
+        monkeypatch.setattr(bt.sys, "argv", ["bench_train.py", "--recipes", recipe])
+        with pytest.raises(SystemExit):
+            bt.main()
+        err = capsys.readouterr().err
+        assert f"--recipes {recipe}" in err and why in err
+    assert not started
