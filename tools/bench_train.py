@@ -85,6 +85,8 @@ def parse_recipe(name: str) -> tuple[dict | None, dict]:
         if not eq or not key.isidentifier():
             raise ValueError(f"--recipes: {item!r} in {name!r} is not @key=value (a policy.megatron_cfg key or a "
                              "TransformerConfig attribute)")
+        if key == "logprob_kernel":  # the columns pick their kernels themselves; the step's is --logprob-kernel
+            raise ValueError(f"--recipes: {item!r} in {name!r}: the log-prob kernel is --logprob-kernel, not a recipe")
         if key in own:
             extra_cfg[key] = yaml.safe_load(value)
         else:

@@ -68,6 +68,8 @@ def test_recipe_overrides():
         None, {"fuse_wgrad_accumulation": False, "override_transformer_config": {"moe_router_fusion": True}})
     with pytest.raises(ValueError, match="not @key=value"):
         bt.parse_recipe("bf16@moe_router_fusion")
+    with pytest.raises(ValueError, match="the log-prob kernel is --logprob-kernel"):
+        bt.parse_recipe("bf16@logprob_kernel=te")
 
 
 def test_profile_table(capsys):
