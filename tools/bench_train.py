@@ -87,10 +87,8 @@ def parse_recipe(name: str) -> tuple[dict | None, dict]:
                              "TransformerConfig attribute)")
         if key == "logprob_kernel":  # the columns pick their kernels themselves; the step's is --logprob-kernel
             raise ValueError(f"--recipes: {item!r} in {name!r}: the log-prob kernel is --logprob-kernel, not a recipe")
-        if key in own:
-            extra_cfg[key] = yaml.safe_load(value)
-        else:
-            extra_cfg.setdefault("override_transformer_config", {})[key] = yaml.safe_load(value)
+        target = extra_cfg if key in own else extra_cfg.setdefault("override_transformer_config", {})
+        target[key] = yaml.safe_load(value)
     if name == "bf16":
         return None, extra_cfg
     base, _, extra = name.partition("+")

@@ -260,7 +260,7 @@ def test_te_wgrad_gemms_accumulate_into_main_grad(ckpt, fp8):
     micro-batches equals the unfused path's (bf16 ``.grad`` per micro-batch, added by DDP's hook) within the bf16
     rounding of one wgrad (2^-8 relative per element; the fused path skips that rounding). Switched off, no weight
     is marked: the comparison is between the two paths, not one path twice."""
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    from nemo_fp8.policy.megatron.backend import _unwrap, fuse_te_wgrad_accumulation
 
     batch = _batch()
     be = _backend(_policy_cfg(ckpt, fp8=fp8, first=1, last=1))
@@ -268,13 +268,11 @@ def test_te_wgrad_gemms_accumulate_into_main_grad(ckpt, fp8):
         _on_policy(be, batch)
         dev, model = be.device, be.model
         n_tok = torch.tensor(float(batch.token_mask.sum()), device=dev)
-        te = [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule)]
-        assert te and all(m.fuse_wgrad_accumulation for m in te if hasattr(m, "fuse_wgrad_accumulation"))
+        te = [m for m in model.modules() if hasattr(m, "fuse_wgrad_accumulation")]
+        assert te and all(m.fuse_wgrad_accumulation for m in te)  # the backend's build switched them on
         out = {}
         for fused in (True, False):
-            for m in te:
-                if hasattr(m, "fuse_wgrad_accumulation"):
-                    m.fuse_wgrad_accumulation = fused
+            assert fuse_te_wgrad_accumulation(model, fused) == len(te)
             model.zero_grad_buffer()
             for rows in (slice(0, 4), slice(4, 8)):
                 mb = batch.select(rows).to(dev)
@@ -284,7 +282,7 @@ def test_te_wgrad_gemms_accumulate_into_main_grad(ckpt, fp8):
             marked = {n for n, p in model.named_parameters() if getattr(p, "grad_added_to_main_grad", False)}
             out[fused] = marked, {n: p.main_grad.float().clone() for n, p in model.named_parameters()}
         gemm = {n for n, _ in model.named_parameters() if n.endswith(GEMM_WEIGHTS)}
-        assert out[True][0] == gemm and len(gemm) == 4 * _unwrap_layers(model) and not out[False][0]
+        assert out[True][0] == gemm and len(gemm) == 4 * len(_unwrap(model).decoder.layers) and not out[False][0]
         g_f, g_u = out[True][1], out[False][1]
         rel = {n: ((g_f[n] - g_u[n]).norm() / g_u[n].norm()).item() for n in g_u if g_u[n].norm() > 0}
         worst = max(rel, key=rel.get)
@@ -292,16 +290,7 @@ def test_te_wgrad_gemms_accumulate_into_main_grad(ckpt, fp8):
               f"({worst}); {len(gemm)} GEMM weights fused")
         assert rel[worst] < 8e-3
     finally:
-        for m in be.model.modules():
-            if hasattr(m, "fuse_wgrad_accumulation"):
-                m.fuse_wgrad_accumulation = True
         _close(be)
-
-
-def _unwrap_layers(model) -> int:
-    from nemo_fp8.policy.megatron.backend import _unwrap
-
-    return len(_unwrap(model).decoder.layers)
 
 
 RECIPES = [None, dict(fp8="e4m3", fp8_recipe="tensorwise"), dict(fp8="hybrid", fp8_recipe="tensorwise"),

@@ -58,9 +58,10 @@ from nemo_fp8.policy.torch_backend import ShardTrainResult, batched_logprobs, gl
 logger = logging.getLogger(__name__)
 
 
-def fuse_te_wgrad_accumulation(model: torch.nn.Module) -> int:
+def fuse_te_wgrad_accumulation(model: torch.nn.Module, enabled: bool = True) -> int:
     """Make every TransformerEngine module of ``model`` accumulate its weight gradient into the
-    parameter's ``main_grad`` inside the wgrad GEMM (TE's ``fuse_wgrad_accumulation``).
+    parameter's ``main_grad`` inside the wgrad GEMM (TE's ``fuse_wgrad_accumulation``); ``enabled``
+    false switches them back to a separate ``.grad`` (the GPU test compares the two paths).
 
     Without it each TE wgrad GEMM writes a bf16 ``param.grad`` and megatron-core's DDP hook adds it
     to the fp32 ``main_grad`` in a separate kernel (about 12 ms per forward + backward of the
@@ -85,7 +86,7 @@ def fuse_te_wgrad_accumulation(model: torch.nn.Module) -> int:
     n = 0
     for module in model.modules():
         if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
-            module.fuse_wgrad_accumulation = True
+            module.fuse_wgrad_accumulation = enabled
             n += 1
     return n
 
