@@ -368,12 +368,26 @@ def _optimizer_state(be) -> dict[str, torch.Tensor]:
             for k, v in st.items() if torch.is_tensor(v)}
 
 
+def _weights(be) -> dict:
+    """The model's (bf16) parameters, on the host."""
+    return {n: p.detach().cpu().clone() for n, p in be.model.named_parameters()}
+
+
 @pytest.mark.parametrize("fp8", [None, dict(fp8="e4m3", fp8_recipe="blockwise")], ids=["bf16", "e4m3-blockwise"])
 def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloads(ckpt, fp8):
     """Adam's moments in bf16 (megatron-core's precision-aware optimizer, TransformerEngine's FusedAdam) and a
-    bf16 gradient buffer. One step gives the loss of the standard optimizer's step (Adam's first update is
-    lr * m / sqrt(v) = lr * sign(g) whatever the moments' precision) and lowers it; the colocated offload
-    (optimizer state into the pinned host arena) and reload give the state back bit for bit.
+    bf16 gradient buffer. The first step moves the model's weights as the standard optimizer's step does (fp32
+    moments and gradient buffer), and lowers the loss; the colocated offload (optimizer state into the pinned host
+    arena) and reload give the state back bit for bit.
+
+    Why the weights and not the loss: Adam's first update is lr * g / (|g| + eps) = lr * sign(g) whatever the
+    moments' precision (Kingma & Ba 2015, bias-corrected m/sqrt(v) at step 1), so the two optimizers give the same
+    bf16 weights except where the bf16 gradient buffer flips the sign of a gradient that nearly cancels over the two
+    micro-batches, or where the moments' bf16 rounding (2^-8 of lr) moves the new weight across a bf16 rounding
+    boundary: a small fraction of the moved weights, bounded at 2% here. The loss after that step is no good
+    yardstick: it falls from 0.128 to 0.01-0.02 in one step on this random model, and moved by 12-19% between the
+    two optimizers (0.00825 vs 0.00947 bf16; 0.01877 vs 0.02241 e4m3 blockwise, where TE's fused wgrad now
+    accumulates the standard arm's gradient in fp32 and the bf16 arm's in bf16; one H200, 2026-11-24).
 
     Layers: as in the recipe test, the first and last stay bf16. With all 4 layers in FP8 a first step at lr
     3e-5 did not lower this random model's loss with either optimizer (0.12849 -> 0.13948, the same with
@@ -383,21 +397,35 @@ def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloa
     opt = dict(use_precision_aware_optimizer=True, exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16")
     cfg = _policy_cfg(ckpt, fp8=fp8, first=first_last, last=first_last, lr=3e-5, optimizer=opt,
                       distributed_data_parallel_config=dict(grad_reduce_in_fp32=False))
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     batch = _batch()
     ref = _backend(_policy_cfg(ckpt, fp8=fp8, first=first_last, last=first_last, lr=3e-5))
     try:
-        _, ref_second = _train_twice(ref, _batch())
+        w0 = _weights(ref)
+        ref_batch = _batch()
+        _on_policy(ref, ref_batch)
+        ref.train(ref_batch, loss_fn)
+        w_ref = _weights(ref)
+        ref_second = ref.train(ref_batch, loss_fn)
     finally:
         _close(ref)
     be = _backend(cfg)
     try:
-        first, second = _train_twice(be, batch)
+        assert all(torch.equal(w, w0[n]) for n, w in _weights(be).items())  # the same start
+        _on_policy(be, batch)
+        first = be.train(batch, loss_fn)
+        w_pa = _weights(be)
+        second = be.train(batch, loss_fn)
+        moved = sum(int(((w_ref[n] != w0[n]) | (w_pa[n] != w0[n])).sum()) for n in w0)
+        differ = sum(int((w_pa[n] != w_ref[n]).sum()) for n in w0)
         state = _optimizer_state(be)
         print("precision-aware optimizer state:", sorted({(k.rsplit(".", 1)[1], str(v.dtype)) for k, v in state.items()}),
-              f"loss {first['loss']:.5f} -> {second['loss']:.5f} (standard optimizer: -> {ref_second['loss']:.5f})")
+              f"first step: {differ} of {moved} moved weights differ from the standard optimizer's "
+              f"({differ / max(moved, 1):.2e}); loss {first['loss']:.5f} -> {second['loss']:.5f} "
+              f"(standard optimizer: -> {ref_second['loss']:.5f})")
         moments = {k: v for k, v in state.items() if k.rsplit(".", 1)[1] in ("exp_avg", "exp_avg_sq")}
         assert moments and all(v.dtype == torch.bfloat16 for v in moments.values())
-        assert abs(second["loss"] - ref_second["loss"]) < 2e-3
+        assert moved > 0 and differ <= 0.02 * moved
         assert second["loss"] < first["loss"] - 1e-4
         before = {k: v.clone() for k, v in state.items()}
         be.offload_before_refit()

@@ -37,7 +37,6 @@ import gc
 import logging
 import math
 import os
-import socket
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -114,12 +113,6 @@ def check_recipe_supported(cfg: PolicyConfig) -> None:
                                f"here ({why}; it needs Hopper or newer and cuBLAS >= 12.9); use fp8_recipe=tensorwise")
 
 
-def _free_port_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def _unwrap(model):
     """DDP(Float16Module(GPTModel)) -> GPTModel."""
     while hasattr(model, "module"):
@@ -152,7 +145,9 @@ class MegatronPolicyBackend:
         temperature: the generation temperature (logits are divided by it).
         keep_reference: keep a frozen copy of the initial model for the KL penalty.
         rank, world_size: this rank and ``data_parallel_size x tensor_model_parallel_size``.
-        dist_init_method: ``tcp://host:port`` of rank 0 (None with one rank: a local port).
+        dist_init_method: ``tcp://host:port`` of rank 0; None with one rank: an in-process store
+            (``torch.distributed.HashStore``), no port to race for (a probed free port was once
+            taken by another process between the probe and the bind: EADDRINUSE at start-up).
         seed: megatron-core's model-parallel RNG seed.
         load_weights: False builds the model from ``cfg.model_name``'s ``config.json`` with random
             weights (benchmarks: no checkpoint to write, like vLLM's ``load_format="dummy"``).
@@ -160,7 +155,8 @@ class MegatronPolicyBackend:
     Raises:
         RuntimeError: no CUDA device; the FP8 recipe cannot run here (``check_recipe_supported``);
             TransformerEngine already imported with the other block-scaling convention.
-        ValueError: ``world_size`` is not ``data_parallel_size x tensor_model_parallel_size``.
+        ValueError: ``world_size`` is not ``data_parallel_size x tensor_model_parallel_size``; several
+            ranks without ``dist_init_method``.
     """
 
     def __init__(self, cfg: PolicyConfig, device: torch.device, temperature: float = 1.0,
@@ -185,8 +181,10 @@ class MegatronPolicyBackend:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl", init_method=dist_init_method or _free_port_address(), rank=rank,
-                                    world_size=world_size, device_id=self.device)
+            if dist_init_method is None and world_size > 1:
+                raise ValueError(f"megatron: {world_size} ranks need dist_init_method (tcp://host:port of rank 0)")
+            rendezvous = dict(init_method=dist_init_method) if dist_init_method else dict(store=dist.HashStore())
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device, **rendezvous)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         model_parallel_cuda_manual_seed(seed)
         self.tp_size, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()
