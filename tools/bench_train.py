@@ -99,6 +99,18 @@ def parse_recipe(name: str) -> tuple[dict | None, dict]:
     return dict(enabled=True, fp8=fp8, fp8_recipe=recipe, fp8_param=extra == "param"), extra_cfg
 
 
+def recipe_megatron_cfg(recipe: str, logprob_kernel: str) -> dict:
+    """The ``policy.megatron_cfg`` a child runs ``recipe`` with (``parse_recipe``): the megatron backend, the
+    recipe's ``fp8_cfg`` (BF16: disabled), ``logprob_kernel`` and the recipe's ``@key=value`` settings. The parent
+    validates this same dict before starting any child.
+
+    Raises:
+        ValueError: as ``parse_recipe``.
+    """
+    fp8, extra_cfg = parse_recipe(recipe)
+    return {"enabled": True, "fp8_cfg": fp8 or {"enabled": False}, "logprob_kernel": logprob_kernel, **extra_cfg}
+
+
 def timed_interleaved(fns: dict, steps: int, warmup: int, sync=None) -> dict[str, float]:
     """Median seconds of each of ``fns`` (name -> callable), measured in interleaved rounds.
 
@@ -188,13 +200,10 @@ def run_child(a) -> dict:
     from nemo_fp8.policy.config import PolicyConfig
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend, _unwrap
 
-    fp8, extra_cfg = parse_recipe(a.recipe)
-    fp8 = fp8 or {"enabled": False}
     cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda",
                        train_global_batch_size=a.batch * a.micro_batches, train_micro_batch_size=a.batch,
                        logprob_batch_size=a.batch, max_total_sequence_length=a.seq_len,
-                       megatron_cfg={"enabled": True, "fp8_cfg": fp8, "logprob_kernel": a.logprob_kernel,
-                                     **extra_cfg},
+                       megatron_cfg=recipe_megatron_cfg(a.recipe, a.logprob_kernel),
                        generation={"vllm_cfg": {"precision": "fp8"}})
     t0 = time.perf_counter()
     be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
@@ -297,15 +306,12 @@ def main() -> int:
         print("RESULT " + json.dumps(run_child(a)), flush=True)
         return 0
     recipes = a.recipes.split(",")
-    from pydantic import ValidationError
-
     from nemo_fp8.policy.config import MegatronConfig
 
     for r in recipes:  # bad names and bad megatron_cfg values fail before any GPU work
         try:
-            fp8, extra_cfg = parse_recipe(r)
-            MegatronConfig(enabled=True, fp8_cfg=fp8 or {"enabled": False}, **extra_cfg)
-        except (ValueError, ValidationError) as e:
+            MegatronConfig(**recipe_megatron_cfg(r, a.logprob_kernel))
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
             p.error(f"--recipes {r}: {e}")
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
