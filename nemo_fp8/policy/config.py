@@ -13,6 +13,7 @@ from pydantic import Field
 
 from nemo_fp8.distributed.config import WeightSyncConfig
 from nemo_fp8.generation.config import GenerationConfig, colocated_engine_error
+from nemo_fp8.policy.packing import ALGORITHMS, PackingShape, packing_shape
 from nemo_fp8.utils.config import StrictConfig
 
 
@@ -243,6 +244,20 @@ class TinyModelConfig(StrictConfig):
     seed: int = 1234
 
 
+class SequencePackingConfig(StrictConfig):
+    """Micro-batches by token budget (NeMo-RL's ``policy.sequence_packing``; ``nemo_fp8.policy.packing``):
+    whole sequences packed into bins of at most ``train_mb_tokens`` (training) / ``logprob_mb_tokens``
+    (log-probs, KV calibration) tokens, each bin one THD row; replaces ``train_micro_batch_size`` and
+    ``logprob_batch_size`` when enabled. Each sequence counts (and is padded to) its length rounded up
+    to ``sequence_length_round``; a bin's row is padded to the FP8 recipe's token multiple."""
+
+    enabled: bool = False
+    algorithm: Literal[ALGORITHMS] = "modified_first_fit_decreasing"  # type: ignore[valid-type]
+    train_mb_tokens: int = Field(4096, ge=1)
+    logprob_mb_tokens: int = Field(16384, ge=1)
+    sequence_length_round: int = Field(64, ge=1)
+
+
 class PolicyConfig(StrictConfig):
     """The trained model. ``data_parallel_size`` ranks each hold a replica and a shard of
     every global batch (gradients are summed across ranks, so the update equals one rank's)."""
@@ -261,6 +276,7 @@ class PolicyConfig(StrictConfig):
     max_grad_norm: float = Field(1.0, gt=0)
     optimizer: OptimizerConfig = OptimizerConfig()
     megatron_cfg: MegatronConfig = MegatronConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
     generation: GenerationConfig = GenerationConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
 
@@ -274,9 +290,47 @@ class PolicyConfig(StrictConfig):
         """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size``."""
         return self.data_parallel_size * self.tensor_parallel_size
 
+    def packing_shape(self, budget: Literal["train", "logprobs"]) -> PackingShape:
+        """The bin layout of ``sequence_packing`` for training or log-probs: the budget, each sequence
+        padded to ``sequence_length_round`` and the parallel layout's multiple, the packed row to the
+        FP8 recipe's token multiple (``nemo_fp8.policy.packing.packing_shape``; the torch backend uses
+        the megatron recipe's numbers too, so both backends build the same bins).
+
+        Raises:
+            ValueError: a budget that is not a multiple of what the layout needs (``config_errors``
+                reports it at load, naming the key).
+        """
+        sp, m = self.sequence_packing, self.megatron_cfg
+        f = m.fp8_cfg
+        return packing_shape(sp.train_mb_tokens if budget == "train" else sp.logprob_mb_tokens, sp.algorithm,
+                             sp.sequence_length_round, f.fp8_recipe if f.enabled else None,
+                             self.tensor_parallel_size, m.enabled and m.sequence_parallel,
+                             m.context_parallel_size if m.enabled else 1)
+
+    def _packing_errors(self) -> list[str]:
+        sp = self.sequence_packing
+        if not sp.enabled:
+            return []
+        errs = []
+        for budget, key in (("train", "train_mb_tokens"), ("logprobs", "logprob_mb_tokens")):
+            try:
+                shape = self.packing_shape(budget)  # type: ignore[arg-type]
+            except ValueError as e:
+                errs.append(f"sequence_packing.{key}: {e}")
+                continue
+            longest = shape.padded_length(self.max_total_sequence_length)
+            if longest > shape.capacity:
+                errs.append(f"sequence_packing.{key}: {shape.capacity} tokens cannot hold a sequence of "
+                            f"policy.max_total_sequence_length={self.max_total_sequence_length} (padded to "
+                            f"{longest} by sequence_length_round={sp.sequence_length_round}); valid: >= {longest}")
+        if self.train_global_batch_size % self.data_parallel_size:
+            errs.append(f"sequence_packing: policy.train_global_batch_size={self.train_global_batch_size} must be a "
+                        f"multiple of policy.data_parallel_size={self.data_parallel_size}")
+        return errs
+
     def config_errors(self) -> list[str]:
         gbs, mbs, dp = self.train_global_batch_size, self.train_micro_batch_size, self.data_parallel_size
-        errs = []
+        errs = self._packing_errors()
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")
