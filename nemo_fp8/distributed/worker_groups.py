@@ -220,8 +220,8 @@ class PolicyWorker(_MemoryProbe):
     def get_logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
         return self.backend.get_logprobs(batch, reference)
 
-    def train_shard(self, batch: TrainBatch, loss_fn):
-        return self.backend.train_shard(batch, loss_fn)
+    def train_shard(self, batch: TrainBatch, loss_fn, micro_batches: Optional[list] = None):
+        return self.backend.train_shard(batch, loss_fn, micro_batches)
 
     def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float) -> KvScales:
         return self.backend.calibrate_kv_scales(batch, step, margin)
@@ -472,6 +472,7 @@ class PolicyGroup:
             raise ValueError(f"PolicyGroup: {len(workers)} ranks is not a multiple of tensor_model_parallel_size={tp_size}")
         self.workers, self.global_batch_size, self.tp_size = workers, global_batch_size, tp_size
         self.dp_size = len(workers) // tp_size
+        self.packing = None  # the policy config when its sequence_packing is on (``setup``)
 
     @classmethod
     def create(cls, pg, plan: ClusterPlan, global_batch_size: int, torch_threads: Optional[int],
@@ -484,6 +485,8 @@ class PolicyGroup:
     def setup(self, backend_kwargs: dict) -> None:
         """Build every rank's backend (``build_policy_backend``; errors surface here)."""
         world = len(self.workers)
+        cfg = backend_kwargs["cfg"]
+        self.packing = cfg if cfg.sequence_packing.enabled else None
         init = ray.get(self.workers[0].rendezvous_address.remote()) if world > 1 else None
         ray.get([w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(self.workers)])
         logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", world, self.dp_size,
@@ -525,22 +528,47 @@ class PolicyGroup:
     def _first_of_groups(self, outs: list) -> list:
         return outs[::self.tp_size]
 
+    def _row_shards(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Rows of each data-parallel rank for log-probs and KV calibration: contiguous, or with sequence
+        packing balanced by tokens (``packing.plan_logprobs``)."""
+        if self.packing is None:
+            return [torch.arange(s.start, s.stop) for s in shard_rows(batch.size, self.dp_size)]
+        from nemo_fp8.policy.packing import plan_logprobs
+
+        plans = plan_logprobs((batch.prompt_lengths + batch.response_lengths).tolist(), self.dp_size,
+                              self.packing.packing_shape("logprobs"))
+        return [torch.tensor(p.rows, dtype=torch.long) for p in plans]
+
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
-        shards = self._per_rank([batch.select(s) for s in shard_rows(batch.size, self.dp_size)])
+        rows = self._row_shards(batch)
+        shards = self._per_rank([batch.select(r) for r in rows])
         outs = ray.get([w.get_logprobs.remote(s, reference) for w, s in zip(self.workers, shards)])
-        return torch.cat(self._first_of_groups(outs))
+        out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
+        for r, o in zip(rows, self._first_of_groups(outs)):
+            out[r] = o
+        return out
 
     def train(self, batch: TrainBatch, loss_fn) -> dict[str, float]:
+        """Each data-parallel rank trains on its rows of every global batch; with sequence packing the
+        rows and micro-batches of ``packing.plan_train`` (every rank the same number of micro-batches,
+        tokens balanced)."""
         from nemo_fp8.policy.torch_backend import reduce_train_results
 
         dp = self.dp_size
-        shards = self._per_rank([batch.select(train_shard_indices(batch.size, self.global_batch_size, dp, r))
-                                 for r in range(dp)])
-        outs = ray.get([w.train_shard.remote(s, loss_fn) for w, s in zip(self.workers, shards)])
+        if self.packing is None:
+            plans = [(batch.select(train_shard_indices(batch.size, self.global_batch_size, dp, r)), None)
+                     for r in range(dp)]
+        else:
+            from nemo_fp8.policy.packing import plan_train
+
+            plans = [(batch.select(torch.tensor(p.rows, dtype=torch.long)), p.micro_batches) for p in plan_train(
+                (batch.prompt_lengths + batch.response_lengths).tolist(), self.global_batch_size, dp,
+                self.packing.packing_shape("train"))]
+        outs = ray.get([w.train_shard.remote(s, loss_fn, mbs) for w, (s, mbs) in zip(self.workers, self._per_rank(plans))])
         return reduce_train_results(self._first_of_groups(outs))
 
     def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
-        shards = self._per_rank([batch.select(s) for s in shard_rows(batch.size, self.dp_size)])
+        shards = self._per_rank([batch.select(r) for r in self._row_shards(batch)])
         return ray.get([w.calibrate_kv_scales.remote(s, step, margin)
                         for w, s in zip(self.workers, shards)])[0]  # amax already max-reduced across ranks
 

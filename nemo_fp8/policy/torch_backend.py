@@ -32,6 +32,8 @@ from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_preci
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, token_logprobs
 from nemo_fp8.policy.interfaces import LossFn
+from nemo_fp8.policy.packing import (PackedRows, block_causal_mask, pack_rows, packing_efficiency, plan_logprobs,
+                                     plan_train, round_up, unpack)
 from nemo_fp8.policy.schedule import warmup_lr
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,27 @@ class ShardTrainResult:
     accumulators: list[MetricAccumulator]
     grad_norms: list[float]
     lrs: list[float] = field(default_factory=list)  # the learning rate of each global batch's update
+    micro_batches: list[int] = field(default_factory=list)  # this rank's micro-batches per global batch
+    real_tokens: list[int] = field(default_factory=list)  # per global batch: prompt + response tokens
+    padded_tokens: list[int] = field(default_factory=list)  # per global batch: tokens the model computed
+
+    def add_tokens(self, cfg: PolicyConfig, lengths: list[int], gb_rows: list[list[int]], row_multiple: int = 1) -> None:
+        """Record one global batch's micro-batch count, real tokens and computed tokens: with
+        ``sequence_packing`` each packed row's padded length, else rows x the micro-batch's width rounded
+        up to ``row_multiple`` (the megatron backend's recipe multiple). ``lengths``: CPU prompt + response
+        lengths of the shard's rows (no device read)."""
+        real = padded = 0
+        shape = cfg.packing_shape("train") if cfg.sequence_packing.enabled else None
+        for rows in gb_rows:
+            lens = [lengths[i] for i in rows]
+            real += sum(lens)
+            if shape is not None:
+                padded += round_up(sum(shape.padded_length(n) for n in lens), shape.total_multiple)
+            else:
+                padded += len(rows) * round_up(max(lens), row_multiple)
+        self.micro_batches.append(len(gb_rows))
+        self.real_tokens.append(real)
+        self.padded_tokens.append(padded)
 
 
 def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
@@ -82,50 +105,100 @@ def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
         for r in results[1:]:
             acc = acc.merge(r.accumulators[g])
         history.append({**acc.result(), "grad_norm": results[0].grad_norms[g],
-                        **({"lr": results[0].lrs[g]} if results[0].lrs else {})})
+                        **({"lr": results[0].lrs[g]} if results[0].lrs else {}),
+                        **_packing_metrics(results, g)})
     return {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
 
 
-def batched_logprobs(score, batch: TrainBatch, rows: int, device: torch.device) -> Tensor:
-    """[B, T] float32 on the CPU: ``score(micro_batch) -> [b, t]`` over micro-batches of ``rows`` rows,
-    each trimmed to its longest row and moved to ``device``; 0 past each micro-batch's width."""
+def _packing_metrics(results: list[ShardTrainResult], g: int) -> dict[str, float]:
+    """``micro_batches`` (the most any rank ran for global batch ``g``) and ``packing_efficiency`` (real tokens
+    / tokens computed, over all ranks), where the ranks reported them."""
+    if not all(len(r.micro_batches) > g for r in results):
+        return {}
+    return {"micro_batches": float(max(r.micro_batches[g] for r in results)),
+            "packing_efficiency": packing_efficiency(sum(r.real_tokens[g] for r in results),
+                                                     sum(r.padded_tokens[g] for r in results))}
+
+
+def logprob_micro_batches(cfg: PolicyConfig, batch: TrainBatch) -> list[list[int]]:
+    """Micro-batches (row indices) of ``get_logprobs`` / ``calibrate_kv_scales``: ``logprob_batch_size``
+    consecutive rows, or with ``policy.sequence_packing`` the rows packed into bins of ``logprob_mb_tokens``."""
+    if not cfg.sequence_packing.enabled:
+        return [list(range(i, min(i + cfg.logprob_batch_size, batch.size)))
+                for i in range(0, batch.size, cfg.logprob_batch_size)]
+    plan = plan_logprobs((batch.prompt_lengths + batch.response_lengths).tolist(), 1, cfg.packing_shape("logprobs"))[0]
+    return [[plan.rows[i] for i in mb] for mb in plan.micro_batches[0]]
+
+
+def batched_logprobs(score, batch: TrainBatch, micro_batches: list[list[int]], device: torch.device) -> Tensor:
+    """[B, T] float32 on the CPU: ``score(micro_batch) -> [b, t]`` over ``micro_batches`` (row indices,
+    ``logprob_micro_batches``), each trimmed to its longest row and moved to ``device``; 0 past each
+    micro-batch's width."""
     out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
-    for i in range(0, batch.size, rows):
-        mb = batch.select(slice(i, i + rows)).trimmed().to(device)
-        out[i:i + rows, : mb.token_ids.shape[1]] = score(mb).float().cpu()
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    for rows in micro_batches:
+        idx = torch.tensor(rows, dtype=torch.long)
+        width = max(lengths[i] for i in rows)
+        out[idx, :width] = score(batch.select(idx).trimmed(width).to(device)).float().cpu()
     return out
 
 
-def global_batches(batch: TrainBatch, global_batch_size: int, micro_batch_size: int, device: torch.device,
+def row_micro_batches(size: int, global_batch_size: int, micro_batch_size: int) -> list[list[list[int]]]:
+    """Micro-batches without packing: per global batch of ``global_batch_size`` rows, consecutive runs of
+    ``micro_batch_size`` rows (row indices into the batch).
+
+    Raises:
+        ValueError: ``size`` not a multiple of ``global_batch_size``.
+    """
+    if size % global_batch_size != 0:
+        raise ValueError(f"train: batch of {size} rows is not a multiple of policy.train_global_batch_size"
+                         f" / data_parallel_size = {global_batch_size}")
+    return [[list(range(m, min(m + micro_batch_size, g + global_batch_size)))
+             for m in range(g, g + global_batch_size, micro_batch_size)] for g in range(0, size, global_batch_size)]
+
+
+def train_micro_batches(cfg: PolicyConfig, batch: TrainBatch, dp_size: int) -> tuple[TrainBatch, list[list[list[int]]]]:
+    """(rows in training order, micro-batches per global batch as row indices) of one rank's shard.
+
+    Without ``policy.sequence_packing``: the rows as given, ``train_micro_batch_size`` rows per micro-batch.
+    With it: each global batch's rows packed into bins of ``train_mb_tokens`` (``packing.plan_train`` on this
+    shard alone; ``PolicyGroup`` plans all ranks together and passes its plan instead)."""
+    gbs = cfg.train_global_batch_size // dp_size
+    if not cfg.sequence_packing.enabled:
+        return batch, row_micro_batches(batch.size, gbs, cfg.train_micro_batch_size)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    plan = plan_train(lengths, gbs, 1, cfg.packing_shape("train"))[0]
+    return batch.select(torch.tensor(plan.rows, dtype=torch.long)), plan.micro_batches
+
+
+def global_batches(batch: TrainBatch, micro_batches: list[list[list[int]]], device: torch.device,
                    dp_size: int = 1, dp_group=None) -> Iterator[tuple[Tensor, Tensor, Iterator[TrainBatch]]]:
     """Split one rank's shard into global batches: per global batch, its valid token and sequence
     counts summed over the data-parallel ranks (0-dim tensors on ``device``, at least 1) and its
     micro-batches (trimmed to their longest row, on ``device``). Shared by both policy backends.
 
     Args:
-        batch: this rank's rows of every global batch, in order.
-        global_batch_size: rows per global batch on this rank (``train_global_batch_size / dp``).
-        micro_batch_size: rows per micro-batch.
+        batch: this rank's rows of every global batch.
+        micro_batches: per global batch, its micro-batches as row indices into ``batch``
+            (``row_micro_batches``, or a packing plan); every row exactly once.
 
     Raises:
-        ValueError: the batch fails ``TrainBatch.validate`` or is not a multiple of ``global_batch_size``.
+        ValueError: the batch fails ``TrainBatch.validate`` or the micro-batches do not cover its rows once.
     """
     batch.validate()
-    gbs, mbs = global_batch_size, micro_batch_size
-    if batch.size % gbs != 0:
-        raise ValueError(f"train: batch of {batch.size} rows is not a multiple of policy.train_global_batch_size"
-                         f" / data_parallel_size = {gbs}")
-    for g in range(0, batch.size, gbs):
-        gb = batch.select(slice(g, g + gbs))
-        mask = gb.token_mask
+    covered = sorted(i for gb in micro_batches for mb in gb for i in mb)
+    if covered != list(range(batch.size)):
+        raise ValueError(f"train: the micro-batches cover rows {covered[:8]}... of a batch of {batch.size} rows; "
+                         "each row must be in exactly one")
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()  # CPU lengths, read once
+    for gb_rows in micro_batches:
+        mask = batch.select(torch.tensor([i for mb in gb_rows for i in mb], dtype=torch.long)).token_mask
         counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(device)  # [tokens, seqs]
         if dp_size > 1:
             torch.distributed.all_reduce(counts, group=dp_group)
         n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
-        # Micro-batch widths read once per global batch (CPU lengths), not once per micro-batch.
-        widths = (gb.prompt_lengths + gb.response_lengths).reshape(-1, mbs).amax(1).tolist()
-        yield n_tokens, n_seqs, (gb.select(slice(m, m + mbs)).trimmed(w).to(device)
-                                 for m, w in zip(range(0, gbs, mbs), widths))
+        yield n_tokens, n_seqs, (batch.select(torch.tensor(mb, dtype=torch.long)).trimmed(max(lengths[i] for i in mb))
+                                 .to(device) for mb in gb_rows)
 
 
 class TorchPolicyBackend:
@@ -162,11 +235,34 @@ class TorchPolicyBackend:
         self._offloaded: set[str] = set()  # "optimizer", "model": what offload_* moved to host memory
 
     # ----------------------------------------------------------------------- log-probs
+    def _pack(self, mb: TrainBatch) -> PackedRows:
+        """``mb``'s rows as one THD row, padded as the megatron backend pads them (``PolicyConfig.packing_shape``)."""
+        shape = self.cfg.packing_shape("train")
+        return pack_rows(mb.token_ids, (mb.prompt_lengths + mb.response_lengths).cpu(), shape.seq_multiple,
+                         shape.total_multiple)
+
     def _forward_logprobs(self, model: nn.Module, mb: TrainBatch) -> Tensor:
+        """[b, t] float32 log-probs of ``mb``'s responses (on the device), 0 elsewhere; with sequence packing
+        the rows run as one packed row (``_forward_packed``)."""
+        if self.cfg.sequence_packing.enabled:
+            return self._forward_packed(model, mb)
         ids = mb.token_ids.to(self.device)
         attn = attention_mask_for(mb.prompt_lengths, mb.response_lengths, ids.shape[1]).to(self.device)
         logits = model(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
         lp = token_logprobs(logits, ids, self.temperature)  # [B, T]
+        return lp * mb.token_mask.to(self.device)
+
+    def _forward_packed(self, model: nn.Module, mb: TrainBatch) -> Tensor:
+        """The packed forward: ``[1, T_total]`` tokens with positions restarting per sequence and a
+        block-diagonal causal mask (``packing.block_causal_mask``, the HF model's 4-D attention mask), the
+        CPU twin of the megatron backend's THD forward; log-probs unpacked to ``mb``'s ``[b, t]`` layout.
+        A segment's first log-prob (scored from the previous segment) falls on a prompt token: masked."""
+        packed = self._pack(mb)
+        ids = packed.token_ids.to(self.device)
+        mask = block_causal_mask(packed.cu_seqlens_padded.to(self.device), packed.total_tokens)
+        logits = model(input_ids=ids, attention_mask=mask[None, None], position_ids=packed.position_ids.to(self.device)
+                       ).logits  # [1, T_total, V]
+        lp = unpack(token_logprobs(logits, ids, self.temperature)[0], packed, mb.token_ids.shape[1])  # [b, t]
         return lp * mb.token_mask.to(self.device)
 
     @torch.no_grad()
@@ -182,8 +278,8 @@ class TorchPolicyBackend:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         was_training = model.training
         model.eval()
-        out = batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch, self.cfg.logprob_batch_size,
-                               self.device)
+        out = batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch,
+                               logprob_micro_batches(self.cfg, batch), self.device)
         model.train(was_training)
         return out
 
@@ -196,9 +292,12 @@ class TorchPolicyBackend:
         """
         return reduce_train_results([self.train_shard(batch, loss_fn)])
 
-    def train_shard(self, batch: TrainBatch, loss_fn: LossFn) -> ShardTrainResult:
+    def train_shard(self, batch: TrainBatch, loss_fn: LossFn,
+                    micro_batches: Optional[list[list[list[int]]]] = None) -> ShardTrainResult:
         """This rank's part of ``train``: ``batch`` holds, in order, its ``gbs / dp_size`` rows
-        of every global batch.
+        of every global batch; or, with ``micro_batches`` (``PolicyGroup``'s packing plan: per global
+        batch, its micro-batches as row indices into ``batch``), the rows that plan names.
+        Without a plan, ``train_micro_batches`` makes one (packed with ``policy.sequence_packing``).
 
         The loss of each micro-batch is normalised by the valid token / sequence counts of its
         whole global batch (summed across ranks), and gradients are summed across ranks, so the
@@ -213,12 +312,15 @@ class TorchPolicyBackend:
         self.prepare_for_training()
         self.model.train()
         result = ShardTrainResult([], [])
-        for n_tokens, n_seqs, micro_batches in global_batches(
-                batch, self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size,
-                self.device, self.dp_size):
+        if micro_batches is None:
+            batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        for gb_rows, (n_tokens, n_seqs, mbs) in zip(micro_batches,
+                                                     global_batches(batch, micro_batches, self.device, self.dp_size)):
+            result.add_tokens(self.cfg, lengths, gb_rows)
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for mb in micro_batches:  # on the device: moved once, used twice
+            for mb in mbs:  # on the device: moved once, used twice
                 logprobs = self._forward_logprobs(self.model, mb)
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 loss.backward()

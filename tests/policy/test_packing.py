@@ -1,0 +1,124 @@
+"""Sequence packing, the pure part: bins, balance over data-parallel ranks, the THD layout, the config."""
+
+import random
+
+import pytest
+import torch
+
+from nemo_fp8.config import load_config
+from nemo_fp8.policy.packing import (ALGORITHMS, balance_bins, block_causal_mask, pack_bins, pack_rows, packing_shape,
+                                     plan_logprobs, plan_train, unpack)
+from tests.conftest import REPO
+
+
+def rollout_lengths(n: int, seed: int = 0) -> list[int]:
+    """A rollout's spread: a 512-token prompt plus 256..3,072 response tokens."""
+    rng = random.Random(seed)
+    return [512 + rng.randint(256, 3072) for _ in range(n)]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_bins_never_exceed_the_budget_and_hold_every_sequence_once(algorithm):
+    lengths = rollout_lengths(64)
+    bins = pack_bins(lengths, 4096, algorithm)
+    assert sorted(i for b in bins for i in b) == list(range(64))
+    assert all(sum(lengths[i] for i in b) <= 4096 for b in bins)
+    # no worse than first fit by more than a bin or two: packing actually fills bins
+    assert len(bins) <= -(-sum(lengths) // 4096) * 1.5
+
+
+def test_modified_first_fit_decreasing_finds_the_optimum_of_a_small_case():
+    lengths = [1000, 3000, 2000, 1000, 500, 500, 4000, 90]
+    bins = pack_bins(lengths, 4096, "modified_first_fit_decreasing")
+    assert len(bins) == 3 and all(sum(lengths[i] for i in b) <= 4096 for b in bins)  # 12,090 tokens: 3 bins
+
+
+def test_bin_count_is_raised_to_a_multiple_of_the_ranks_and_too_few_sequences_fail():
+    bins = pack_bins([10] * 7, 4096, "first_fit_decreasing", min_bins=4, bin_multiple=4)
+    assert len(bins) == 4 and all(b for b in bins)
+    with pytest.raises(ValueError, match="cannot fill 4 bins"):
+        pack_bins([10] * 3, 4096, min_bins=4, bin_multiple=4)
+    with pytest.raises(ValueError, match="exceeds the budget of 4096"):
+        pack_bins([5000], 4096)
+
+
+def test_every_rank_gets_the_same_number_of_micro_batches_with_balanced_tokens():
+    lengths = rollout_lengths(128, seed=3)
+    shape = packing_shape(4096, "modified_first_fit_decreasing", 64, "blockwise")
+    plans = plan_train(lengths, 64, 4, shape)
+    assert sorted(r for p in plans for r in p.rows) == list(range(128))
+    for g in range(2):
+        counts = {len(p.micro_batches[g]) for p in plans}
+        assert len(counts) == 1, counts
+        tokens = [sum(shape.padded_length(lengths[p.rows[i]]) for mb in p.micro_batches[g] for i in mb) for p in plans]
+        assert max(tokens) - min(tokens) <= 4096, tokens  # within one bin of each other
+        for p in plans:  # a global batch's rows stay in it
+            rows = [p.rows[i] for mb in p.micro_batches[g] for i in mb]
+            assert all(64 * g <= r < 64 * (g + 1) for r in rows)
+            assert all(sum(shape.padded_length(lengths[p.rows[i]]) for i in mb) <= 4096 for mb in p.micro_batches[g])
+
+
+def test_balance_bins_equal_sizes():
+    groups = balance_bins([9, 8, 1, 1, 5, 4], 2)
+    assert sorted(map(len, groups)) == [3, 3]
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    with pytest.raises(ValueError, match="do not split evenly"):
+        balance_bins([1, 2, 3], 2)
+
+
+def test_plan_logprobs_with_more_ranks_than_rows():
+    shape = packing_shape(128, "first_fit_decreasing")
+    plans = plan_logprobs([5, 6], 4, shape)
+    assert [len(p.rows) for p in plans] == [1, 1, 0, 0]
+
+
+def test_pack_rows_layout_and_round_trip():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 1, 2, 3]])
+    packed = pack_rows(ids, torch.tensor([3, 5]), seq_multiple=4, total_multiple=16, pad_token_id=0)
+    assert packed.cu_seqlens.tolist() == [0, 3, 8] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.cu_seqlens_padded.tolist() == [0, 4, 16] and packed.cu_seqlens_padded.dtype == torch.int32
+    assert packed.token_ids.tolist() == [[5, 6, 7, 0, 8, 9, 1, 2, 3] + [0] * 7]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3] + list(range(12))]
+    assert packed.max_seqlen == 12 and packed.real_tokens == 8 and packed.total_tokens == 16
+    back = unpack(packed.token_ids[0], packed, 5)
+    assert back.tolist() == [[5, 6, 7, 0, 0], [8, 9, 1, 2, 3]]
+    mask = block_causal_mask(packed.cu_seqlens_padded, 16)
+    assert mask[5, 4] and not mask[4, 3] and not mask[4, 5] and mask[3, 0]
+
+
+def _cfg(*overrides):
+    return load_config(REPO / "examples" / "configs" / "grpo_math_8B_megatron_fp8.yaml", list(overrides))
+
+
+def test_the_example_configs_pack_with_the_8b_recipe_values():
+    for name in ("grpo_math_8B_megatron.yaml", "grpo_math_8B_megatron_fp8.yaml", "grpo_math_tiny_megatron_fp8.yaml"):
+        sp = load_config(REPO / "examples" / "configs" / name).policy.sequence_packing
+        assert sp.enabled and sp.algorithm == "modified_first_fit_decreasing"
+    sp = _cfg().policy.sequence_packing
+    assert (sp.train_mb_tokens, sp.logprob_mb_tokens, sp.sequence_length_round) == (4096, 16384, 64)
+    shape = _cfg().policy.packing_shape("train")
+    assert shape.total_multiple == 128 * 2 and shape.seq_multiple == 64  # blockwise x tensor parallel 2 (SP)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["policy.sequence_packing.train_mb_tokens=4000"], "train_mb_tokens: sequence packing: a budget of 4000"),
+    (["policy.sequence_packing.logprob_mb_tokens=16000"], "logprob_mb_tokens: sequence packing: a budget of 16000"),
+    (["policy.sequence_packing.train_mb_tokens=2048"], "train_mb_tokens: 2048 tokens cannot hold a sequence"),
+    (["policy.max_total_sequence_length=4100"], "train_mb_tokens: 4096 tokens cannot hold a sequence of "
+                                                "policy.max_total_sequence_length=4100"),
+    (["policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise", "policy.sequence_packing.train_mb_tokens=4112",
+      "policy.sequence_packing.sequence_length_round=2"],
+     "not a multiple of 32"),
+    (["policy.sequence_packing.algorithm=best_fit"], "algorithm"),
+])
+def test_bad_packing_configs_are_refused_naming_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg("policy.sequence_packing.enabled=true", *overrides)
+
+
+def test_a_budget_fine_for_bf16_is_refused_for_blockwise_fp8():
+    bf16 = ["policy.megatron_cfg.fp8_cfg.enabled=false", "policy.megatron_cfg.sequence_parallel=false",
+            "policy.sequence_packing.train_mb_tokens=4160"]
+    assert _cfg(*bf16).policy.sequence_packing.train_mb_tokens == 4160
+    with pytest.raises(ValueError, match="multiple of 128 .FP8 recipe blockwise"):
+        _cfg(*bf16[1:])
