@@ -401,6 +401,14 @@ def unpack(values: Tensor, packed: PackedRows, width: int) -> Tensor:
     return torch.stack(rows)
 
 
+def real_token_mask(packed: PackedRows) -> Tensor:
+    """[T_total] bool on the packed row's device: True on the sequences' real tokens, False on padding."""
+    mask = torch.zeros(packed.total_tokens, dtype=torch.bool, device=packed.token_ids.device)
+    for s, n in zip(packed.cu_seqlens_padded.tolist(), packed.lengths.tolist()):
+        mask[s:s + int(n)] = True
+    return mask
+
+
 def block_causal_mask(cu_seqlens_padded: Tensor, total: int) -> Tensor:
     """[total, total] bool, True where query ``q`` may attend key ``k``: same segment and ``k <= q``.
 

@@ -111,11 +111,11 @@ def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
 
 
 def _packing_metrics(results: list[ShardTrainResult], g: int) -> dict[str, float]:
-    """``micro_batches`` (the most any rank ran for global batch ``g``) and ``packing_efficiency`` (real tokens
-    / tokens computed, over all ranks), where the ranks reported them."""
+    """``micro_batches`` (global batch ``g``'s micro-batches, summed over data-parallel ranks) and
+    ``packing_efficiency`` (real tokens / tokens computed, over all ranks), where the ranks reported them."""
     if not all(len(r.micro_batches) > g for r in results):
         return {}
-    return {"micro_batches": float(max(r.micro_batches[g] for r in results)),
+    return {"micro_batches": float(sum(r.micro_batches[g] for r in results)),
             "packing_efficiency": packing_efficiency(sum(r.real_tokens[g] for r in results),
                                                      sum(r.padded_tokens[g] for r in results))}
 

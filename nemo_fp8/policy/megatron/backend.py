@@ -14,7 +14,8 @@ Build (the path seen working on the GPU host, ``../shared/gpu-host/README.md``):
 FP8: megatron-core enters TE's ``fp8_autocast`` per decoder layer with the recipe of
 ``get_fp8_recipe`` (``megatron/core/fp8_utils.py``), and leaves the first / last
 ``num_layers_at_{start,end}_in_bf16`` layers outside it; we only set the config. Sequences are
-right padded to the recipe's multiple (``settings.sequence_pad_multiple``).
+right padded to the recipe's multiple (``settings.sequence_pad_multiple``), or with
+``policy.sequence_packing`` packed into THD rows (megatron-core's ``PackedSeqParams``, ``_packed_forward``).
 
 Log-probs: ``vocab_parallel_token_logprobs`` on the vocab-parallel logits, chunked, so no
 full-vocabulary fp32 logits exist for the batch (``megatron_cfg.logprob_kernel: fused``: the same
@@ -52,7 +53,9 @@ from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
 from nemo_fp8.policy.offload import HostBuffers
-from nemo_fp8.policy.torch_backend import ShardTrainResult, batched_logprobs, global_batches, reduce_train_results
+from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
+from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
+                                           reduce_train_results, train_micro_batches)
 
 logger = logging.getLogger(__name__)
 
@@ -299,20 +302,54 @@ class MegatronPolicyBackend:
         pos = torch.arange(padded, device=ids.device).expand(b, padded)
         return model(input_ids=ids_p, position_ids=pos, attention_mask=None), ids_p
 
-    def _forward_logprobs(self, model, mb: TrainBatch) -> Tensor:
-        """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses."""
-        logits, ids_p = self._padded_forward(model, mb.token_ids)
+    def _pack(self, mb: TrainBatch) -> PackedRows:
+        """``mb``'s rows as one THD row: each sequence padded to ``sequence_length_round`` (and the parallel
+        layout's multiple), the row to the FP8 recipe's token multiple (``PolicyConfig.packing_shape``)."""
+        shape = self.cfg.packing_shape("train")
+        return pack_rows(mb.token_ids, (mb.prompt_lengths + mb.response_lengths).cpu(), shape.seq_multiple,
+                         shape.total_multiple)
+
+    def _packed_forward(self, model, packed: PackedRows) -> Tensor:
+        """Logits ``[1, T_total, V / tp]`` of one packed row in THD layout.
+
+        megatron-core's ``PackedSeqParams(qkv_format="thd")`` carries the segment offsets to TE's attention
+        (attention never crosses ``cu_seqlens``) and to RoPE, which restarts at every segment
+        (``apply_rotary_pos_emb`` with ``cu_seqlens``; the position ids, restarting too, are only read by
+        learned position embeddings). As NeMo-RL's ``_pack_sequences_for_megatron``, the padded offsets serve
+        as ``cu_seqlens_q/kv`` too: each segment's padding sits after its real tokens, so with causal attention
+        no real token sees it, and every TE attention backend accepts the layout.
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = packed.cu_seqlens_padded.to(self.device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                 cu_seqlens_kv_padded=cu, max_seqlen_q=packed.max_seqlen,
+                                 max_seqlen_kv=packed.max_seqlen, total_tokens=packed.total_tokens)
+        return model(input_ids=packed.token_ids, position_ids=packed.position_ids, attention_mask=None,
+                     packed_seq_params=params)
+
+    def _token_logprobs(self, logits: Tensor, ids: Tensor) -> Tensor:
+        """[B, T] float32 log-probs of ``ids`` [B, T] from vocab-parallel ``logits`` [B, T, V / tp]
+        (``megatron_cfg.logprob_kernel``)."""
         if self.cfg.megatron_cfg.logprob_kernel == "te":
             from transformer_engine.pytorch import parallel_cross_entropy
 
-            lp = fused_token_logprobs(logits, ids_p, lambda x, y, g: parallel_cross_entropy(x, y, 0.0, False, g),
-                                      self.temperature, group=self.tp_group)
-        else:
-            lp = vocab_parallel_token_logprobs(logits, ids_p, self.temperature,
-                                               vocab_start=self.tp_rank * logits.shape[-1], group=self.tp_group,
-                                               chunk_size=DEFAULT_CHUNK_SIZE,
-                                               fused=self.cfg.megatron_cfg.logprob_kernel == "fused")
-        return lp[:, :mb.token_ids.shape[1]] * mb.token_mask
+            return fused_token_logprobs(logits, ids, lambda x, y, g: parallel_cross_entropy(x, y, 0.0, False, g),
+                                        self.temperature, group=self.tp_group)
+        return vocab_parallel_token_logprobs(logits, ids, self.temperature, vocab_start=self.tp_rank * logits.shape[-1],
+                                             group=self.tp_group, chunk_size=DEFAULT_CHUNK_SIZE,
+                                             fused=self.cfg.megatron_cfg.logprob_kernel == "fused")
+
+    def _forward_logprobs(self, model, mb: TrainBatch) -> Tensor:
+        """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses; with sequence packing the
+        rows run as one THD row and the log-probs are unpacked to ``mb``'s layout (a segment's first log-prob,
+        scored from the previous segment, falls on a prompt token: masked)."""
+        if self.cfg.sequence_packing.enabled:
+            packed = self._pack(mb)
+            lp = self._token_logprobs(self._packed_forward(model, packed), packed.token_ids)  # [1, T_total]
+            return unpack(lp[0], packed, mb.token_ids.shape[1]) * mb.token_mask
+        logits, ids_p = self._padded_forward(model, mb.token_ids)
+        return self._token_logprobs(logits, ids_p)[:, :mb.token_ids.shape[1]] * mb.token_mask
 
     @torch.no_grad()
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
@@ -327,16 +364,19 @@ class MegatronPolicyBackend:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         model.eval()
         _requantize_fp8_weights(model)
-        return batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch, self.cfg.logprob_batch_size,
-                                self.device)
+        return batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch,
+                                logprob_micro_batches(self.cfg, batch), self.device)
 
     # ----------------------------------------------------------------------- training
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step per ``train_global_batch_size`` rows (single data-parallel rank)."""
         return reduce_train_results([self.train_shard(batch, loss_fn)])
 
-    def train_shard(self, batch: TrainBatch, loss_fn: LossFn) -> ShardTrainResult:
-        """This rank's part of ``train`` (its data-parallel group's rows of every global batch).
+    def train_shard(self, batch: TrainBatch, loss_fn: LossFn,
+                    micro_batches: Optional[list[list[list[int]]]] = None) -> ShardTrainResult:
+        """This rank's part of ``train`` (its data-parallel group's rows of every global batch; with
+        ``micro_batches``, ``PolicyGroup``'s packing plan, the rows and micro-batches it names, else
+        ``train_micro_batches``: packed into THD rows with ``policy.sequence_packing``).
 
         Each micro-batch's loss is normalised by its global batch's valid token / sequence counts
         (summed over data-parallel ranks); megatron-core sums gradients across ranks
@@ -351,14 +391,17 @@ class MegatronPolicyBackend:
         self.prepare_for_training()
         self.model.train()
         result = ShardTrainResult([], [])
-        for n_tokens, n_seqs, micro_batches in global_batches(
-                batch, self.cfg.train_global_batch_size // self.dp_size, self.cfg.train_micro_batch_size,
-                self.device, self.dp_size, self.dp_group):
+        if micro_batches is None:
+            batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        for gb_rows, (n_tokens, n_seqs, mbs) in zip(
+                micro_batches, global_batches(batch, micro_batches, self.device, self.dp_size, self.dp_group)):
+            result.add_tokens(self.cfg, lengths, gb_rows, self.pad_multiple)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             _requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for mb in micro_batches:
+            for mb in mbs:
                 loss, metrics = loss_fn(self._forward_logprobs(self.model, mb), mb, n_tokens, n_seqs)
                 self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
@@ -386,7 +429,9 @@ class MegatronPolicyBackend:
         """Per-layer amax of q, k, v over ``batch``'s real tokens -> e4m3 KV scales.
 
         q and k are read where attention consumes them: the inputs of each layer's
-        ``core_attention`` (after q/k layernorm and RoPE), ``[S, B, heads / tp, head_dim]``.
+        ``core_attention`` (after q/k layernorm and RoPE), ``[S, B, heads / tp, head_dim]``, or
+        ``[T_total, heads / tp, head_dim]`` for a packed THD row (``policy.sequence_packing``: the
+        log-prob bins; padding tokens masked out).
         The amax is the max over tensor-parallel ranks (each holds some heads) and
         data-parallel ranks.
         """
@@ -398,9 +443,9 @@ class MegatronPolicyBackend:
 
         def hook_for(layer_idx: int):
             def hook(_module, args):
-                real = valid["mask"]  # [S, B] bool
+                real = valid["mask"]  # [S, B] bool, or [T_total] for a packed row
                 for row, x in enumerate(args[:3]):
-                    per_token = x.detach().abs().amax(dim=(2, 3)).float()  # [S, B]
+                    per_token = x.detach().abs().flatten(real.dim()).amax(-1).float()  # [S, B] / [T_total]
                     a = torch.where(real[: per_token.shape[0]], per_token, torch.zeros_like(per_token)).amax()
                     amax[row, layer_idx] = torch.maximum(amax[row, layer_idx], a)
             return hook
@@ -410,9 +455,13 @@ class MegatronPolicyBackend:
         self.model.eval()
         _requantize_fp8_weights(self.model)
         try:
-            step_rows = self.cfg.logprob_batch_size
-            for i in range(0, batch.size, step_rows):
-                mb = batch.select(slice(i, i + step_rows)).trimmed().to(self.device)
+            for rows in logprob_micro_batches(self.cfg, batch):
+                mb = batch.select(torch.tensor(rows, dtype=torch.long)).trimmed().to(self.device)
+                if self.cfg.sequence_packing.enabled:
+                    packed = self._pack(mb)
+                    valid["mask"] = real_token_mask(packed)  # [T_total]
+                    self._packed_forward(self.model, packed)
+                    continue
                 padded = self._padded_len(mb.token_ids.shape[1])
                 lengths = mb.prompt_lengths + mb.response_lengths
                 valid["mask"] = torch.arange(padded, device=self.device)[:, None] < lengths[None, :]  # [S, B]
