@@ -32,6 +32,17 @@ each alike; each is the median over ``--steps`` rounds.
   category (``tools/profile_rollout.py``'s), GPU kernel time, host time (wall - GPU) and kernels
   launched per pass.
 
+``--workload rl``: a GRPO step's shapes instead of fixed micro-batches. ``--rl-responses`` sequences of a
+``--rl-prompt``-token prompt plus a response uniform in ``--rl-response-min..--rl-response-max`` tokens (seeded,
+the same batch for every child), one full step each round: ``get_logprobs`` then ``train`` (one optimizer
+step), each recipe unpacked (the 8B configs' ``train_micro_batch_size: 1``, ``logprob_batch_size: 2``: rows
+padded to the longest of their micro-batch) and packed (``policy.sequence_packing`` with the 8B configs' values:
+``train_mb_tokens`` 4096, ``logprob_mb_tokens`` 16384, ``sequence_length_round`` 64). Columns: log-probs and
+train seconds, micro-batches and packing efficiency (real / computed tokens) of the train step, tokens/s, and
+the step-time ratios to unpacked BF16 and to packed BF16:
+
+    python tools/bench_train.py --workload rl --shapes dense --recipes bf16,e4m3-tensorwise,e4m3-blockwise
+
 Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``,
 then any ``@key=value``: a ``policy.megatron_cfg`` key of ours (``bf16@fuse_wgrad_accumulation=false``) or
 a ``megatron_cfg.override_transformer_config`` attribute (``e4m3-blockwise@moe_router_padding_for_quantization=true``).
@@ -257,6 +268,93 @@ def run_child(a) -> dict:
     return out
 
 
+RL_PACKING = dict(enabled=True, algorithm="modified_first_fit_decreasing", train_mb_tokens=4096,
+                  logprob_mb_tokens=16384, sequence_length_round=64)  # the 8B configs' values
+
+
+def rl_policy_cfg(a, recipe: str, packed: bool):
+    """The ``PolicyConfig`` of one ``--workload rl`` child (validated: bad packing budgets fail here, in the parent)."""
+    from nemo_fp8.policy.config import PolicyConfig
+
+    return PolicyConfig(model_name=a.model or "unused", precision="bfloat16", device="cuda",
+                        train_global_batch_size=a.rl_responses, train_micro_batch_size=1, logprob_batch_size=2,
+                        max_total_sequence_length=a.rl_prompt + a.rl_response_max,
+                        megatron_cfg=recipe_megatron_cfg(recipe, a.logprob_kernel),
+                        sequence_packing={**RL_PACKING, "enabled": packed},
+                        generation={"vllm_cfg": {"precision": "fp8"}})
+
+
+def rl_batch(a, vocab: int):
+    """``--rl-responses`` rows: a ``--rl-prompt``-token prompt + a uniform ``--rl-response-min..max`` response."""
+    import torch
+
+    from nemo_fp8.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    n = a.rl_responses
+    resp = torch.randint(a.rl_response_min, a.rl_response_max + 1, (n,), generator=g)
+    width = a.rl_prompt + int(resp.max())
+    ids = torch.randint(2, vocab, (n, width), generator=g)
+    ids[torch.arange(width)[None, :] >= (a.rl_prompt + resp)[:, None]] = 0
+    return TrainBatch(token_ids=ids, prompt_lengths=torch.full((n,), a.rl_prompt, dtype=torch.long),
+                      response_lengths=resp, advantages=torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0),
+                      generation_logprobs=torch.zeros(n, width))
+
+
+def run_rl_child(a) -> dict:
+    """Child of ``--workload rl``: one (shape, recipe, packed); rounds of get_logprobs + train, medians."""
+    import torch
+
+    from nemo_fp8.algorithms.config import ClippedPGLossConfig
+    from nemo_fp8.algorithms.loss import ClippedPGLossFn
+    from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend
+
+    cfg = rl_policy_cfg(a, a.recipe, a.packed)
+    be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
+    batch = rl_batch(a, QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"])
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
+    lp_s, train_s, metrics = [], [], {}
+    for r in range(a.warmup + a.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch.prev_logprobs = be.get_logprobs(batch)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        batch.generation_logprobs = batch.prev_logprobs.clone()
+        metrics = be.train(batch, loss_fn)
+        torch.cuda.synchronize()
+        if r >= a.warmup:
+            lp_s.append(t1 - t0)
+            train_s.append(time.perf_counter() - t1)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, logprobs_s=med(lp_s), train_s=med(train_s),
+               step_s=med([x + y for x, y in zip(lp_s, train_s)]), micro_batches=metrics.get("micro_batches"),
+               packing_efficiency=metrics.get("packing_efficiency"),
+               tokens=int((batch.prompt_lengths + batch.response_lengths).sum()),
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    be.shutdown()
+    return out
+
+
+def print_rl_table(rows: list[dict]) -> None:
+    """The ``--workload rl`` table: one row per (shape, recipe, packed), ratios of step time."""
+    key = lambda r, packed: (r["shape"], "bf16", packed)  # noqa: E731
+    base = {(r["shape"], r["recipe"], r["packed"]): r for r in rows if "error" not in r}
+    head = f"{'shape':6} {'recipe':22} {'packed':>6} {'logprobs s':>10} {'train s':>8} {'step s':>7} " \
+           f"{'train mbs':>9} {'pack eff':>8} {'tok/s':>8} {'vs bf16 unpacked':>16} {'vs bf16 packed':>14} {'peak GiB':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:6} {r['recipe']:22} {str(r.get('packed')):>6} failed: {r['error']}")
+            continue
+        ratio = lambda b: f"{b['step_s'] / r['step_s']:.3f}" if b else "-"  # noqa: E731
+        print(f"{r['shape']:6} {r['recipe']:22} {str(r['packed']):>6} {r['logprobs_s']:10.2f} {r['train_s']:8.2f} "
+              f"{r['step_s']:7.2f} {r['micro_batches'] or 0:9.0f} {r['packing_efficiency'] or 0:8.3f} "
+              f"{r['tokens'] / r['step_s']:8.0f} {ratio(base.get(key(r, False))):>16} "
+              f"{ratio(base.get(key(r, True))):>14} {r['peak_gib']:8.1f}")
+
+
 def print_table(rows: list[dict]) -> None:
     base = {r["shape"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
     head = f"{'shape':6} {'recipe':22} {'raw f+b ms':>10} {'ours f+b ms':>11} {'ours/raw':>8} {'fused f+b':>9} " \
@@ -295,6 +393,14 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
                    help="also profile ROUNDS forward+backward passes (fused log-probs): ms by kernel category")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--workload", choices=["fixed", "rl"], default="fixed",
+                   help="fixed: micro-batches of --batch x --seq-len; rl: a GRPO step's spread of lengths, packed "
+                        "and unpacked (module docstring)")
+    p.add_argument("--rl-responses", type=int, default=64)
+    p.add_argument("--rl-prompt", type=int, default=512)
+    p.add_argument("--rl-response-min", type=int, default=256)
+    p.add_argument("--rl-response-max", type=int, default=3072)
+    p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--recipe", help=argparse.SUPPRESS)
@@ -303,14 +409,18 @@ def main() -> int:
     if a.micro_batches < 1:
         p.error(f"--micro-batches must be >= 1, got {a.micro_batches}")
     if a.child:
-        print("RESULT " + json.dumps(run_child(a)), flush=True)
+        print("RESULT " + json.dumps(run_rl_child(a) if a.workload == "rl" else run_child(a)), flush=True)
         return 0
     recipes = a.recipes.split(",")
     from nemo_fp8.policy.config import MegatronConfig
 
-    for r in recipes:  # bad names and bad megatron_cfg values fail before any GPU work
+    if a.workload == "rl" and not 1 <= a.rl_response_min <= a.rl_response_max:
+        p.error(f"--rl-response-min/max: need 1 <= min <= max, got {a.rl_response_min}, {a.rl_response_max}")
+    for r in recipes:  # bad names and bad megatron_cfg values (and packing budgets) fail before any GPU work
         try:
             MegatronConfig(**recipe_megatron_cfg(r, a.logprob_kernel))
+            if a.workload == "rl":
+                rl_policy_cfg(a, r, packed=True)
         except ValueError as e:  # pydantic's ValidationError is a ValueError
             p.error(f"--recipes {r}: {e}")
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
@@ -320,11 +430,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in a.shapes.split(","):
             model = write_config(shape, Path(tmp))
-            for recipe in recipes:
+            for recipe, packed in [(r, pk) for r in recipes for pk in ((False, True) if a.workload == "rl" else (False,))]:
                 cmd = [sys.executable, __file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
                        "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
                        "--warmup", str(a.warmup), "--micro-batches", str(a.micro_batches),
-                       "--logprob-kernel", a.logprob_kernel, "--profile", str(a.profile)]
+                       "--logprob-kernel", a.logprob_kernel, "--profile", str(a.profile), "--workload", a.workload,
+                       "--rl-responses", str(a.rl_responses), "--rl-prompt", str(a.rl_prompt),
+                       "--rl-response-min", str(a.rl_response_min), "--rl-response-max", str(a.rl_response_max)]
+                cmd += ["--packed"] if packed else []
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=os.environ.copy())
                     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -332,14 +445,20 @@ def main() -> int:
                         rows.append(json.loads(line[-1][7:]))
                     else:
                         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                        rows.append(dict(shape=shape, recipe=recipe, error=" | ".join(tail)[-400:]))
+                        rows.append(dict(shape=shape, recipe=recipe, packed=packed, error=" | ".join(tail)[-400:]))
                 except subprocess.TimeoutExpired:
-                    rows.append(dict(shape=shape, recipe=recipe, error=f"timeout {a.timeout}s"))
+                    rows.append(dict(shape=shape, recipe=recipe, packed=packed, error=f"timeout {a.timeout}s"))
                 print(f"# {shape} {recipe}: {rows[-1]}", file=sys.stderr, flush=True)
-    print(f"bench_train: {a.batch} x {a.seq_len} tokens per micro-batch, {a.micro_batches} micro-batches per "
-          f"optimizer step (step: {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
-    print_table(rows)
-    print_profile(rows)
+    if a.workload == "rl":
+        print(f"bench_train --workload rl: {a.rl_responses} sequences of {a.rl_prompt} prompt + "
+              f"{a.rl_response_min}..{a.rl_response_max} response tokens, one step = get_logprobs + train (one "
+              f"optimizer step, {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
+        print_rl_table(rows)
+    else:
+        print(f"bench_train: {a.batch} x {a.seq_len} tokens per micro-batch, {a.micro_batches} micro-batches per "
+              f"optimizer step (step: {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
+        print_table(rows)
+        print_profile(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -96,3 +96,28 @@ def test_bad_recipe_values_fail_before_any_child(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert f"--recipes {recipe}" in err and why in err
     assert not started
+
+
+def test_rl_workload_batch_configs_and_table(capsys):
+    """``--workload rl``: the rollout-shaped batch, the packed / unpacked configs (8B values) and the ratio table."""
+    import argparse
+
+    a = argparse.Namespace(model=None, rl_responses=64, rl_prompt=512, rl_response_min=256, rl_response_max=3072,
+                           logprob_kernel="fused")
+    batch = bt.rl_batch(a, vocab=1000).validate()
+    assert batch.size == 64 and (batch.prompt_lengths == 512).all()
+    assert 256 <= int(batch.response_lengths.min()) and int(batch.response_lengths.max()) <= 3072
+    packed, plain = bt.rl_policy_cfg(a, "e4m3-blockwise", True), bt.rl_policy_cfg(a, "e4m3-blockwise", False)
+    assert packed.sequence_packing.enabled and not plain.sequence_packing.enabled
+    assert (packed.sequence_packing.train_mb_tokens, packed.sequence_packing.logprob_mb_tokens) == (4096, 16384)
+    a.rl_response_max = 5000  # a sequence no 4096-token bin holds: refused before any child
+    with pytest.raises(ValueError, match="train_mb_tokens"):
+        bt.rl_policy_cfg(a, "bf16", True)
+    row = dict(shape="dense", logprobs_s=1.0, train_s=3.0, micro_batches=36.0, packing_efficiency=0.97, tokens=8000,
+               peak_gib=10.0)
+    bt.print_rl_table([{**row, "recipe": "bf16", "packed": False, "step_s": 8.0},
+                       {**row, "recipe": "bf16", "packed": True, "step_s": 4.0},
+                       {**row, "recipe": "e4m3-blockwise", "packed": True, "step_s": 2.0}])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].split()[-3:-1] == ["4.000", "2.000"]  # vs bf16 unpacked, vs bf16 packed
+    assert lines[-2].split()[-3:-1] == ["2.000", "1.000"]
