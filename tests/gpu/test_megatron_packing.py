@@ -139,3 +139,34 @@ def test_tensor_parallel_2_matches_1_packed_and_unpacked(ckpt):
         print(f"tp{a[0]} packed={a[1]} vs tp{b[0]} packed={b[1]}: mean |dlogp| {diff.mean():.2e}, max "
               f"{diff.max():.2e}; noise floor {noise.mean():.2e}")
         assert diff.mean() < 1.5 * noise.mean() and diff.max() < 0.15
+
+
+def _accumulate_grad_warning(rank: int, path: str, fused: bool, out):
+    """One process (PyTorch reports the warning once per process): whether a training step warns."""
+    import warnings
+
+    cfg = _policy_cfg(path, fp8=dict(fp8="e4m3", fp8_recipe="blockwise"), fuse_wgrad_accumulation=fused)
+    be = _backend(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_twice(be, _batch())
+    out[fused] = [str(w.message)[:160] for w in caught if "AccumulateGrad" in str(w.message)]
+    be.shutdown()
+
+
+def test_accumulate_grad_stream_warning_does_not_come_from_the_wgrad_fusion(ckpt):
+    """PyTorch's "AccumulateGrad node's stream does not match" warning in FP8 training: megatron-core's DDP
+    keeps every parameter's AccumulateGrad node (``DistributedDataParallel.grad_accs``, for its gradient
+    hooks), and megatron-core 0.18's ``megatron/training/models/dist_utils._ddp_wrap`` (what Megatron-Bridge's
+    ``provide_distributed_model`` calls) builds DDP on a side stream (for full-iteration CUDA graphs), so those
+    nodes carry that stream while the backward runs on the default one. If so, the warning appears with and
+    without TE's wgrad fusion alike; fused vs unfused gradients are compared in
+    ``test_megatron_policy.py::test_te_wgrad_gemms_accumulate_into_main_grad``."""
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    for fused in (True, False):
+        mp.start_processes(_accumulate_grad_warning, args=(str(ckpt), fused, out), nprocs=1, join=True,
+                           start_method="spawn")
+    print(f"AccumulateGrad warnings: fused {out[True]}, unfused {out[False]}")
+    assert bool(out[True]) == bool(out[False])
