@@ -120,6 +120,13 @@ def _packing_metrics(results: list[ShardTrainResult], g: int) -> dict[str, float
                                                      sum(r.padded_tokens[g] for r in results))}
 
 
+def row_index(rows: list[int]) -> slice | Tensor:
+    """``rows`` as an index for ``TrainBatch.select``: a slice (a view, no copy) when they are consecutive."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def logprob_micro_batches(cfg: PolicyConfig, batch: TrainBatch) -> list[list[int]]:
     """Micro-batches (row indices) of ``get_logprobs`` / ``calibrate_kv_scales``: ``logprob_batch_size``
     consecutive rows, or with ``policy.sequence_packing`` the rows packed into bins of ``logprob_mb_tokens``."""
@@ -137,7 +144,7 @@ def batched_logprobs(score, batch: TrainBatch, micro_batches: list[list[int]], d
     out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
     for rows in micro_batches:
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = row_index(rows)
         width = max(lengths[i] for i in rows)
         out[idx, :width] = score(batch.select(idx).trimmed(width).to(device)).float().cpu()
     return out
@@ -192,12 +199,12 @@ def global_batches(batch: TrainBatch, micro_batches: list[list[list[int]]], devi
                          "each row must be in exactly one")
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()  # CPU lengths, read once
     for gb_rows in micro_batches:
-        mask = batch.select(torch.tensor([i for mb in gb_rows for i in mb], dtype=torch.long)).token_mask
+        mask = batch.select(row_index([i for mb in gb_rows for i in mb])).token_mask
         counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(device)  # [tokens, seqs]
         if dp_size > 1:
             torch.distributed.all_reduce(counts, group=dp_group)
         n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
-        yield n_tokens, n_seqs, (batch.select(torch.tensor(mb, dtype=torch.long)).trimmed(max(lengths[i] for i in mb))
+        yield n_tokens, n_seqs, (batch.select(row_index(mb)).trimmed(max(lengths[i] for i in mb))
                                  .to(device) for mb in gb_rows)
 
 

@@ -55,7 +55,7 @@ from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_lo
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
-                                           reduce_train_results, train_micro_batches)
+                                           reduce_train_results, row_index, train_micro_batches)
 
 logger = logging.getLogger(__name__)
 
@@ -456,7 +456,7 @@ class MegatronPolicyBackend:
         _requantize_fp8_weights(self.model)
         try:
             for rows in logprob_micro_batches(self.cfg, batch):
-                mb = batch.select(torch.tensor(rows, dtype=torch.long)).trimmed().to(self.device)
+                mb = batch.select(row_index(rows)).trimmed().to(self.device)
                 if self.cfg.sequence_packing.enabled:
                     packed = self._pack(mb)
                     valid["mask"] = real_token_mask(packed)  # [T_total]
