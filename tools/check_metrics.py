@@ -40,17 +40,28 @@ class CheckError(ValueError):
     """A check that cannot be evaluated: bad syntax, an unknown function, run or metric key."""
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, by: Sequence[str] = ()) -> list[dict]:
     """The rows of ``path`` (a ``metrics.jsonl`` or a folder holding one); a line that does not parse is skipped.
+
+    A ``.json`` file holding a list of objects (``tools/bench_rollout.py --out``, ``bench_train.py --json``)
+    becomes one row whose keys are ``<the row's values of the fields by, joined by '.'>/<field>``, e.g.
+    ``by=("precision",)``: ``fp8-deepgemm/fixed_tok_s``.
 
     Raises:
         FileNotFoundError: no such file, or a folder without ``metrics.jsonl``.
+        CheckError: a ``.json`` file without ``by`` or that is not a list of objects holding every ``by`` field.
     """
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file {path} (a run's logger.log_dir holds metrics.jsonl)")
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        if not by or not isinstance(data, list) or not all(isinstance(r, dict) and all(f in r for f in by)
+                                                            for r in data):
+            raise CheckError(f"{path}: a .json run needs --by FIELD[,FIELD] naming fields every row holds")
+        return [{".".join(str(r[f]) for f in by) + "/" + k: v for r in data for k, v in r.items()}]
     rows = []
     for line in path.read_text(errors="replace").splitlines():
         try:
@@ -199,8 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("items", nargs="+", help="[metrics.jsonl or log dir] then checks (without --run: the first "
                                             "item is the run)")
     p.add_argument("--run", action="append", default=[], help="name=path: a named run (repeatable)")
+    p.add_argument("--by", default="", help="for a .json list of rows (benchmarks): the fields naming a row, "
+                                            "e.g. precision or model,precision")
     p.add_argument("--out", help="also write the table here (markdown)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         paths = parse_runs(args.run)
         items = list(args.items)
@@ -211,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             default = next(iter(paths))
         if not items:
             raise CheckError("no checks given")
-        runs = {name: read_rows(path) for name, path in paths.items()}
+        by = tuple(f for f in args.by.split(",") if f)
+        runs = {name: read_rows(path, by) for name, path in paths.items()}
         rows, ok = check_all(items, runs, default)
     except (CheckError, FileNotFoundError) as e:
         print(f"check_metrics: error: {e}", file=sys.stderr)

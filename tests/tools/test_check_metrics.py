@@ -71,7 +71,7 @@ def test_cli_table_and_exit_codes(runs, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
 
-    ok = cli(str(fp8), "mean(timing/step[1:]) < 40", "last(perf/rollout_tokens_per_s) > 500",
+    ok = cli(str(fp8), "mean(timing/step[1:]) < 40", "--by", "", "last(perf/rollout_tokens_per_s) > 500",
              "--out", str(tmp_path / "t.md"))
     assert ok.returncode == 0, ok.stderr
     assert "| `mean(timing/step[1:]) < 40` | 11 ; 40 | PASS |" in ok.stdout and "2/2 checks passed" in ok.stdout
@@ -83,3 +83,17 @@ def test_cli_table_and_exit_codes(runs, tmp_path):
     assert bad.returncode == 2 and "no metrics file" in bad.stderr
     assert cli(str(fp8)).returncode == 2  # no checks
     assert cli("--run", "a b=x", "count(timing/step) > 0").returncode == 2
+
+
+def test_benchmark_rows_by_field(tmp_path):
+    rows = [{"model": "dense", "precision": "bf16", "fixed_tok_s": 100.0},
+            {"model": "dense", "precision": "fp8-deepgemm", "fixed_tok_s": 150.0}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(rows))
+    runs = {"run": cm.read_rows(path, ("precision",))}
+    assert cm.evaluate("ratio(fp8-deepgemm/fixed_tok_s[0], bf16/fixed_tok_s[0]) >= 1.5", runs, "run")[0]
+    assert cm.read_rows(path, ("model", "precision"))[0]["dense.bf16/fixed_tok_s"] == 100.0
+    with pytest.raises(cm.CheckError, match="--by"):
+        cm.read_rows(path)
+    with pytest.raises(cm.CheckError, match="--by"):
+        cm.read_rows(path, ("engine",))
