@@ -80,10 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_shape_config  # noqa: E402
+from lab.random_checkpoint import QWEN3_SHAPES, write_shape_config
 
 SHAPES = {"dense": QWEN3_SHAPES["qwen3-8b"], "moe": QWEN3_SHAPES["qwen3-30b-a3b"]}
 SHAPE_NAMES = {"dense": "qwen3-8b", "moe": "qwen3-30b-a3b"}

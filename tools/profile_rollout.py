@@ -38,8 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, engine_spec, write_config  # noqa: E402
+from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, engine_spec, write_config
 
 CATEGORIES = ("gemm", "moe", "attention", "quant", "sampler", "norm_act", "other")
 # (category, substrings of the lower-cased kernel name), first match wins: MoE and attention before the

@@ -51,6 +51,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
+from nemo_fp8.policy.megatron.support import check_recipe_supported
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.torch_backend import ShardTrainResult, batched_logprobs, global_batches, reduce_train_results
 
@@ -88,29 +89,6 @@ def fuse_te_wgrad_accumulation(model: torch.nn.Module, enabled: bool = True) -> 
             module.fuse_wgrad_accumulation = enabled
             n += 1
     return n
-
-
-def check_recipe_supported(cfg: PolicyConfig) -> None:
-    """Ask TransformerEngine whether this GPU and library can run the configured FP8 recipe.
-
-    Raises:
-        RuntimeError: FP8 (or blockwise FP8: Hopper or newer, cuBLAS >= 12.9) is not available,
-            with TE's reason and what to use instead.
-    """
-    f = cfg.megatron_cfg.fp8_cfg
-    if not f.enabled:
-        return
-    from transformer_engine.pytorch.quantization import is_fp8_available, is_fp8_block_scaling_available
-
-    ok, why = is_fp8_available(return_reason=True)
-    if not ok:
-        raise RuntimeError(f"policy.megatron_cfg.fp8_cfg.enabled: TransformerEngine cannot run FP8 here ({why}); "
-                           "set policy.megatron_cfg.fp8_cfg.enabled=false (BF16 training)")
-    if f.fp8_recipe == "blockwise":
-        ok, why = is_fp8_block_scaling_available(return_reason=True)
-        if not ok:
-            raise RuntimeError(f"policy.megatron_cfg.fp8_cfg.fp8_recipe=blockwise: TransformerEngine cannot run it "
-                               f"here ({why}; it needs Hopper or newer and cuBLAS >= 12.9); use fp8_recipe=tensorwise")
 
 
 def _unwrap(model):

@@ -1,4 +1,4 @@
-"""The small model builder (tools/make_small_model.py, nemo_fp8/models/small.py) at a CPU-sized shape."""
+"""The small model builder (tools/make_small_model.py, tools/lab/small.py) at a CPU-sized shape."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from nemo_fp8.data.prompts import PromptFormatter
 from nemo_fp8.data.schema import MathExample
 from nemo_fp8.models.sft import causal_lm_loss, deterministic_training, pad_sft_batch, state_dict_sha256
-from nemo_fp8.models.small import (SMALL_PROMPT_TEMPLATE, SmallModelSpec, build_data, check_spec, evaluate_greedy,
+from lab.small import (SMALL_PROMPT_TEMPLATE, SmallModelSpec, build_data, check_spec, evaluate_greedy,
                                    gsm8k_response, lr_multiplier, qwen3_config, schedule_progress,
                                    train_bpe_tokenizer, train_sft)
 from nemo_fp8.rewards.math_reward import score_response
@@ -202,7 +202,7 @@ def test_sft_lowers_the_loss_on_arithmetic():
     data = build_data(spec, None)
     tok = train_bpe_tokenizer([f"{ex.problem}\n{r}" for ex, r in data.sft] + [SMALL_PROMPT_TEMPLATE], spec.vocab_size)
     fmt = PromptFormatter(SMALL_PROMPT_TEMPLATE, use_chat_template=True)
-    from nemo_fp8.models.small import encode_sft
+    from lab.small import encode_sft
 
     prompts, responses, sources = encode_sft(data.sft, tok, fmt, spec.max_seq_len)
     model = Qwen3ForCausalLM(qwen3_config(spec, tok))

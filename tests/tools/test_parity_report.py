@@ -1,4 +1,5 @@
-"""The learning-parity report (nemo_fp8/utils/parity.py) and tools/compare_precision.py on synthetic metrics."""
+"""The learning-parity report (tools/lab/parity_report.py, the plot in nemo_fp8/utils/plots.py) and
+tools/compare_precision.py on synthetic metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8.utils.parity import (
+from lab.parity_report import (
     paired_reward_gap,
     parity_table,
     reward_gap_table,
@@ -140,7 +141,7 @@ def test_accuracy_per_data_source_first_and_last():
 def test_plot_adds_a_panel_per_data_source(tmp_path):
     import struct
 
-    from nemo_fp8.utils.parity import plot_parity
+    from nemo_fp8.utils.plots import plot_parity
 
     def width(path):  # PNG IHDR: width, height (big-endian) after the 16-byte signature + chunk header
         return struct.unpack(">II", path.read_bytes()[16:24])[0]
@@ -156,7 +157,7 @@ def test_plot_adds_a_panel_per_data_source(tmp_path):
 
 
 def test_line_styles_give_a_variant_one_colour_and_each_run_its_own_line():
-    from nemo_fp8.utils.parity import _line_styles
+    from nemo_fp8.utils.plots import _line_styles
 
     names = ["bf16", "bf16-seed2", "fp8+tis", "fp8", "bf16@gpu-b", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis",
              "bf16-seed3", "fp8+tis-seed2", "fp8+tis-seed3", "fp8-seed2"]
@@ -170,7 +171,7 @@ def test_line_styles_give_a_variant_one_colour_and_each_run_its_own_line():
 def test_seed_means_average_distinct_seeds_at_common_steps(tmp_path):
     import struct
 
-    from nemo_fp8.utils.parity import _seed_groups, _seed_mean_by_step, plot_parity
+    from nemo_fp8.utils.plots import _seed_groups, _seed_mean_by_step, plot_parity
 
     runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.0, 0.0, [0.1, 0.4, 0.5], steps=2),
             "bf16@gpu-b": fake_run(2.0, 0.0, [0.9, 0.9, 0.9]), "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.2, 0.2]),
@@ -378,7 +379,7 @@ def _write_run(d: Path, rows: list[dict]) -> Path:
 
 
 def test_peak_gpu_memory_reads_nvidia_smi_csv_per_gpu(tmp_path):
-    from nemo_fp8.utils.parity import peak_gpu_memory
+    from lab.parity_report import peak_gpu_memory
 
     csv = tmp_path / "mem.csv"
     csv.write_text("timestamp, index, memory.used [MiB]\n2026/11/23 21:50:13.379, 0, 117926 MiB\n"

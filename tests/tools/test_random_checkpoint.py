@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, iter_random_shards, shard_plan, tensor_plan
+from lab.random_checkpoint import QWEN3_SHAPES, iter_random_shards, shard_plan, tensor_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["num_hidden_layers=2", "hidden_size=128", "intermediate_size=256", "num_attention_heads=2",
@@ -26,7 +26,7 @@ def tool():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from nemo_fp8.models.small import SMALL_PROMPT_TEMPLATE, train_bpe_tokenizer
+    from lab.small import SMALL_PROMPT_TEMPLATE, train_bpe_tokenizer
 
     return train_bpe_tokenizer(["What is 12 + 30?\nAnswer: 42", SMALL_PROMPT_TEMPLATE], 600)
 
@@ -77,7 +77,7 @@ def test_dense_checkpoint_loads_and_matches_the_files(tmp_path, tok_dir):
 def test_moe_checkpoint_loads_with_per_expert_files(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from nemo_fp8.models.random_checkpoint import write_random_checkpoint
+    from lab.random_checkpoint import write_random_checkpoint
 
     cfg = {**QWEN3_SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256,
            "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 2,

@@ -11,7 +11,8 @@ with the reason in ``EnvReport.reasons``, never an exception.
 TransformerEngine 2.11's ``check_fp8_support`` / ``check_fp8_block_scaling_support``).
 ``config_support_errors(cfg)`` turns that into one ``key: reason (valid here: ...)`` line per request
 in a config that cannot run here; ``check_config_supported(cfg)`` raises them as a ``ConfigError``
-before any model is loaded. ``tools/check_env.py`` prints the report and the table.
+before any model is loaded. ``nemo-fp8-check-env`` (``tools/check_env.py``) prints the report and the table;
+the TransformerEngine recipe rule is ``nemo_fp8.policy.megatron.support`` (the backend asks TE the same question).
 """
 
 from __future__ import annotations
@@ -30,14 +31,11 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from nemo_fp8.policy.megatron.support import Support, te_fp8_support
+
 __all__ = ["EnvReport", "Support", "probe_environment", "precision_support", "config_support_errors",
            "check_config_supported", "format_report", "format_support_table", "main"]
 
-# The versions below are the engines' own requirements (see precision_support).
-TE_BLOCKWISE_MIN_CUDA = (12, 9)
-TE_BLOCKWISE_MIN_CUBLAS = (12, 9)
-TE_ADA_MIN_CUBLAS = (12, 1, 3)
-TE_ADA_MIN_CUDA = (12, 1)
 MEGATRON_MIN_PYTHON = (3, 12)
 INSTALL_HINT = "the container in docker/ has the whole stack"
 
@@ -84,12 +82,6 @@ class EnvReport:
         d = asdict(self)
         d["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
         return d
-
-
-@dataclass(frozen=True)
-class Support:
-    ok: bool
-    reason: str
 
 
 # --------------------------------------------------------------------------- probes
@@ -426,32 +418,9 @@ def precision_support(report: EnvReport) -> dict[str, Support]:
     else:
         out["megatron_backend"] = Support(True, f"megatron-core {r.megatron_core} + TransformerEngine "
                                                 f"{r.transformer_engine} on {sm}")
+    # TransformerEngine's recipes: the rule lives beside the megatron backend (one source)
     cublas, cublas_s = _cublas_or_cuda(r)
-    cuda = _version_tuple(r.cuda_runtime)
-    if te_missing or no_gpu:
-        out["te_fp8_tensorwise"] = Support(False, te_missing or no_gpu)
-    elif cc >= (9, 0):
-        out["te_fp8_tensorwise"] = Support(True, f"{sm}: FP8 tensor cores (TE current/delayed scaling)")
-    elif cc < (8, 9):
-        out["te_fp8_tensorwise"] = Support(False, f"TransformerEngine FP8 needs compute capability 8.9+ (this is {sm})")
-    elif cublas is None or cublas < TE_ADA_MIN_CUBLAS:
-        out["te_fp8_tensorwise"] = Support(False, f"FP8 on sm_89 needs cuBLASLt >= 12.1.3 ({cublas_s})")
-    elif cuda is None or cuda < TE_ADA_MIN_CUDA:
-        out["te_fp8_tensorwise"] = Support(False, f"FP8 on sm_89 needs CUDA >= 12.1 (torch: {r.cuda_runtime})")
-    else:
-        out["te_fp8_tensorwise"] = Support(True, f"{sm}: FP8 tensor cores, {cublas_s}")
-    if te_missing or no_gpu:
-        out["te_fp8_blockwise"] = Support(False, te_missing or no_gpu)
-    elif cc < (9, 0):
-        out["te_fp8_blockwise"] = Support(False, f"TransformerEngine Float8BlockScaling needs compute capability 9.0+ "
-                                                 f"(Hopper or newer; this is {sm})")
-    elif cuda is None or cuda < TE_BLOCKWISE_MIN_CUDA:
-        out["te_fp8_blockwise"] = Support(False, f"blockwise FP8 GEMM needs CUDA >= 12.9 (torch is built with "
-                                                 f"{r.cuda_runtime or 'no CUDA'})")
-    elif cublas is None or cublas[:2] < TE_BLOCKWISE_MIN_CUBLAS:
-        out["te_fp8_blockwise"] = Support(False, f"blockwise FP8 GEMM needs cuBLAS >= 12.9 (found {cublas_s})")
-    else:
-        out["te_fp8_blockwise"] = Support(True, f"{sm}, CUDA {r.cuda_runtime}, {cublas_s}")
+    out.update(te_fp8_support(cc, _version_tuple(r.cuda_runtime), cublas, cublas_s, unavailable=te_missing or no_gpu))
     return out
 
 
