@@ -248,7 +248,7 @@ def bench_refit(llm, spec, model_dir) -> dict:
     """Full state dict (random bf16 on the GPU, as the trainer holds it) -> engine, timed."""
     import torch
 
-    from nemo_fp8.generation.vllm.engine_args import meta_model
+    from nemo_fp8.generation.vllm.refit import meta_model
     from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
     from nemo_fp8.generation.vllm.refit import send_weights_ipc
 

@@ -155,20 +155,6 @@ def quantization_config(cfg: VllmConfig, ignored_layers: list[str]) -> Optional[
     }
 
 
-def meta_model(model_config: Any):
-    """An HF model on the meta device (no memory) for ``model_config``: a PretrainedConfig,
-    a dict with ``model_type``, or a local checkpoint folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-
-    if isinstance(model_config, dict):
-        model_config = AutoConfig.for_model(**model_config)
-    elif not isinstance(model_config, PretrainedConfig):
-        model_config = AutoConfig.from_pretrained(str(model_config))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
-
-
 def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[str] = None, *,
                       weight_transfer: str = "ipc", colocated: bool = True, seed: int = 0,
                       load_format: str = "dummy", extra: Optional[dict[str, Any]] = None) -> Fp8EngineSpec:
