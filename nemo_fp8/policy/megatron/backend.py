@@ -64,8 +64,8 @@ def fuse_te_wgrad_accumulation(model: torch.nn.Module, enabled: bool = True) -> 
     false switches them back to a separate ``.grad`` (the GPU test compares the two paths).
 
     Without it each TE wgrad GEMM writes a bf16 ``param.grad`` and megatron-core's DDP hook adds it
-    to the fp32 ``main_grad`` in a separate kernel (about 12 ms per forward + backward of the
-    8-layer Qwen3-8B slice in ``tools/bench_train.py --profile``); with it the GEMM's epilogue
+    to the fp32 ``main_grad`` in a separate kernel (its cost and this fusion's gain: docs/performance.md,
+    ``bench-train-dense`` suite); with it the GEMM's epilogue
     accumulates in the buffer's dtype (``out=main_grad, accumulate=True``), TE sets
     ``grad_added_to_main_grad`` and the hook skips the add (``megatron/core/distributed/
     distributed_data_parallel.py``). megatron-core ties this option to ``gradient_accumulation_fusion``,
@@ -471,7 +471,7 @@ class MegatronPolicyBackend:
     def release_cached_memory(self) -> None:
         """The allocator's free cached blocks (the step's activation peak) back to the device, the state kept: with
         ``colocated.offload_trainer=false`` the engine wakes beside this process, which otherwise keeps its
-        peak reserved (seven parity runs sharing one H200: 18-20 GiB per trainer, out of memory; 2026-11-24)."""
+        peak reserved (several trainers sharing one GPU with their engines ran out of memory that way)."""
         gc.collect()
         torch.cuda.empty_cache()
 
