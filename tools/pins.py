@@ -9,7 +9,8 @@
     python tools/pins.py --check-installed      # exit 1 unless every pin is installed at its version
     bash ../shared/gpu-host/stage.sh $(python tools/pins.py --stage)   # pins the host's set lacks
 
-Standard library only (runs in the Dockerfile's builder before anything is installed).
+Standard library only (runs in the Dockerfile's builder before anything is installed, with the checkout on
+``PYTHONPATH``).
 """
 
 from __future__ import annotations
