@@ -3,6 +3,7 @@
 # and an RL-like 32 x 32, DeepGEMM linears with and without the FP8 KV cache (docs/performance.md). DeepGEMM's kernels
 # are compiled first by a 1-layer engine (minutes on a fresh cache, kept in $DG_JIT_CACHE_DIR). BENCH_ARGS: other
 # bench_rollout.py arguments. Checks: FP8 linear and FP8 KV faster than BF16 on the fixed workload.
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default (DeepGEMM warm-up + 3 engines); common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init bench-rollout-dense
 python3 tools/bench_rollout.py --models dense --num-layers dense=1 --precisions fp8-deepgemm --gpu-mem 0.1 \
   --num-prompts 8 --output-len 16 --rl-prompts 2 --rl-samples 2 --timeout 900 > "$OUT/dgwarm.log" 2>&1

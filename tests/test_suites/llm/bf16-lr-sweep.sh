@@ -3,8 +3,8 @@
 # BF16 baseline learns before a parity run (docs/learning-parity.md). Builds the small model if missing.
 #   SWEEP="name key=value ...;name key=value ..."  one run per ';' item, all at once
 # Prints each run's train reward by 10 steps and its validation accuracy per data source.
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init bf16-lr-sweep
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}
 [ -f models/small-qwen3/small_model_spec.json ] || python3 tools/make_small_model.py --out models/small-qwen3 \
   ${SMALL_ARGS:---max-steps 2000 --max-minutes 10} > "$OUT/small.log" 2>&1 || { tail -20 "$OUT/small.log"; exit 1; }
 n=$(echo "${SWEEP:?SWEEP=\"name key=value ...;...\"}" | tr ";" "\n" | grep -c .)

@@ -6,8 +6,8 @@
 #                      buffer, the refit over CUDA IPC, the engine at 30% of the GPU
 #   MISSION_ARGS  more overrides; MISSION_TOKENIZER: a tokenizer folder for the random checkpoint; STEPS (3)
 # The 4-GPU mission suite builds on this one (same runs, more overrides, step-time ratio checks).
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init mission-8b
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}
 [ -f models/qwen3-8b-random/config.json ] || python3 tools/write_random_checkpoint.py --out models/qwen3-8b-random \
   ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
 D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-3}

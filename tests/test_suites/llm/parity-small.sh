@@ -8,8 +8,8 @@
 #   python tools/compare_precision.py --backend gpu --report-only --out-dir logs/suites/parity-small \
 #       --also logs/suites/parity-small-b
 # Checks: every variant ran its steps, FP8 + TIS's late train reward within MAX_GAP of BF16's.
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-1700}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init parity-small
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-1700}
 [ -f models/small-qwen3/small_model_spec.json ] || python3 tools/make_small_model.py --out models/small-qwen3 \
   ${SMALL_ARGS:---max-steps 2000 --max-minutes 10} > "$OUT/small.log" 2>&1 || { tail -20 "$OUT/small.log"; exit 1; }
 cp models/small-qwen3/small_model_spec.json "$OUT/"
