@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def test_suite_parses_and_uses_the_framework(suite):
 
 
 def _suite_shell(out: Path, body: str) -> subprocess.CompletedProcess:
-    script = f'source tests/test_suites/common.sh; OUT={out}; {body}'
+    script = f'PYTHON={sys.executable}; source tests/test_suites/common.sh; OUT={out}; {body}'
     return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True)
 
 
@@ -44,3 +45,18 @@ def test_check_runs_names_runs_by_folder_and_fails_on_a_failed_check(tmp_path):
     bad = _suite_shell(tmp_path, "check bf16 'max(mismatch/gen_kl_error) < 1e-5'")
     assert bad.returncode == 1 and "| FAIL |" in bad.stdout
     assert (tmp_path / "bf16" / "checks.md").is_file()
+
+
+def test_report_runs_writes_the_side_by_side_table(tmp_path):
+    for name, step_s in [("bf16", 4.0), ("fp8", 3.0)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(
+            {"step": s, "train/reward_mean": 0.5, "timing/step": step_s, "timing/generation": 1.0,
+             "perf/rollout_tokens_per_s": 1000.0}) for s in (1, 2, 3)))
+    res = _suite_shell(tmp_path, "report_runs")
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = (tmp_path / "report.md").read_text()
+    assert "| fp8 | 3 | 1.00 |" in table and "| 0.75 |" in table  # fp8's step / bf16's
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _suite_shell(empty, "report_runs").returncode == 1

@@ -8,7 +8,7 @@
 # The 4-GPU mission suite builds on this one (same runs, more overrides, step-time ratio checks).
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init mission-8b
-[ -f models/qwen3-8b-random/config.json ] || python3 tools/write_random_checkpoint.py --out models/qwen3-8b-random \
+[ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
   ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
 D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-3}
 ONE_GPU="cluster.gpus_per_node=1 policy.megatron_cfg.tensor_model_parallel_size=1 policy.megatron_cfg.sequence_parallel=false
@@ -29,10 +29,5 @@ for v in ${MISSION_RUNS:-fp8 bf16}; do
   kill $SMI $HOSTMEM 2>/dev/null
   echo "mission $v: host memory used at most $(sort -k2 -n "$OUT/host_mem_$v.log" | tail -1 | cut -d" " -f2) MiB"
 done
-runs=""
-for v in fp8 bf16; do
-  [ -f "$OUT/$v/metrics.jsonl" ] || continue
-  runs="$runs $v=$OUT/$v"; [ -s "$OUT/gpu_mem_$v.csv" ] && runs="$runs,$OUT/gpu_mem_$v.csv"
-done
-[ -n "$runs" ] && python3 tools/mission_report.py $runs --out "$OUT/mission.md"
+report_runs   # every run so far, an earlier call's too (MISSION_RUNS=bf16 after fp8)
 check_runs $(for v in ${MISSION_RUNS:-fp8 bf16}; do echo "count($v:timing/step)>=$S"; done)
