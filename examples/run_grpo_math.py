@@ -15,10 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from nemo_fp8.config import ConfigError, load_config  # noqa: E402
-from nemo_fp8.utils.run_dir import RunSetupError, Terminated, raise_on_sigterm  # noqa: E402
+from nemo_fp8.config import ConfigError, load_config
+from nemo_fp8.utils.run_dir import RunSetupError, Terminated, raise_on_sigterm
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_math_tiny_fp8.yaml"
 

@@ -171,7 +171,7 @@ def preflight(cfg: MasterConfig) -> None:
     Raises:
         PreflightError: lists every problem, each naming its key and file (and line).
     """
-    from nemo_fp8.utils.env_check import config_support_errors
+    from nemo_fp8.env_check import config_support_errors
 
     # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
     errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg)

@@ -16,7 +16,7 @@ import pytest
 
 from nemo_fp8.config import ConfigError, load_config
 from nemo_fp8.utils import pins as pins_mod
-from nemo_fp8.utils.env_check import (EnvReport, check_config_supported, config_support_errors, format_report,
+from nemo_fp8.env_check import (EnvReport, check_config_supported, config_support_errors, format_report,
                                       format_support_table, precision_support, probe_environment)
 from nemo_fp8.utils.pins import canonical, install_groups, read_requirements_file, stack_pins
 

@@ -80,10 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_shape_config  # noqa: E402
+from lab.random_checkpoint import QWEN3_SHAPES, write_shape_config
 
 SHAPES = {"dense": QWEN3_SHAPES["qwen3-8b"], "moe": QWEN3_SHAPES["qwen3-30b-a3b"]}
 SHAPE_NAMES = {"dense": "qwen3-8b", "moe": "qwen3-30b-a3b"}
@@ -251,7 +248,7 @@ def bench_refit(llm, spec, model_dir) -> dict:
     """Full state dict (random bf16 on the GPU, as the trainer holds it) -> engine, timed."""
     import torch
 
-    from nemo_fp8.generation.vllm.engine_args import meta_model
+    from nemo_fp8.generation.vllm.refit import meta_model
     from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
     from nemo_fp8.generation.vllm.refit import send_weights_ipc
 

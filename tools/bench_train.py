@@ -59,13 +59,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))  # profile_rollout's kernel categories (--profile)
+from lab.random_checkpoint import QWEN3_SHAPES, write_shape_config
 
-from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_shape_config  # noqa: E402
-
-# (shape in nemo_fp8.models.random_checkpoint.QWEN3_SHAPES, decoder layers kept)
+# (shape in lab.random_checkpoint.QWEN3_SHAPES, decoder layers kept)
 SHAPES = {"dense": ("qwen3-8b", 8), "moe": ("qwen3-30b-a3b", 4)}
 
 

@@ -6,15 +6,11 @@
     python tools/check_env.py --config examples/configs/grpo_math_8B_megatron_fp8.yaml [key=value ...]
                                               # exit 1, naming each key, if the config cannot run here
 
-The probing lives in nemo_fp8/utils/env_check.py (the trainer runs the same check before loading a model).
+The probing lives in nemo_fp8/env_check.py (the trainer runs the same check before loading a model); installed,
+the same report is the command ``nemo-fp8-check-env``.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nemo_fp8.utils.env_check import main  # noqa: E402
+from nemo_fp8.env_check import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

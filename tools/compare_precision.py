@@ -27,17 +27,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from nemo_fp8.utils.logger import read_metrics  # noqa: E402
-from nemo_fp8.utils.parity import (  # noqa: E402
-    parity_table,
-    plot_parity,
-    reward_gap_table,
-    seed_group_table,
-    split_seed,
-    summarize_run,
-)
+from nemo_fp8.utils.logger import read_metrics
+from lab.parity_report import parity_table, reward_gap_table, seed_group_table, summarize_run
+from nemo_fp8.utils.plots import plot_parity, split_seed
 
 _BF16 = ["policy.generation.vllm_cfg.precision=bfloat16", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]
 _FP8 = ["policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]

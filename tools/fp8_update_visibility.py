@@ -21,10 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from nemo_fp8.fp8.update_visibility import STAT_KEYS, update_visibility_sums, visibility_from_sums  # noqa: E402
+from nemo_fp8.fp8.update_visibility import STAT_KEYS, update_visibility_sums, visibility_from_sums
 
 LINEAR = re.compile(r"(?P<kind>[a-z_]+_proj)\.weight$")
 

@@ -20,9 +20,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nemo_fp8.models.small import SmallModelSpec, build_small_model, check_spec  # noqa: E402
+from lab.small import SmallModelSpec, build_small_model, check_spec
 
 REPO = Path(__file__).resolve().parents[1]
 # flag -> SmallModelSpec field (the flags a user is likely to change)

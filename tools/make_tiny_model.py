@@ -12,9 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model
 
 
 def main() -> int:

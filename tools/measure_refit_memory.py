@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MiB = 2**20
 REPO = Path(__file__).resolve().parents[1]

@@ -14,10 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nemo_fp8.utils.logger import read_metrics  # noqa: E402
-from nemo_fp8.utils.parity import peak_gpu_memory, side_by_side_table, step_table, summarize_run  # noqa: E402
+from nemo_fp8.utils.logger import read_metrics
+from lab.parity_report import peak_gpu_memory, side_by_side_table, step_table, summarize_run
 
 
 def parse_run(spec: str) -> tuple[str, Path, Path | None]:

@@ -9,7 +9,8 @@
     python tools/pins.py --check-installed      # exit 1 unless every pin is installed at its version
     bash ../shared/gpu-host/stage.sh $(python tools/pins.py --stage)   # pins the host's set lacks
 
-Standard library only (runs in the Dockerfile's builder before anything is installed).
+Standard library only (runs in the Dockerfile's builder before anything is installed, with the checkout on
+``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from nemo_fp8.utils.pins import (container_platform, install_groups, read_pyproject, read_requirements_file,
-                                 stack_pins)  # noqa: E402
+                                 stack_pins)
 
 # Provided on the GPU host without staging: torch and transformers by its image, the TE torch
 # extension by ../shared/gpu-host/wheels/ (built there against torch 2.11.0+cu130).

@@ -23,8 +23,8 @@ launch gaps: the part FP8 cannot speed up). The ratios column is FP8 / BF16 per 
         [--num-layers N] [--batch 256] [--input-len 256] [--output-len 256] [--gpu-mem 0.9]
         [--eager] [--timeout 600] [--out rows.json]
 
-DeepGEMM precisions compile their kernels on first use: warm the cache first (``tools/gpu_jobs.sh
-dgwarm``). ``--eager`` turns CUDA graphs off (use it if the profile shows almost no kernel time,
+DeepGEMM precisions compile their kernels on first use: warm the cache first (the 1-layer engine at the
+start of ``tests/test_suites/llm/bench-rollout-dense.sh``). ``--eager`` turns CUDA graphs off (use it if the profile shows almost no kernel time,
 i.e. graph replays were not traced; launch overhead then inflates ``host``).
 """
 
@@ -38,8 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, engine_spec, write_config  # noqa: E402
+from bench_rollout import PRECISIONS, SHAPES, child_result, engine_config, engine_spec, write_config
 
 CATEGORIES = ("gemm", "moe", "attention", "quant", "sampler", "norm_act", "other")
 # (category, substrings of the lower-cased kernel name), first match wins: MoE and attention before the

@@ -18,9 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nemo_fp8.models.random_checkpoint import QWEN3_SHAPES, write_random_checkpoint  # noqa: E402
+from lab.random_checkpoint import QWEN3_SHAPES, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +64,7 @@ def main(argv=None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_from)
     else:
-        from nemo_fp8.models.small import SmallModelSpec, build_data, tokenizer_corpus, train_bpe_tokenizer
+        from lab.small import SmallModelSpec, build_data, tokenizer_corpus, train_bpe_tokenizer
 
         spec = SmallModelSpec()
         gsm8k = Path(args.gsm8k_dir) if (Path(args.gsm8k_dir) / "train.jsonl").is_file() else None

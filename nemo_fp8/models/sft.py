@@ -128,8 +128,8 @@ def deterministic_training(enabled: bool = True):
     it when its handle is created, so enter this before the first CUDA matmul of the process). The
     previous settings come back on exit; the environment variable stays. Source: PyTorch's
     "Reproducibility" notes. Strict, not ``warn_only``: PyTorch's cuDNN attention backward takes its
-    deterministic algorithm only then (two 300-step builds of the small model on one H200 with
-    ``warn_only=True`` ended with different weights, 2026-11-24).
+    deterministic algorithm only then (with ``warn_only=True`` two builds of the small model on the same
+    GPU end with different weights).
 
     Raises:
         RuntimeError: (from PyTorch, inside the block) an operation with no deterministic

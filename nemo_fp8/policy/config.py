@@ -50,22 +50,22 @@ class MegatronOptimizerConfig(StrictConfig):
     adam_eps: float = 1e-8
     clip_grad: Optional[float] = Field(None, gt=0)  # None: policy.max_grad_norm
     # fp16 dynamic loss scaling: 2^16, torch.amp.GradScaler's start. megatron-core's default 2^32 overflows
-    # fp16 gradients on the first update (seen on the H200: NaN gradients at iteration 0), and with its
+    # fp16 gradients on the first update (NaN gradients at iteration 0), and with its
     # hysteresis of 2 every halving costs two skipped updates: 32 lost GRPO steps before 2^16.
     initial_loss_scale: float = Field(2.0**16, gt=0)
     use_distributed_optimizer: bool = True
     # megatron-core's precision-aware optimizer (TransformerEngine's FusedAdam): Adam's moments stored in 16 bits,
     # and with bf16 weights the fp32 main params kept as 16-bit remainders (megatron-core's store_param_remainders);
     # computation stays fp32. 12 -> 6 bytes of optimizer state per parameter between steps; during the step
-    # TransformerEngine 2.11's FusedAdam holds fp32 copies of every 16-bit moment, so the peak hardly falls: an 8B model
-    # still ran out of memory on one H200 (nemo_fp8/policy/megatron/memory.py; the preflight refuses such layouts).
+    # TransformerEngine 2.11's FusedAdam holds fp32 copies of every 16-bit moment, so the peak hardly falls: an 8B
+    # trainer does not fit one GPU this way (nemo_fp8/policy/megatron/memory.py; the preflight refuses such layouts).
     use_precision_aware_optimizer: bool = False
     exp_avg_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     exp_avg_sq_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # megatron-core's optimizer CPU offload (HybridDeviceOptimizer; the keys of NeMo-RL, verl and slime): Adam's fp32
     # main params and moments of `optimizer_offload_fraction` of the parameters live in pinned host memory and are
     # stepped there by torch's CPU Adam, the rest on the GPU by TransformerEngine's FusedAdam (fp32 moments).
-    # How an 8B trainer and its state can fit one H200 next to the sleeping engine (memory.py estimates both
+    # How an 8B trainer and its state can fit one 141 GiB GPU next to the sleeping engine (memory.py estimates both
     # the GPU and the host side); needs use_precision_aware_optimizer (as megatron-core's recipes set it).
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = Field(0.0, ge=0.0, le=1.0)
@@ -92,7 +92,7 @@ class MegatronOptimizerConfig(StrictConfig):
                 errs.append("optimizer_cpu_offload=true with optimizer_offload_fraction=0.0 offloads nothing; "
                             "set a fraction in (0, 1] (1.0: all optimizer state on the host)")
         if self.optimizer == "sgd" and self.use_distributed_optimizer and not self.optimizer_cpu_offload:
-            # megatron-core 0.18's DistributedOptimizer asserts Adam (its checkpoint format): seen on the H200
+            # megatron-core 0.18's DistributedOptimizer asserts Adam (its checkpoint format)
             errs.append("optimizer=sgd needs use_distributed_optimizer=false (megatron-core's distributed optimizer "
                         "supports only Adam)")
         if self.bf16 and self.fp16:

@@ -5,7 +5,7 @@ policy's with ``reference=True``); ``train`` runs one GRPO update over a rollout
 loss function; ``named_weights`` streams the weights, by HF name, for the refit;
 ``calibrate_kv_scales`` measures per-layer q/k/v amax for the FP8 KV cache. Two
 implementations: ``torch`` (reference: HF model + AdamW, FP8 recipes emulated) and ``megatron``
-(Megatron-core + TransformerEngine, a later issue). Batches follow ``nemo_fp8.batch``.
+(Megatron-core + TransformerEngine, ``nemo_fp8.policy.megatron``; docs/megatron-fp8-training.md). Batches follow ``nemo_fp8.batch``.
 
 Lifecycle (NeMo-RL's names): around a refit with a colocated engine the loop calls
 ``offload_before_refit`` (optimizer state off the device) and ``offload_after_refit`` (weights

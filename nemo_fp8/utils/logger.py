@@ -98,8 +98,8 @@ class MetricsLogger:
 
 def plot_curves(jsonl_path: Path, png_path: Path) -> Path:
     """Draw validation accuracy, reward, gen_kl_error and token_mult_prob_error against step
-    (the parity report's four panels, ``nemo_fp8.utils.parity.plot_parity``, for one run)."""
-    from nemo_fp8.utils.parity import plot_parity
+    (the parity report's four panels, ``nemo_fp8.utils.plots.plot_parity``, for one run)."""
+    from nemo_fp8.utils.plots import plot_parity
 
     name = str(Path(jsonl_path).parent.name)
     return plot_parity({name: read_metrics(jsonl_path)}, png_path, title=name)

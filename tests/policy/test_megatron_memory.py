@@ -15,7 +15,7 @@ QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint o
 H200 = int(139.80 * GiB)  # torch's total_memory of one H200
 HOST = 128 * GiB  # the one-H200 host's memory
 CONFIG_8B = "examples/configs/grpo_math_8B_megatron.yaml"
-# The one-GPU layout that ran out of memory in FusedAdam's step on one H200 (2026-11-23; README, "GPU: learning parity")
+# The one-GPU layout that runs out of memory in FusedAdam's step on one 141 GiB GPU (docs/multi-gpu.md)
 TP1_PRECISION_AWARE = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
                        "policy.megatron_cfg.sequence_parallel=false",
                        "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true",

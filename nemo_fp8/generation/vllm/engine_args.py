@@ -25,10 +25,8 @@ What the FP8 engine needs, and where each piece comes from:
   ``compilation/passes/fusion/{act_quant_fusion,rms_quant_fusion}.py`` carry no E8M0 flag), so with
   ``pow2_activation_scaling_factors`` only ``o_proj``'s input would get power-of-two scales, and (b) were
   slower than what replaces them here (Inductor's SiLU / RMSNorm kernels + vLLM's
-  ``per_token_group_quant`` CUDA op): on one H200, Qwen3-8B shape, DeepGEMM, decode batch 256, activation
-  quantization took 2.54 ms per decode step with the fused kernels vs 1.68 ms without, all GPU kernels
-  14.73 vs 13.74 ms (``tools/profile_rollout.py``, 2026-11-24). ``live_activation_scales`` says which
-  format an engine really uses.
+  ``per_token_group_quant`` CUDA op): the decode-step profile is in docs/performance.md
+  (``profile-rollout`` suite). ``live_activation_scales`` says which format an engine really uses.
 * ``worker_extension_cls``: ``Fp8WorkerExtension``, imported in every worker process before the
   model is built; importing it applies the patch table (``patches.py``) from the environment.
 * Environment (set before the engine spawns its processes, inherited by them):
@@ -110,7 +108,7 @@ def compilation_config(cfg: VllmConfig) -> Optional[dict[str, Any]]:
 
     A compiled FP8 engine (``precision: fp8``, not ``enforce_eager``) gets vLLM's activation-quant fusion
     passes off: their fused kernels write fp32 scales only (so ``pow2_activation_scaling_factors`` would not
-    hold at the gate/up, down and q/k/v inputs) and measured slower than the unfused path (module
+    hold at the gate/up, down and q/k/v inputs) and are slower than the unfused path (module
     docstring). BF16 and eager engines run no such pass: None.
     """
     if cfg.precision != "fp8" or cfg.enforce_eager:
@@ -153,20 +151,6 @@ def quantization_config(cfg: VllmConfig, ignored_layers: list[str]) -> Optional[
         "weight_block_size": list(cfg.weight_block_size),
         "ignored_layers": list(ignored_layers),
     }
-
-
-def meta_model(model_config: Any):
-    """An HF model on the meta device (no memory) for ``model_config``: a PretrainedConfig,
-    a dict with ``model_type``, or a local checkpoint folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-
-    if isinstance(model_config, dict):
-        model_config = AutoConfig.for_model(**model_config)
-    elif not isinstance(model_config, PretrainedConfig):
-        model_config = AutoConfig.from_pretrained(str(model_config))
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
 
 
 def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[str] = None, *,

@@ -177,6 +177,20 @@ def layer_index(name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def meta_model(model_config: Any):
+    """An HF model on the meta device (no memory) for ``model_config``: a PretrainedConfig,
+    a dict with ``model_type``, or a local checkpoint folder. The refit plan and the engine arguments read the
+    module tree from it (``build_refit_plan``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    if isinstance(model_config, dict):
+        model_config = AutoConfig.for_model(**model_config)
+    elif not isinstance(model_config, PretrainedConfig):
+        model_config = AutoConfig.from_pretrained(str(model_config))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config)
+
+
 def build_refit_plan(vllm_cfg, model_config: Any) -> tuple[RefitPlan, list[str]]:
     """``RefitPlan`` and vLLM ``ignored_layers`` for ``model_config`` (meta model, no memory).
 
@@ -185,7 +199,6 @@ def build_refit_plan(vllm_cfg, model_config: Any) -> tuple[RefitPlan, list[str]]
     layer is in the first/last BF16 layers or ``fp8_ignore_patterns`` matches the container.
     """
     from nemo_fp8.fp8.policy import _matches
-    from nemo_fp8.generation.vllm.engine_args import meta_model
     from nemo_fp8.fp8 import plan_layer_precision
 
     model = meta_model(model_config)

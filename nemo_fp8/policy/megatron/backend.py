@@ -52,6 +52,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
+from nemo_fp8.policy.megatron.support import check_recipe_supported
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
@@ -66,8 +67,8 @@ def fuse_te_wgrad_accumulation(model: torch.nn.Module, enabled: bool = True) -> 
     false switches them back to a separate ``.grad`` (the GPU test compares the two paths).
 
     Without it each TE wgrad GEMM writes a bf16 ``param.grad`` and megatron-core's DDP hook adds it
-    to the fp32 ``main_grad`` in a separate kernel (about 12 ms per forward + backward of the
-    8-layer Qwen3-8B slice in ``tools/bench_train.py --profile``); with it the GEMM's epilogue
+    to the fp32 ``main_grad`` in a separate kernel (its cost and this fusion's gain: docs/performance.md,
+    ``bench-train-dense`` suite); with it the GEMM's epilogue
     accumulates in the buffer's dtype (``out=main_grad, accumulate=True``), TE sets
     ``grad_added_to_main_grad`` and the hook skips the add (``megatron/core/distributed/
     distributed_data_parallel.py``). megatron-core ties this option to ``gradient_accumulation_fusion``,
@@ -91,29 +92,6 @@ def fuse_te_wgrad_accumulation(model: torch.nn.Module, enabled: bool = True) -> 
             module.fuse_wgrad_accumulation = enabled
             n += 1
     return n
-
-
-def check_recipe_supported(cfg: PolicyConfig) -> None:
-    """Ask TransformerEngine whether this GPU and library can run the configured FP8 recipe.
-
-    Raises:
-        RuntimeError: FP8 (or blockwise FP8: Hopper or newer, cuBLAS >= 12.9) is not available,
-            with TE's reason and what to use instead.
-    """
-    f = cfg.megatron_cfg.fp8_cfg
-    if not f.enabled:
-        return
-    from transformer_engine.pytorch.quantization import is_fp8_available, is_fp8_block_scaling_available
-
-    ok, why = is_fp8_available(return_reason=True)
-    if not ok:
-        raise RuntimeError(f"policy.megatron_cfg.fp8_cfg.enabled: TransformerEngine cannot run FP8 here ({why}); "
-                           "set policy.megatron_cfg.fp8_cfg.enabled=false (BF16 training)")
-    if f.fp8_recipe == "blockwise":
-        ok, why = is_fp8_block_scaling_available(return_reason=True)
-        if not ok:
-            raise RuntimeError(f"policy.megatron_cfg.fp8_cfg.fp8_recipe=blockwise: TransformerEngine cannot run it "
-                               f"here ({why}; it needs Hopper or newer and cuBLAS >= 12.9); use fp8_recipe=tensorwise")
 
 
 def _unwrap(model):
@@ -542,7 +520,7 @@ class MegatronPolicyBackend:
     def release_cached_memory(self) -> None:
         """The allocator's free cached blocks (the step's activation peak) back to the device, the state kept: with
         ``colocated.offload_trainer=false`` the engine wakes beside this process, which otherwise keeps its
-        peak reserved (seven parity runs sharing one H200: 18-20 GiB per trainer, out of memory; 2026-11-24)."""
+        peak reserved (several trainers sharing one GPU with their engines ran out of memory that way)."""
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -32,13 +32,13 @@ colocated, what the backend moves out of the GPU around every generation: the we
 pinned ``param_data_cpu``, ``offload_after_refit``; the gradient buffer is freed, not copied) and,
 without the optimizer CPU offload, the optimizer state kept on the GPU during training (the moments,
 into a pinned host arena, ``offload_before_refit``). With the offload the GPU share of the state stays
-on the GPU: moved out as well, it did not fit the host (Qwen3-8B, one H200, half offloaded: the
-trainer process reached 101 GB of the host's 125 GiB and Ray's memory monitor killed it, 2026-11-24).
+on the GPU: moved out as well, an 8B trainer's state with half offloaded does not fit a 125 GiB host
+(Ray's memory monitor kills the trainer).
 
-Seen on one H200 (2026-11-23): a Qwen3-8B-shaped model (8.19B parameters) with bf16 moments and a
-bf16 gradient buffer, BF16 or FP8 (e4m3 blockwise) training, ran out of memory inside FusedAdam's step with 125.5 GiB allocated by PyTorch
-and 7.8 GiB more of the trainer process outside PyTorch's allocator (CUDA context, cuBLAS, NCCL,
-TransformerEngine workspaces): ``NON_TORCH_BYTES``.
+Why the estimate counts FusedAdam's fp32 copies: an 8B trainer with bf16 moments and a bf16 gradient buffer
+on one 141 GiB GPU runs out of memory inside FusedAdam's step, BF16 or FP8 training alike. Besides PyTorch's
+allocator the trainer process holds about 7.8 GiB (CUDA context, cuBLAS, NCCL, TransformerEngine
+workspaces): ``NON_TORCH_BYTES``. The runs behind these numbers: docs/multi-gpu.md, docs/results/README.md.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pathlib import Path
 from nemo_fp8.policy.config import PolicyConfig
 
 GiB = 2**30
-# The trainer process's GPU memory outside PyTorch's allocator, one H200, 8B model (see the module docstring).
+# The trainer process's GPU memory outside PyTorch's allocator, 8B model (see the module docstring).
 NON_TORCH_BYTES = int(7.8 * GiB)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -1,0 +1,153 @@
+"""The package's import graph (parsed with ``ast``, nothing imported): no cycles, and no import runs up the house.
+
+Layers, bottom to top (a module may import its own layer and the layers below, never a layer above):
+
+0. foundation   ``nemo_fp8.utils.*``, ``nemo_fp8.batch``: run folders, checkpoints, logging, typed batches; and
+                ``nemo_fp8.policy.packing`` where it exists (pure-torch bin packing that the policy schema reads)
+1. schemas      every section config ``nemo_fp8.<part>.config``: pydantic classes on ``utils.config``'s
+                StrictConfig (they may compose one another: ``policy.weight_sync`` is
+                ``distributed.config.WeightSyncConfig``)
+2. numerics     ``nemo_fp8.fp8``: formats, quantization, the W8A8 reference linear, KV scales; torch only
+3. components   ``nemo_fp8.algorithms`` (loss, advantages, metrics), ``nemo_fp8.data``, ``nemo_fp8.rewards``,
+                ``nemo_fp8.models``
+4. engines      ``nemo_fp8.generation``, ``nemo_fp8.policy``: interfaces and backends (torch, vLLM, Megatron)
+5. distributed  ``nemo_fp8.distributed``: Ray worker groups, weight sync between policy and engines
+6. assembly     ``nemo_fp8.config`` (MasterConfig: the sections together), ``nemo_fp8.preflight``,
+                ``nemo_fp8.env_check``
+7. loop         ``nemo_fp8.algorithms.grpo``: one GRPO step over the interfaces, reading the MasterConfig
+8. top          ``nemo_fp8.trainer`` (setup -> train -> cleanup) and the package's own ``__init__``
+
+A module is placed by the longest matching prefix. Every import counts, the ones inside functions and under
+``TYPE_CHECKING`` too: a lazy import is still a dependency. ``from package import name`` where ``name`` is a
+module of the package is an edge to that module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nemo_fp8"
+
+LAYERS = [
+    ("foundation", ["nemo_fp8.utils", "nemo_fp8.batch", "nemo_fp8.policy.packing"]),
+    ("schemas", []),  # the section configs, matched by _layer_of
+    ("numerics", ["nemo_fp8.fp8"]),
+    ("components", ["nemo_fp8.algorithms", "nemo_fp8.data", "nemo_fp8.rewards", "nemo_fp8.models"]),
+    ("engines", ["nemo_fp8.generation", "nemo_fp8.policy"]),
+    ("distributed", ["nemo_fp8.distributed"]),
+    ("assembly", ["nemo_fp8.config", "nemo_fp8.preflight", "nemo_fp8.env_check"]),
+    ("loop", ["nemo_fp8.algorithms.grpo"]),
+    ("top", ["nemo_fp8.trainer", "nemo_fp8"]),
+]
+
+
+def _modules(root: Path = PACKAGE) -> dict[str, Path]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package modules it imports (see the module docstring for how names resolve)."""
+    mods = _modules(root)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's own package upward
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods and "." in t:  # import a.b.c of a package module: its nearest module
+                    t = t.rsplit(".", 1)[0]
+                if t in mods and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def _layer_of(mod: str) -> int:
+    parts = mod.split(".")
+    if len(parts) == 3 and parts[2] == "config" and parts[1] != "utils":
+        return 1  # a section schema: nemo_fp8.<part>.config (utils.config, their StrictConfig base, is foundation)
+    best, layer = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), i
+    assert layer is not None, f"{mod} has no layer: add it to LAYERS in {__file__}"
+    return layer
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_the_package():
+    graph = import_graph()
+    assert "nemo_fp8.trainer" in graph and "nemo_fp8.algorithms.grpo" in graph["nemo_fp8.trainer"]
+    assert "nemo_fp8.fp8.quantize" in graph["nemo_fp8.fp8.linear"]
+    # a lazy import inside a function is an edge too
+    assert "nemo_fp8.generation.vllm.refit" in graph["nemo_fp8.generation.vllm.engine_args"]
+
+
+def test_no_cycles():
+    assert _cycles(import_graph()) == []
+
+
+def test_no_import_runs_up_the_house():
+    ups = [f"{m} ({LAYERS[_layer_of(m)][0]}) -> {t} ({LAYERS[_layer_of(t)][0]})"
+           for m, ts in sorted(import_graph().items()) for t in sorted(ts) if _layer_of(t) > _layer_of(m)]
+    assert ups == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import(tmp_path):
+    pkg = tmp_path / "nemo_fp8"
+    (pkg / "fp8").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fp8" / "__init__.py").write_text("")
+    (pkg / "fp8" / "a.py").write_text("from nemo_fp8.fp8 import b\n")
+    (pkg / "fp8" / "b.py").write_text("def f():\n    from nemo_fp8.fp8.a import x\n    from nemo_fp8 import trainer\n")
+    (pkg / "trainer.py").write_text("import os\n")
+    graph = import_graph(pkg)
+    assert _cycles(graph) == [["nemo_fp8.fp8.a", "nemo_fp8.fp8.b"]]
+    assert "nemo_fp8.trainer" in graph["nemo_fp8.fp8.b"] and _layer_of("nemo_fp8.trainer") > _layer_of("nemo_fp8.fp8.b")

@@ -1,0 +1,425 @@
+"""The learning-parity report (tools/lab/parity_report.py, the plot in nemo_fp8/utils/plots.py) and
+tools/compare_precision.py on synthetic metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lab.parity_report import (
+    paired_reward_gap,
+    parity_table,
+    reward_gap_table,
+    seed_group_table,
+    summarize_run,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tool():
+    spec = importlib.util.spec_from_file_location("compare_precision", REPO / "tools" / "compare_precision.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fake_run(gen_s: float, kl: float, accs: list[float], steps: int = 4) -> list[dict]:
+    """Rows as MetricsLogger writes them: a step-0 validation row, then steps with timings; val every 2 steps."""
+    rows = [{"step": 0, "val/accuracy": accs[0], "timing/validation": 1.0}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "train/reward_mean": 0.1 * s, "mismatch/gen_kl_error": kl * s,
+             "mismatch/token_mult_prob_error": 1.0 + kl, "timing/generation": gen_s * (10 if s == 1 else 1),
+             "timing/logprobs": 0.5, "timing/training": 1.5, "timing/reward": 0.1,
+             "perf/rollout_tokens_per_s": 1000.0 / gen_s}
+        if s % 2 == 1:
+            r["timing/refit"] = 0.2
+        r["timing/step"] = sum(v for k, v in r.items() if k.startswith("timing/"))
+        if s % 2 == 0:
+            r["val/accuracy"] = accs[s // 2]
+            r["timing/validation"] = 3.0
+            r["timing/step"] += 3.0
+        rows.append(r)
+    return rows
+
+
+def test_summarize_run_hand_computed():
+    s = summarize_run(fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.4, 0.3]))
+    assert s["steps"] == 4 and s["final_acc"] == 0.3 and s["best_acc"] == 0.4
+    assert s["reward_mean"] == pytest.approx(0.25)
+    assert s["gen_kl_error"] == pytest.approx(2.5e-3)
+    # steps 2..4 timed (step 1 is warm-up): refit on step 3 only -> 0.2 / 3
+    assert s["generation_s"] == pytest.approx(2.0) and s["refit_s"] == pytest.approx(0.2 / 3)
+    assert s["logprobs_s"] == pytest.approx(0.5) and s["training_s"] == pytest.approx(1.5)
+    assert s["step_s"] == pytest.approx(2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1)  # validation left out
+    assert s["tokens_per_s"] == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="no training-step rows"):
+        summarize_run([{"step": 0, "val/accuracy": 0.5}])
+    one = summarize_run(fake_run(2.0, 0.0, [0.1, 0.2], steps=1))
+    assert one["generation_s"] == pytest.approx(20.0)  # a lone step is timed, warm-up or not
+    assert math.isnan(summarize_run([{"step": 1, "train/reward_mean": 0.0}])["final_acc"])
+
+
+def test_parity_table_ratios_to_baseline():
+    sums = {"bf16": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2, 0.3])),
+            "fp8+tis": summarize_run(fake_run(1.0, 1e-3, [0.1, 0.25, 0.2]))}
+    table = parity_table(sums)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    step_bf16, step_fp8 = sums["bf16"]["step_s"], sums["fp8+tis"]["step_s"]
+    assert rows["bf16"][-2:] == ["1.00", "1.00"]
+    assert rows["fp8+tis"][-2:] == [f"{step_fp8 / step_bf16:.2f}", "0.50"]
+    assert rows["fp8+tis"][1:4] == ["0.1000", "0.2000", "0.2500"]
+    assert "-" == parity_table(sums, baseline="nope").splitlines()[2].split("|")[-2].strip()
+
+
+def _reward_rows(rewards: list[float]) -> list[dict]:
+    return [{"step": 0, "val/accuracy": 0.1}] + [{"step": i + 1, "train/reward_mean": r} for i, r in enumerate(rewards)]
+
+
+def test_paired_reward_gap_hand_computed():
+    base = _reward_rows([0.1, 0.5, 0.2, 0.4, 0.3])
+    run = _reward_rows([0.1, 0.5, 0.1, 0.3, 0.3, 0.9])  # one step more: only the 5 common steps pair
+    g = paired_reward_gap(run, base, 0.0, 1.0)
+    # differences 0, 0, -0.1, -0.1, 0: mean -0.04, sample sd sqrt(0.012/4) = 0.0548, se 0.0548 / sqrt(5)
+    assert g["steps"] == 5 and g["diff"] == pytest.approx(-0.04)
+    assert g["se"] == pytest.approx(math.sqrt(0.012 / 4 / 5)) and g["z"] == pytest.approx(-0.04 / g["se"])
+    late = paired_reward_gap(run, base, 0.6, 1.0)  # steps 4 and 5 of 5
+    assert late["steps"] == 2 and late["diff"] == pytest.approx(-0.05)
+    with pytest.raises(ValueError, match="no common training steps"):
+        paired_reward_gap(run, _reward_rows([]), 0.0, 1.0)
+
+
+def test_reward_gap_table_pairs_each_host_with_its_own_baseline():
+    runs = {"bf16": _reward_rows([0.1, 0.2, 0.3, 0.4, 0.5]), "fp8": _reward_rows([0.1, 0.2, 0.3, 0.3, 0.4]),
+            "bf16@b": _reward_rows([0.2, 0.3, 0.4, 0.5, 0.6]), "fp8kv": _reward_rows([0.2, 0.3, 0.4, 0.5, 0.5])}
+    table = reward_gap_table(runs, "bf16", baseline_of={"bf16@b": "bf16@b", "fp8kv": "bf16@b"},
+                             windows=((0.0, 0.6), (0.6, 1.0)))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert list(rows) == ["fp8", "bf16@b", "fp8kv"]  # bf16 itself has no row
+    assert rows["fp8"][0] == "bf16" and rows["fp8"][1].startswith("+0.0000") and rows["fp8"][2].startswith("-0.1000")
+    assert rows["bf16@b"][0] == "bf16" and rows["bf16@b"][2].startswith("+0.1000")
+    assert rows["fp8kv"][0] == "bf16@b" and rows["fp8kv"][2].startswith("-0.0500")
+    assert reward_gap_table({"fp8": runs["fp8"]}) == ""
+
+
+def test_seed_group_table_hand_computed():
+    """Groups by variant over -seed<N>; late window = last 40% of each run's steps (steps 4-5 of 5)."""
+    runs = {"bf16": _reward_rows([0, 0, 0, 0.4, 0.6]),            # late mean 0.5
+            "bf16-seed2": _reward_rows([0, 0, 0, 0.6, 0.8]),      # 0.7
+            "bf16@gpu-b": _reward_rows([0, 0, 0, 0.9, 0.9]),      # seed 1 again: a near copy, left out
+            "fp8+tis": _reward_rows([0, 0, 0, 0.3, 0.3]),         # 0.3
+            "fp8+tis-seed3@gpu-b": _reward_rows([0, 0, 0, 0.5, 0.5]),  # 0.5 (seed 3, from another host: counted)
+            "fp8kv+tis": _reward_rows([0, 0, 0, 0.1, 0.1])}       # one seed: no row
+    table = seed_group_table(runs)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert list(rows) == ["bf16", "fp8+tis"]
+    sd = math.sqrt(0.02)  # two values 0.2 apart: sample sd 0.1414
+    assert rows["bf16"] == ["1,2", "0.6000", f"{sd:.4f}", "-"]
+    se = math.sqrt(sd ** 2 / 2 + sd ** 2 / 2)
+    assert rows["fp8+tis"][:3] == ["1,3", "0.4000", f"{sd:.4f}"]
+    assert rows["fp8+tis"][3] == f"{-0.2:+.4f} +- {se:.4f} ({-0.2 / se:+.1f})"
+    assert seed_group_table({"bf16": runs["bf16"], "fp8": runs["fp8+tis"]}) == ""
+
+
+def test_accuracy_per_data_source_first_and_last():
+    rows = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
+    for r, (a, b) in zip([r for r in rows if "val/accuracy" in r], [(0.2, 0.0), (0.7, 0.1), (0.6, 0.0)]):
+        r["val/accuracy/synthetic_arithmetic"], r["val/accuracy/gsm8k"] = a, b
+    s = summarize_run(rows)
+    assert s["start_acc"] == 0.1 and s["acc_by_source"] == {"gsm8k": (0.0, 0.0), "synthetic_arithmetic": (0.2, 0.6)}
+    table = parity_table({"bf16": s, "old": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2, 0.3]))})
+    lines = table.splitlines()
+    head, bf16, old = ([c.strip() for c in line.split("|")[1:-1]] for line in lines[:1] + lines[2:])
+    assert head[2:7] == ["start acc", "final acc", "best acc", "gsm8k acc", "synthetic_arithmetic acc"]
+    assert bf16[5:7] == ["0.000 -> 0.000", "0.200 -> 0.600"] and old[5:7] == ["-", "-"]
+
+
+def test_plot_adds_a_panel_per_data_source(tmp_path):
+    import struct
+
+    from nemo_fp8.utils.plots import plot_parity
+
+    def width(path):  # PNG IHDR: width, height (big-endian) after the 16-byte signature + chunk header
+        return struct.unpack(">II", path.read_bytes()[16:24])[0]
+
+    plain = {"bf16": fake_run(2.0, 0.0, [0.1, 0.4, 0.3])}
+    rows = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
+    for r in rows:
+        if "val/accuracy" in r:
+            r["val/accuracy/synthetic_arithmetic"], r["val/accuracy/gsm8k"] = 2 * r["val/accuracy"], 0.0
+    two = plot_parity(plain, tmp_path / "a.png")
+    three = plot_parity({"bf16": rows, "old": plain["bf16"]}, tmp_path / "b.png")
+    assert width(three) == pytest.approx(width(two) * 1.5, rel=0.02)  # 2 x 2 panels -> 2 x 3 (two sources)
+
+
+def test_line_styles_give_a_variant_one_colour_and_each_run_its_own_line():
+    from nemo_fp8.utils.plots import _line_styles
+
+    names = ["bf16", "bf16-seed2", "fp8+tis", "fp8", "bf16@gpu-b", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis",
+             "bf16-seed3", "fp8+tis-seed2", "fp8+tis-seed3", "fp8-seed2"]
+    style = _line_styles(names)
+    assert len(set(style.values())) == len(names)  # 12 runs: no two drawn alike (a 10-colour cycle alone repeats)
+    assert {style[n][0] for n in ("bf16", "bf16-seed2", "bf16@gpu-b", "bf16-seed3")} == {style["bf16"][0]}
+    assert style["fp8+tis-seed3"][0] == style["fp8+tis"][0] != style["bf16"][0]
+    assert [style[n][1] for n in ("bf16", "bf16-seed2", "bf16@gpu-b", "bf16-seed3")] == ["-", "--", ":", "-."]
+
+
+def test_seed_means_average_distinct_seeds_at_common_steps(tmp_path):
+    import struct
+
+    from nemo_fp8.utils.plots import _seed_groups, _seed_mean_by_step, plot_parity
+
+    runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.0, 0.0, [0.1, 0.4, 0.5], steps=2),
+            "bf16@gpu-b": fake_run(2.0, 0.0, [0.9, 0.9, 0.9]), "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.2, 0.2]),
+            "fp8+tis-seed2": fake_run(1.0, 1e-3, [0.1, 0.3, 0.4]), "fp8": fake_run(1.0, 1e-3, [0.1, 0.2, 0.2])}
+    groups = _seed_groups(runs)
+    assert groups == {"bf16": ["bf16", "bf16-seed2"], "fp8+tis": ["fp8+tis", "fp8+tis-seed2"], "fp8": ["fp8"]}
+    # bf16-seed2 stopped at step 2: the mean covers steps 0 and 2 only; bf16@gpu-b (seed 1 again) is not counted
+    assert _seed_mean_by_step(runs, groups["bf16"], "val/accuracy") == pytest.approx({0: 0.1, 2: 0.3})
+
+    def width(path):
+        return struct.unpack(">II", path.read_bytes()[16:24])[0]
+
+    plain = {k: runs[k] for k in ("bf16", "fp8+tis", "fp8")}
+    three = plot_parity(plain, tmp_path / "a.png", baseline="bf16")  # 4 panels + paired: 2 x 3
+    four = plot_parity(runs, tmp_path / "b.png", baseline="bf16")  # + two seed-mean panels: 2 x 4
+    assert width(four) == pytest.approx(width(three) * 4 / 3, rel=0.02)
+
+
+def test_report_only_writes_png_and_table(tmp_path, capsys):
+    runs = {"bf16": fake_run(2.0, 0.0, [0.1, 0.2, 0.3]), "bf16-seed2": fake_run(2.1, 0.0, [0.1, 0.22, 0.28]),
+            "fp8+tis": fake_run(1.0, 1e-3, [0.1, 0.25, 0.2])}
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "tr')
+    (tmp_path / "fp8").mkdir()  # a variant that failed before its first step
+    (tmp_path / "fp8" / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/accuracy": 0.1}) + "\n")
+    rc = tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(tmp_path),
+                      "--variants", "bf16,bf16-seed2,fp8+tis,fp8,fp8kv+tis"])
+    assert rc == 0
+    png = (tmp_path / "parity.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    md = (tmp_path / "parity.md").read_text()
+    assert md.splitlines()[0].startswith("| variant | steps | start acc | final acc | best acc |")
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:5]] == ["bf16", "bf16-seed2", "fp8+tis"]
+    assert "Missing: fp8: no training-step rows" in md and "fp8kv+tis: no " in md
+    assert md.splitlines()[2] in capsys.readouterr().out
+
+
+def test_report_joins_another_hosts_runs_with_also(tmp_path, capsys):
+    a, b = tmp_path / "gpu", tmp_path / "gpu-b"
+    # host b's GPU is twice as slow: its runs' ratios must be to its own bf16, not to host a's
+    for d, name, acc, gen_s in ((a, "bf16", 0.3, 1.0), (a, "fp8+tis", 0.31, 1.0), (b, "bf16", 0.29, 2.0),
+                                (b, "fp8kv+tis", 0.32, 1.0)):
+        _write_run(d / name, fake_run(gen_s, 1e-3, [0.1, 0.2, acc]))
+    (b / "fp8-e2e+tis").mkdir()  # started, no metrics yet: not a run
+    rc = tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--variants", "bf16,fp8+tis",
+                      "--also", str(b)])
+    assert rc == 0
+    md = (a / "parity.md").read_text()
+    first_table = md.split("\n\n")[0]
+    rows = {line.split("|")[1].strip(): line for line in first_table.splitlines()[2:] if line.startswith("| ")}
+    assert list(rows) == ["bf16", "fp8+tis", "bf16@gpu-b", "fp8kv+tis"]
+    assert "| 0.3200 |" in rows["fp8kv+tis"] and "| 0.2900 |" in rows["bf16@gpu-b"]
+    assert "name@folder" in md and "own bf16 run" in md
+    assert "| fp8kv+tis | bf16@gpu-b |" in md and "| bf16@gpu-b | bf16 |" in md  # the paired reward table
+    gen_ratio = {k: line.split("|")[-2].strip() for k, line in rows.items()}
+    assert gen_ratio == {"bf16": "1.00", "fp8+tis": "1.00", "bf16@gpu-b": "1.00", "fp8kv+tis": "0.50"}
+    assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--also", str(tmp_path / "x")]) == 2
+    assert "--also" in capsys.readouterr().err
+
+
+def test_also_folder_without_a_usable_baseline_pairs_with_ours_everywhere(tmp_path):
+    a, b, c = tmp_path / "gpu", tmp_path / "gpu-b", tmp_path / "gpu-c"
+    for d, name, gen_s in ((a, "bf16", 1.0), (b, "fp8kv+tis", 0.5), (c, "fp8+tis-seed2", 0.25)):
+        _write_run(d / name, fake_run(gen_s, 1e-3, [0.1, 0.2, 0.3]))
+    (b / "bf16").mkdir()  # host b's bf16 failed before its first training step; host c ran no bf16 at all
+    (b / "bf16" / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/accuracy": 0.1}) + "\n")
+    assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--variants", "bf16",
+                        "--also", str(b), "--also", str(c)]) == 0
+    md = (a / "parity.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in md.split("\n\n")[0].splitlines()[2:]}
+    assert {k: line.split("|")[-2].strip() for k, line in rows.items()} == {
+        "bf16": "1.00", "fp8kv+tis": "0.50", "fp8+tis-seed2": "0.25"}  # gen / bf16: both to host a's bf16
+    assert "| fp8kv+tis | bf16 |" in md and "| fp8+tis-seed2 | bf16 |" in md  # and paired with it
+    assert "bf16@gpu-b: no training-step rows" in md
+
+
+def test_report_only_without_any_metrics_fails(tmp_path):
+    assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(tmp_path)]) == 1
+
+
+def test_unknown_variant_is_refused(capsys):
+    assert tool().main(["--backend", "gpu", "--variants", "bf16,fp9", "--dry-run"]) == 2
+    assert "fp9" in capsys.readouterr().err
+
+
+# (ids: a test id "gpu" would be taken for the gpu marker and skipped without CUDA)
+@pytest.mark.parametrize("backend", ["cpu", "gpu"], ids=["torch-backends", "vllm-megatron"])
+def test_every_variant_is_a_valid_config(backend):
+    """Each variant's overrides pass the config checks on the backend's default config and set what they say."""
+    from nemo_fp8.config import load_config
+
+    cp = tool()
+    table = cp.GPU_VARIANTS if backend == "gpu" else cp.VARIANTS
+    expect = {  # name: (rollout precision, kv cache, IS on, FP8 training, FP16 training, seed)
+        "bf16": ("bfloat16", "auto", False, False, False, 42), "bf16-seed2": ("bfloat16", "auto", False, False, False, 43),
+        "bf16+tis": ("bfloat16", "auto", True, False, False, 42), "fp8": ("fp8", "auto", False, False, False, 42),
+        "fp8+tis": ("fp8", "auto", True, False, False, 42), "fp8kv+tis": ("fp8", "fp8", True, False, False, 42),
+        "fp8-e2e+tis": ("fp8", "auto", True, True, False, 42), "fp8+fp16-train+tis": ("fp8", "auto", True, False, True, 42)}
+    for name, overrides in table.items():
+        cfg = load_config(cp.DEFAULT_CONFIG[backend], overrides)
+        v, m = cfg.policy.generation.vllm_cfg, cfg.policy.megatron_cfg
+        got = (v.precision, v.kv_cache_dtype, cfg.loss_fn.use_importance_sampling_correction, m.fp8_cfg.enabled,
+               m.optimizer.fp16, cfg.grpo.seed)
+        assert got == expect[name], name
+        if backend == "gpu":
+            assert cfg.policy.generation.backend == "vllm" and m.enabled
+            if m.fp8_cfg.enabled:
+                assert (m.fp8_cfg.fp8, m.fp8_cfg.fp8_recipe) == ("e4m3", "blockwise")
+    if backend == "gpu":
+        assert set(table) == {"bf16", "bf16-seed2", "fp8+tis", "fp8", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis"}
+
+
+def test_any_variant_with_another_sampling_seed(capsys):
+    """``<variant>-seed<N>``: the variant's overrides plus grpo.seed=41+N (a second FP8 rollout stream)."""
+    from nemo_fp8.config import load_config
+
+    cp = tool()
+    assert cp.variant_overrides("gpu", "fp8+tis-seed3") == [*cp.GPU_VARIANTS["fp8+tis"], "grpo.seed=44"]
+    assert cp.variant_overrides("gpu", "bf16-seed2") == cp.GPU_VARIANTS["bf16-seed2"]  # the listed one: 43
+    cfg = load_config(cp.DEFAULT_CONFIG["gpu"], cp.variant_overrides("gpu", "fp8kv+tis-seed2"))
+    assert (cfg.grpo.seed, cfg.policy.generation.vllm_cfg.kv_cache_dtype, cfg.data.seed) == (43, "fp8", 0)
+    assert load_config(cp.DEFAULT_CONFIG["cpu"], cp.variant_overrides("cpu", "fp8-seed2")).grpo.seed == 43
+    for bad in ("fp8-seed1", "fp8-seed", "fp9-seed2", "bf16-seed2-seed3x"):
+        with pytest.raises(KeyError):
+            cp.variant_overrides("gpu", bad)
+    assert cp.main(["--backend", "gpu", "--variants", "fp8+tis-seed2,fp8-seed1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8-seed1" in err and "fp8+tis-seed2" not in err.split("valid:")[0] and "-seed<N>" in err
+
+
+def test_dry_run_prints_one_command_per_variant(tmp_path, capsys):
+    assert tool().main(["--backend", "gpu", "--dry-run", "--out-dir", str(tmp_path), "grpo.max_num_steps=5"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 7 and all(line.endswith("grpo.max_num_steps=5") for line in lines)
+    assert f"logger.log_dir={tmp_path}/fp8kv+tis" in lines[4]
+    assert not list(tmp_path.iterdir())
+
+
+def test_parallel_dry_run_shares_the_gpu_between_engines(tmp_path, capsys):
+    assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 7 and all("policy.generation.vllm_cfg.gpu_memory_utilization=0.15" in line for line in lines)
+    # a value given on the command line wins
+    assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path),
+                        "policy.generation.vllm_cfg.gpu_memory_utilization=0.1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert all(line.count("gpu_memory_utilization") == 1 and "gpu_memory_utilization=0.1 " in line for line in lines)
+
+
+def test_parallel_engines_get_a_fixed_kv_cache_instead_of_profiling():
+    """Sharing the GPU, each engine's KV cache is fixed (vLLM's profiling reads the GPU's free memory, which the
+    other variants change); one variant at a time keeps vLLM's own sizing; a given key wins."""
+    po = tool().parallel_overrides
+    assert po(["a=1"], 1, 4.0) == ["a=1"]
+    out = po(["a=1"], 7, 4.0)
+    assert "policy.generation.vllm_cfg.kv_cache_memory_bytes=4294967296" in out
+    assert "policy.generation.vllm_cfg.gpu_memory_utilization=0.064" in out
+    mine = po(["policy.generation.vllm_cfg.kv_cache_memory_bytes=1000"], 7, 4.0)
+    assert [o for o in mine if "kv_cache_memory_bytes" in o] == ["policy.generation.vllm_cfg.kv_cache_memory_bytes=1000"]
+
+
+def test_run_variants_overlaps_runs_and_reports_failures(tmp_path, capsys):
+    """Two 1.5 s runs at a time: the three runs overlap, each log holds its output, the failure is listed."""
+    import sys
+    import time
+
+    script = ("import sys, time; print('start', time.time(), flush=True); time.sleep(1.5); "
+              "print('end', time.time()); sys.exit(int(sys.argv[1]))")
+    commands = {name: [sys.executable, "-c", script, rc] for name, rc in (("a", "0"), ("b", "3"), ("c", "0"))}
+    t0 = time.monotonic()
+    failed = tool().run_variants(commands, tmp_path, parallel=2, poll_s=0.05)
+    elapsed = time.monotonic() - t0
+    assert failed == ["b"] and "[b] failed (exit 3)" in capsys.readouterr().err
+    spans = {}
+    for name in commands:
+        words = (tmp_path / name / "run.log").read_text().split()
+        spans[name] = (float(words[1]), float(words[3]))
+    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1]  # a and b ran at the same time
+    assert spans["c"][0] >= min(spans["a"][1], spans["b"][1]) - 0.05          # c waited for a free slot
+    assert elapsed < 4.4  # three 1.5 s runs one after another would take >= 4.5 s
+
+
+def test_report_states_concurrency(tmp_path):
+    for name, gen_s in (("bf16", 2.0), ("fp8+tis", 1.5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in fake_run(gen_s, 1e-3, [0.1, 0.2, 0.3])))
+    _, md = tool().write_report(tmp_path, ["bf16", "fp8+tis"], concurrency=4)
+    assert "Up to 4 variants ran at once" in md.read_text()
+    _, md = tool().write_report(tmp_path, ["bf16", "fp8+tis"])
+    assert "ran at once" not in md.read_text()
+
+
+def mission_tool():
+    spec = importlib.util.spec_from_file_location("mission_report", REPO / "tools" / "mission_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(d: Path, rows: list[dict]) -> Path:
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_peak_gpu_memory_reads_nvidia_smi_csv_per_gpu(tmp_path):
+    from lab.parity_report import peak_gpu_memory
+
+    csv = tmp_path / "mem.csv"
+    csv.write_text("timestamp, index, memory.used [MiB]\n2026/11/23 21:50:13.379, 0, 117926 MiB\n"
+                   "2026/11/23 21:50:13.379, 1, 2048 MiB\n2026/11/23 21:50:16.380, 0, 86726 MiB\n"
+                   "timestamp, index, memory.used [MiB]\n2026/11/23 21:51:28.393, 1, 4096 MiB\n")
+    assert peak_gpu_memory(csv) == {0: pytest.approx(117926 / 1024), 1: 4.0}
+    (tmp_path / "bad.csv").write_text("time, used\n1, 2\n")
+    with pytest.raises(ValueError, match="expected nvidia-smi's timestamp, index, memory.used"):
+        peak_gpu_memory(tmp_path / "bad.csv")
+
+
+def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
+    fp8 = _write_run(tmp_path / "mission_fp8", fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]))
+    bf16 = _write_run(tmp_path / "mission_bf16", fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
+    (tmp_path / "fp8.csv").write_text("timestamp, index, memory.used [MiB]\nt, 0, 61440 MiB\nt, 1, 30720 MiB\n")
+    out = tmp_path / "mission.md"
+    rc = mission_tool().main([f"fp8={fp8},{tmp_path / 'fp8.csv'}", f"bf16={bf16}", "--out", str(out)])
+    md = out.read_text()
+    assert rc == 0 and "### fp8" in md and "### bf16" in md
+    # steps 2-4: gen 2.0 vs 4.0 s, refit every other step (0.2 at step 3: mean 0.067), tokens/s 500 vs 250
+    fp8_row = next(line for line in md.splitlines() if line.startswith("| fp8 |"))
+    cells = [c.strip() for c in fp8_row.strip("|").split("|")]
+    assert cells[:4] == ["fp8", "4", "2.00", "0.07"] and cells[7] == "500" and cells[8] == "0: 60.0, 1: 30.0"
+    step_ratio = (2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1) / (4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1)
+    assert cells[9] == f"{step_ratio:.2f}" and cells[10] == "2.00"
+    bf16_row = next(line for line in md.splitlines() if line.startswith("| bf16 |"))
+    assert bf16_row.split("|")[9].strip() == "-"  # no memory log given
+    assert mission_tool().main([f"x={tmp_path / 'none'}"]) == 2
+
+
+def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):
+    """Two comparisons with different --out-dir (a sweep beside the parity run) must not share a checkpoint folder:
+    the run lock of one stopped the other."""
+    mod = tool()
+
+    def ckpt(out_dir):
+        cmd = mod.variant_command("gpu", "bf16", "cfg.yaml", out_dir, [])
+        return next(a.split("=", 1)[1] for a in cmd if a.startswith("checkpointing.checkpoint_dir="))
+
+    assert ckpt(REPO / "logs" / "compare" / "gpu") == str(REPO / "results" / "compare" / "gpu" / "bf16")
+    assert ckpt(REPO / "logs" / "sweep" / "a") == str(REPO / "results" / "sweep" / "a" / "bf16")
+    assert ckpt(REPO / "logs" / "sweep" / "a") != ckpt(REPO / "logs" / "sweep" / "b")
+    assert ckpt(tmp_path / "x") == str(tmp_path / "x" / "checkpoints" / "bf16")

@@ -1,0 +1,62 @@
+"""CPU tests of the GPU suites' framework (tests/test_suites): every suite parses, sources common.sh and checks its
+metrics; common.sh's check_runs names runs by folder and fails the suite on a failed check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SUITES = sorted((REPO / "tests" / "test_suites" / "llm").glob("*.sh"))
+
+
+def test_there_are_suites():
+    assert len(SUITES) >= 10
+
+
+@pytest.mark.parametrize("suite", SUITES, ids=lambda p: p.stem)
+def test_suite_parses_and_uses_the_framework(suite):
+    text = suite.read_text()
+    assert subprocess.run(["bash", "-n", str(suite)], capture_output=True).returncode == 0
+    assert f"suite_init {suite.stem}" in text  # the suite's output folder is named after it
+    assert text.splitlines()[1].startswith("# "), "a suite starts with what it reproduces"
+    # a suite ends in a verdict: pytest's exit status, metric checks, or the profiler's own status
+    assert any(k in text for k in ("check_runs", "check ", "check_metrics.py", "run_gpu_pytest", "PIPESTATUS"))
+
+
+def _suite_shell(out: Path, body: str) -> subprocess.CompletedProcess:
+    script = f'PYTHON={sys.executable}; source tests/test_suites/common.sh; OUT={out}; {body}'
+    return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True)
+
+
+def test_check_runs_names_runs_by_folder_and_fails_on_a_failed_check(tmp_path):
+    for name, kl in [("bf16", 1e-4), ("fp8+tis", 6e-4)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "\n".join(json.dumps({"step": s, "mismatch/gen_kl_error": kl, "timing/step": 2.0}) for s in (1, 2, 3)))
+    ok = _suite_shell(tmp_path, "check_runs 'count(fp8_tis:timing/step) >= 3' "
+                                "'ratio(mean(fp8_tis:mismatch/gen_kl_error), mean(bf16:mismatch/gen_kl_error)) > 5'")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "2/2 checks passed" in ok.stdout and (tmp_path / "checks.md").is_file()
+    bad = _suite_shell(tmp_path, "check bf16 'max(mismatch/gen_kl_error) < 1e-5'")
+    assert bad.returncode == 1 and "| FAIL |" in bad.stdout
+    assert (tmp_path / "bf16" / "checks.md").is_file()
+
+
+def test_report_runs_writes_the_side_by_side_table(tmp_path):
+    for name, step_s in [("bf16", 4.0), ("fp8", 3.0)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(
+            {"step": s, "train/reward_mean": 0.5, "timing/step": step_s, "timing/generation": 1.0,
+             "perf/rollout_tokens_per_s": 1000.0}) for s in (1, 2, 3)))
+    res = _suite_shell(tmp_path, "report_runs")
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = (tmp_path / "report.md").read_text()
+    assert "| fp8 | 3 | 1.00 |" in table and "| 0.75 |" in table  # fp8's step / bf16's
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _suite_shell(empty, "report_runs").returncode == 1
