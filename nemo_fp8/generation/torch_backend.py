@@ -173,6 +173,22 @@ class TorchGenerationBackend:
     def weight_version(self) -> WeightVersion:
         return self._version
 
+    def engine_params(self, names: list[str]) -> list[dict]:
+        """Raw parameters and buffers, as ``VllmGenerationBackend.engine_params`` answers (one worker): name (e.g.
+        ``model.layers.0.mlp.down_proj.weight``, an FP8 layer's e4m3 weight, or its ``weight_scale_inv``) ->
+        (dtype name, shape, raw bytes). Diagnostics and tests (every engine holds the same bytes after a refit).
+
+        Raises:
+            KeyError: a name the model has no parameter or buffer for.
+        """
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        out = {}
+        for n in names:
+            t = tensors[n].detach().contiguous().cpu()
+            out[n] = (str(t.dtype).split(".")[-1], list(t.shape), t.view(torch.uint8).numpy().tobytes())
+        return [out]
+
     # ----------------------------------------------------------------------- lifecycle
     def prepare_for_generation(self) -> None:
         """Wake: move the model back to its device (after ``finish_generation`` offloaded it)."""
