@@ -275,8 +275,9 @@ class GenerationGroup:
                 out[k] = ray.get(done[0])
             except Exception as e:  # RayTaskError (the engine raised) or RayActorError (its process died)
                 dead = isinstance(e, ray.exceptions.RayActorError)
+                cause = e if dead else (getattr(e, "cause", None) or e)  # the engine's own exception, not Ray's wrapper
                 raise EngineError(f"{what}: {self.labels[engines[k]]} {'died' if dead else 'failed'}: "
-                                  f"{type(e).__name__}: {e}") from e
+                                  f"{type(cause).__name__}: {cause}") from e
         return out
 
     def _each(self, call: Callable, what: str) -> list:
