@@ -190,7 +190,7 @@ def test_refit_reaches_every_engine_with_the_same_weights(ray_cluster, tiny_cfg,
     from nemo_fp8.distributed.weight_sync import InProcessWeightSync
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
-    cfg = tiny_cfg("policy.data_parallel_size=2", "policy.train_global_batch_size=64",
+    cfg = tiny_cfg("policy.data_parallel_size=2", "policy.train_global_batch_size=64", "policy.train_micro_batch_size=16",
                    "policy.weight_sync.bucket_size_mb=0.25", "cluster.num_cpus=8")
     local = TorchPolicyBackend(cfg.policy, CPU)
     gen = torch.Generator().manual_seed(0)
