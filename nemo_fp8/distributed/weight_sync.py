@@ -12,26 +12,25 @@ refit sent the whole state dict as one object: for an 8B model, 16 GB through Ra
 store every step). The same design as NeMo-RL's ``weight_sync`` and verl's checkpoint engine
 (``send_weights`` / ``receive_weights`` in buckets).
 
-Transports (``policy.weight_sync.method``):
+Transports (``policy.weight_sync.method``), each to every engine of the run
+(``nemo_fp8.distributed.engines``; every engine's version is checked, a failing one named):
 
 * ``in_process``: policy and engine in one process; buckets are lists of views, no copy.
 * ``object_store``: Ray actors. The policy's rank 0 packs a bucket into one contiguous uint8
   numpy buffer (zero-copy into Ray's shared-memory object store), a streaming generator hands
-  the engine actor one bucket at a time (back-pressure keeps at most one more in flight), and
-  the engine unpacks views of the shared buffer and copies them into its parameters.
-
-* ``cuda_ipc``: Ray actors, the vLLM engine colocated with a one-rank policy on one GPU. The
-  policy quantizes each bucket on its GPU and hands the engine CUDA IPC handles (vLLM's IPC
-  weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
+  the engines one bucket at a time (back-pressure keeps at most one more in flight), put once and
+  read by every engine, which unpacks views of the shared buffer and copies them into its parameters.
+* ``cuda_ipc``: Ray actors, one-GPU vLLM engines colocated with a data-parallel policy. The policy
+  rank on each engine's GPU quantizes each bucket there and hands its engine CUDA IPC handles (vLLM's
+  IPC weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
   memory. Nothing goes through host memory, and FP8 layers travel as FP8 + ``scale_inv`` (about
   half the bytes of bf16).
-* ``nccl``: Ray actors, the vLLM engine on GPUs of its own (``generation.colocated.enabled: false``,
-  tensor parallel n >= 1). At start (``NcclWeightSync.connect``) the policy's rank 0 and the
-  engine's n workers form one NCCL group (vLLM 0.22's ``NCCLWeightTransferEngine``: trainer rank 0,
-  workers 1..n); at each refit rank 0 quantizes a bucket on its GPU, tells the engine the
-  names/dtypes/shapes and broadcasts it (``refit.send_weights_nccl``), GPU to GPUs. Nothing goes
-  through host memory; FP8 layers travel as FP8 + ``scale_inv``. Not yet run on two GPUs
-  (``tests/gpu/test_weight_sync_nccl.py``), so ``auto`` does not pick it.
+* ``nccl``: Ray actors, vLLM engines on GPUs of their own (``generation.colocated.enabled: false``,
+  tensor parallel n >= 1). At start (``NcclWeightSync.connect``) the policy's rank 0 and every engine's n
+  workers form one NCCL group (vLLM 0.22's ``NCCLWeightTransferEngine``: trainer rank 0, engine i's
+  workers 1 + i*n ..); at each refit rank 0 quantizes a bucket on its GPU, tells the engines the
+  names/dtypes/shapes and broadcasts it once (``refit.send_weights_nccl``), GPU to GPUs. Nothing goes
+  through host memory; FP8 layers travel as FP8 + ``scale_inv``. ``auto`` does not pick it.
 """
 
 from __future__ import annotations
