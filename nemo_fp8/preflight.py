@@ -108,6 +108,10 @@ def compare_resources(need: dict[str, float], have: dict[str, float], cfg: Maste
                     "policy.generation.num_engines, default one per policy rank on CPU, + one per policy rank, "
                     f"policy.data_parallel_size={cfg.policy.data_parallel_size}) but the cluster has "
                     f"{have.get('CPU', 0):g}; Ray would wait forever (valid: >= {need['CPU']:g})")
+    per_node, nodes = cfg.cluster.gpus_per_node, cfg.cluster.num_nodes
+    if per_node and need.get("GPU", 0) > per_node * nodes:
+        errs.append(f"cluster.num_nodes x cluster.gpus_per_node: the actors need {need['GPU']:g} GPUs (policy ranks, "
+                    f"plus engines on GPUs of their own) but {nodes} x {per_node} = {nodes * per_node} are declared")
     if need.get("GPU", 0) > have.get("GPU", 0):
         errs.append(f"policy.device: the actors need {need['GPU']:g} GPUs (one per policy rank, plus "
                     "policy.generation.vllm_cfg.tensor_parallel_size for an engine that is not colocated) but the "

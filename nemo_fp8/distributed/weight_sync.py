@@ -218,7 +218,8 @@ class WeightSync(Protocol):
         ...
 
 
-def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvScales], engine: str = "the engine") -> None:
+def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvScales],
+                   engine: str = "the engine") -> None:
     if got.weights != version:
         raise RuntimeError(f"refit: {engine} reports weights of version {got.weights} after an update to {version}")
     if kv_scales is not None and got.kv_scales != kv_scales.step:

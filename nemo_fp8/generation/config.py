@@ -170,7 +170,8 @@ class GenerationConfig(StrictConfig):
                      else "policy.generation.colocated.resources.gpus_per_node x num_nodes")
             raise ValueError(f"policy.generation.num_engines: {self.num_engines} engines of "
                              f"policy.generation.vllm_cfg.tensor_parallel_size={self.engine_gpus} GPU(s) need "
-                             f"{self.num_engines * self.engine_gpus} GPUs, but {where} gives {gpus}; valid: 1 to {most}")
+                             f"{self.num_engines * self.engine_gpus} GPUs, but {where} gives {gpus}; valid: 1 to "
+                             f"{most}")
         return self.num_engines or most
 
     @property

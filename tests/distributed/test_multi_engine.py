@@ -190,7 +190,8 @@ def test_refit_reaches_every_engine_with_the_same_weights(ray_cluster, tiny_cfg,
     from nemo_fp8.distributed.weight_sync import InProcessWeightSync
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
-    cfg = tiny_cfg("policy.data_parallel_size=2", "policy.train_global_batch_size=64", "policy.train_micro_batch_size=16",
+    cfg = tiny_cfg("policy.data_parallel_size=2", "policy.train_global_batch_size=64",
+                   "policy.train_micro_batch_size=16",
                    "policy.weight_sync.bucket_size_mb=0.25", "cluster.num_cpus=8")
     local = TorchPolicyBackend(cfg.policy, CPU)
     gen = torch.Generator().manual_seed(0)
@@ -225,3 +226,17 @@ def test_refit_reaches_every_engine_with_the_same_weights(ray_cluster, tiny_cfg,
             workers.generation.weight_version()
     finally:
         workers.shutdown()
+
+
+def test_preflight_names_the_cluster_keys_when_the_engines_do_not_fit():
+    from nemo_fp8.preflight import compare_resources
+
+    cfg = load_config(TINY_MEGATRON, ["policy.device=cuda", "policy.data_parallel_size=4", *DP4,
+                                      "cluster.gpus_per_node=2", "cluster.num_nodes=1"])
+    need = plan_from_config(cfg.policy, cfg.cluster, use_gpu=True).required()  # preflight's required_resources
+    assert need == {"CPU": 8.0, "GPU": 4.0}  # four policy ranks, four colocated one-GPU engines
+    errs = compare_resources(need, {"CPU": 8.0, "GPU": 4.0}, cfg)
+    assert errs == ["cluster.num_nodes x cluster.gpus_per_node: the actors need 4 GPUs (policy ranks, plus engines "
+                    "on GPUs of their own) but 1 x 2 = 2 are declared"]
+    assert compare_resources(need, {"CPU": 8.0, "GPU": 4.0}, cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+        update={"num_nodes": 2})})) == []

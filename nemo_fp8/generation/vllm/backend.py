@@ -200,8 +200,8 @@ class VllmGenerationBackend:
             raise RuntimeError("init_weight_transfer: this engine's workers joined an NCCL group already")
         tp = self.vllm_cfg.tensor_parallel_size
         if rank_offset < 1 or rank_offset + tp > world_size or (world_size - 1) % tp:
-            raise ValueError(f"init_weight_transfer: world_size={world_size}, rank_offset={rank_offset}, but the group is "
-                             f"the trainer's rank 0 plus the engines' workers, {tp} per engine: this engine's ranks "
+            raise ValueError(f"init_weight_transfer: world_size={world_size}, rank_offset={rank_offset}, but the group "
+                             f"is the trainer's rank 0 plus the engines' workers, {tp} per engine: this engine's ranks "
                              f"{rank_offset}..{rank_offset + tp - 1} must lie in 1..{world_size - 1}")
         self.llm.init_weight_transfer_engine({"init_info": nccl_init_info(master_address, master_port, world_size,
                                                                           rank_offset)})
