@@ -240,3 +240,23 @@ def test_preflight_names_the_cluster_keys_when_the_engines_do_not_fit():
                     "on GPUs of their own) but 1 x 2 = 2 are declared"]
     assert compare_resources(need, {"CPU": 8.0, "GPU": 4.0}, cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
         update={"num_nodes": 2})})) == []
+
+
+def test_step_metrics_sum_the_engines_over_generation_rounds():
+    from nemo_fp8.algorithms.grpo import engine_metrics, sum_engine_metrics
+
+    rounds = [{"generation/engines": 2.0, "generation/engine_0/tokens": 10.0, "generation/engine_0/seconds": 1.0,
+               "generation/engine_1/tokens": 30.0, "generation/engine_1/seconds": 3.0,
+               "generation/engine_imbalance": 1.5},
+              {"generation/engines": 2.0, "generation/engine_0/tokens": 20.0, "generation/engine_0/seconds": 2.0,
+               "generation/engine_1/tokens": 0.0, "generation/engine_1/seconds": 0.0}]
+    m = sum_engine_metrics(rounds)
+    assert m["generation/engines"] == 2.0 and m["generation/engine_0/tokens"] == 30.0
+    assert m["generation/engine_1/seconds"] == 3.0 and m["generation/engine_imbalance"] == 1.0  # 3 s each in sum
+    assert engine_metrics(object()) == {"generation/engines": 1.0}  # one engine in this process
+    group = GenerationGroup([object(), object()])
+    group._tokens, group._seconds = [5, 7], [1.0, 3.0]
+    assert group.pop_engine_metrics() == {"generation/engines": 2.0, "generation/engine_0/tokens": 5.0,
+                                          "generation/engine_0/seconds": 1.0, "generation/engine_1/tokens": 7.0,
+                                          "generation/engine_1/seconds": 3.0, "generation/engine_imbalance": 1.5}
+    assert group.pop_engine_metrics()["generation/engine_1/tokens"] == 0.0  # reset after each pop
