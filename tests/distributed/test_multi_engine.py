@@ -186,13 +186,19 @@ def test_an_engine_that_raises_or_dies_stops_the_call_naming_it(ray_cluster, tin
 def test_refit_reaches_every_engine_with_the_same_weights(ray_cluster, tiny_cfg, tok, tmp_path):
     """Two policy ranks on CPU start two torch engines (one per rank); an FP8 refit through the object store
     (each bucket put once) leaves both with the version and the same bytes, FP8 weights and ``weight_scale_inv``
-    included, equal to an engine refit in this process; an engine left on another version is named."""
+    included, equal to an engine refit in this process; a GRPO step runs on both and logs each one's tokens; an
+    engine left on another version is named."""
+    from nemo_fp8.algorithms.grpo import grpo_step
+    from nemo_fp8.data import PromptDataloader
     from nemo_fp8.distributed.weight_sync import InProcessWeightSync
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+    from nemo_fp8.trainer import prepare_prompts
+    from nemo_fp8.utils.timer import Timer
 
-    cfg = tiny_cfg("policy.data_parallel_size=2", "policy.train_global_batch_size=64",
-                   "policy.train_micro_batch_size=16",
-                   "policy.weight_sync.bucket_size_mb=0.25", "cluster.num_cpus=8")
+    cfg = tiny_cfg("policy.data_parallel_size=2", "policy.train_global_batch_size=16",
+                   "policy.train_micro_batch_size=8", "grpo.num_prompts_per_step=4",
+                   "grpo.num_generations_per_prompt=4", "policy.generation.max_new_tokens=8",
+                   "policy.generation_batch_size=4", "policy.weight_sync.bucket_size_mb=0.25", "cluster.num_cpus=8")
     local = TorchPolicyBackend(cfg.policy, CPU)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -219,10 +225,17 @@ def test_refit_reaches_every_engine_with_the_same_weights(ray_cluster, tiny_cfg,
         before = ref.engine_params(names)[0]
         InProcessWeightSync(local, ref, bucket_bytes=2**20).sync(version=3)
         assert ref.engine_params(names)[0] == params[0] and before[names[0]] != params[0][names[0]]
+        train, _ = prepare_prompts(cfg, tok)
+        m = grpo_step(1, iter(PromptDataloader(train, 4, seed=0)), workers.policy, workers.generation,
+                      lambda responses, answers: [float(len(r) % 2) for r in responses], tok, cfg, Timer(),
+                      workers.refitter)
+        assert m["generation/engines"] == 2.0 and m["train/num_sequences_trained"] == 16.0
+        assert m["generation/engine_0/tokens"] > 0 and m["generation/engine_1/tokens"] > 0
+        assert m["generation/engine_0/tokens"] + m["generation/engine_1/tokens"] == 16 * m["train/response_length_mean"]
         # engine 1 alone refit to another version: the group refuses to roll out and names it
         ObjectStoreWeightSync(workers.policy.weight_source, workers.generation.workers[1:], 2**20).sync(version=4)
         with pytest.raises(EngineError, match=r"rollout: engine 1 \(node .*\) holds weights of version 4 .* engine 0 "
-                                              r"\(node .*\) of version 3 .* a refit did not reach every engine"):
+                                              r"\(node .*\) of version 0 .* a refit did not reach every engine"):
             workers.generation.weight_version()
     finally:
         workers.shutdown()

@@ -250,8 +250,8 @@ def test_nccl_engine_of_two_gpus_answers_the_trainer_and_ipc_engines_join_no_gro
 
 
 def test_trainer_builds_an_nccl_engine_for_weight_sync_nccl(backend, tmp_path):
-    """``start_workers``' engine arguments (``generation_backend_kwargs``) through ``build_generation_backend``:
-    ``policy.weight_sync.method=nccl`` gives the engine vLLM's NCCL weight transfer and no sleep mode (GPUs of its
+    """``start_workers``' engine spec (``generation_spec``, a frozen ``GenerationSpec``) through
+    ``build_generation_backend``: ``policy.weight_sync.method=nccl`` gives the engine vLLM's NCCL weight transfer and no sleep mode (GPUs of its
     own); the default keeps IPC."""
     from nemo_fp8.config import load_config
     from nemo_fp8.generation import build_generation_backend
