@@ -11,7 +11,7 @@ from the responses (EOS ends some early).
         [--precision fp8] [--prompts 32] [--samples 16] [--input-len 128] [--output-len 1024]
         [--gpu-mem 0.85] [--out rows.json]
 
-Without ``--model`` a random-weight Qwen3 is written (``--shape small``: hidden 1024, 16 layers, ~200M
+Without ``--model`` a random-weight Qwen3 is written (``--shape small``: hidden 1024, 16 layers, ~270M
 parameters; ``8b``: Qwen3-8B's shape, ``--layers`` of its 36). ``--backend torch`` runs the torch reference
 engines on the CPU (orchestration check; its speed means nothing).
 """
@@ -149,7 +149,9 @@ def main(argv=None) -> list[dict]:
     init_ray(None, None)
     rows = []
     try:
-        for n in (int(x) for x in a.engines.split(",")):
+        for i, n in enumerate(int(x) for x in a.engines.split(",")):
+            if i and a.backend == "vllm":
+                time.sleep(10)  # the previous engines' processes end: their GPU memory returns before vLLM measures
             rows.append(bench(a, model, n))
             print(json.dumps(rows[-1]), flush=True)
             if a.out:
