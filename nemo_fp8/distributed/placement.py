@@ -121,7 +121,7 @@ def plan_cluster(world_size: int, use_gpu: bool, colocated: bool, engine_gpus: i
         return ClusterPlan(bundles, [(i, {"CPU": 1.0}) for i in range(world_size)],
                            [(world_size + e, {"CPU": 1.0}) for e in range(num_engines)], engine_gpus=0)
     per_node = gpus_per_node or world_size
-    if colocated and per_node % engine_gpus:
+    if colocated and gpus_per_node and gpus_per_node % engine_gpus:
         raise ValueError(f"cluster.gpus_per_node: {per_node} is not a multiple of "
                          f"policy.generation.vllm_cfg.tensor_parallel_size={engine_gpus} (an engine never spans "
                          f"nodes); valid: multiples of {engine_gpus}")
