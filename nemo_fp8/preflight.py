@@ -76,13 +76,16 @@ def check_model(cfg: MasterConfig) -> list[str]:
 
 def required_resources(cfg: MasterConfig) -> dict[str, float]:
     """Ray resources the run's actors ask for, ``{"CPU": n, "GPU": g}``: the placement plan of
-    ``nemo_fp8.distributed.worker_groups.plan_cluster`` that ``trainer.start_workers`` reserves."""
-    from nemo_fp8.distributed.worker_groups import plan_cluster
+    ``nemo_fp8.distributed.placement.plan_from_config`` that ``trainer.start_workers`` reserves.
+
+    Raises:
+        ValueError: engines that do not fit the policy's GPUs (``plan_cluster``).
+    """
+    from nemo_fp8.distributed.placement import plan_from_config
     from nemo_fp8.models.hf import resolve_device
 
     cuda = resolve_device(cfg.policy.device).type == "cuda"
-    gen = cfg.policy.generation
-    need = plan_cluster(cfg.policy.world_size, cuda, gen.colocated.enabled, engine_gpus=gen.engine_gpus).required()
+    need = plan_from_config(cfg.policy, cfg.cluster, cuda).required()
     return {"CPU": need.get("CPU", 0.0), "GPU": need.get("GPU", 0.0)}
 
 
@@ -101,9 +104,14 @@ def compare_resources(need: dict[str, float], have: dict[str, float], cfg: Maste
     """Lines for each resource the actors need more of than the cluster has."""
     errs = []
     if need.get("CPU", 0) > have.get("CPU", 0):
-        errs.append(f"cluster.num_cpus: the actors need {need['CPU']:g} CPUs (1 generation + "
-                    f"policy.data_parallel_size={cfg.policy.data_parallel_size} policy) but the cluster has "
+        errs.append(f"cluster.num_cpus: the actors need {need['CPU']:g} CPUs (one per rollout engine, "
+                    "policy.generation.num_engines, default one per policy rank on CPU, + one per policy rank, "
+                    f"policy.data_parallel_size={cfg.policy.data_parallel_size}) but the cluster has "
                     f"{have.get('CPU', 0):g}; Ray would wait forever (valid: >= {need['CPU']:g})")
+    per_node, nodes = cfg.cluster.gpus_per_node, cfg.cluster.num_nodes
+    if per_node and need.get("GPU", 0) > per_node * nodes:
+        errs.append(f"cluster.num_nodes x cluster.gpus_per_node: the actors need {need['GPU']:g} GPUs (policy ranks, "
+                    f"plus engines on GPUs of their own) but {nodes} x {per_node} = {nodes * per_node} are declared")
     if need.get("GPU", 0) > have.get("GPU", 0):
         errs.append(f"policy.device: the actors need {need['GPU']:g} GPUs (one per policy rank, plus "
                     "policy.generation.vllm_cfg.tensor_parallel_size for an engine that is not colocated) but the "
@@ -112,8 +120,14 @@ def compare_resources(need: dict[str, float], have: dict[str, float], cfg: Maste
 
 
 def check_resources(cfg: MasterConfig) -> list[str]:
+    """The placement plan's errors (engines that do not fit), else what the actors need against what a local Ray
+    will have."""
+    try:
+        need = required_resources(cfg)
+    except ValueError as e:
+        return [str(e)]
     have = available_resources(cfg)
-    return [] if have is None else compare_resources(required_resources(cfg), have, cfg)
+    return [] if have is None else compare_resources(need, have, cfg)
 
 
 def check_cluster(cfg: MasterConfig) -> None:

@@ -14,6 +14,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -21,6 +22,7 @@ from nemo_fp8.algorithms.grpo import RefitController, grpo_train, prompts_batch
 from nemo_fp8.config import MasterConfig, config_to_yaml
 from nemo_fp8.data import (MathExample, PromptDataloader, PromptFormatter, PromptSample, load_math_dataset,
                            make_arithmetic_problems, tokenize_prompts)
+from nemo_fp8.generation.spec import GenerationSpec
 from nemo_fp8.models.hf import load_tokenizer, resolve_device
 from nemo_fp8.utils.checkpoint import CheckpointManager
 from nemo_fp8.utils.logger import MetricsLogger
@@ -104,19 +106,17 @@ class Workers:
     policy: object
     generation: object
     refitter: RefitController
-    placement_group: object = None
+    placement: object = None  # nemo_fp8.distributed.placement.Placement
 
     def shutdown(self) -> None:
-        """Shut both groups down and release their placement group."""
+        """Shut both groups down and release their placement groups."""
         for group in (self.generation, self.policy):
             try:
                 group.shutdown()
             except Exception as e:  # a crashed actor must not hide the error that ended the run
                 logger.warning("shutdown of %s failed: %s", type(group).__name__, e)
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.placement_group)
+        if self.placement is not None:
+            self.placement.remove()
 
 
 def make_weight_sync(cfg: MasterConfig, policy, generation):
@@ -134,13 +134,17 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     ws = cfg.policy.weight_sync
     bucket_bytes = int(ws.bucket_size_mb * 2**20)
     remote = isinstance(policy, PolicyGroup) and isinstance(generation, GenerationGroup)
-    if remote and ws.method == "cuda_ipc":  # config checks: vLLM, colocated, one policy rank, CUDA
-        return CudaIpcWeightSync(policy.weight_source, generation.worker, bucket_bytes)
+    if remote and ws.method == "cuda_ipc":  # config checks: vLLM TP 1, colocated, policy TP 1, CUDA
+        # engine i runs on the GPU of policy rank i (nemo_fp8.distributed.placement), a full replica
+        return CudaIpcWeightSync(policy.workers[:generation.num_engines], generation.workers, bucket_bytes,
+                                 labels=generation.labels)
     if remote and ws.method == "nccl":  # config checks: vLLM, not colocated, CUDA
-        return NcclWeightSync(policy.weight_source, generation.worker, bucket_bytes,
-                              engine_gpus=cfg.policy.generation.engine_gpus, peers=policy.weight_peers)
+        return NcclWeightSync(policy.weight_source, generation.workers, bucket_bytes,
+                              engine_gpus=cfg.policy.generation.engine_gpus, peers=policy.weight_peers,
+                              labels=generation.labels)
     if remote and ws.method in ("auto", "object_store"):
-        return ObjectStoreWeightSync(policy.weight_source, generation.worker, bucket_bytes, peers=policy.weight_peers)
+        return ObjectStoreWeightSync(policy.weight_source, generation.workers, bucket_bytes, peers=policy.weight_peers,
+                                     labels=generation.labels)
     if not remote and ws.method in ("auto", "in_process"):
         return InProcessWeightSync(policy, generation, bucket_bytes)
     valid = "'auto', 'object_store', 'cuda_ipc', 'nccl'" if remote else "'auto', 'in_process'"
@@ -148,40 +152,41 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
                      f"{'in Ray actors' if remote else 'in this process'} (valid: {valid})")
 
 
-def generation_backend_kwargs(cfg: MasterConfig, tokenizer, device: torch.device) -> dict:
-    """``build_generation_backend``'s arguments for ``cfg`` (built inside the engine actor).
+def generation_spec(cfg: MasterConfig, tokenizer, device: Optional[torch.device]) -> GenerationSpec:
+    """Every engine's backend arguments for ``cfg`` (built inside the engine actors, ``build_generation_backend``).
 
     A vLLM engine gets ``weight_transfer``: ``"nccl"`` for ``policy.weight_sync.method: nccl`` (vLLM's
     ``weight_transfer_config`` backend: the trainer's NCCL broadcast, no initial load), else ``"ipc"``.
     """
     gen_cfg = cfg.policy.generation
-    kwargs = dict(backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg, device=device,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  max_total_sequence_length=cfg.policy.max_total_sequence_length,
-                  batch_size=cfg.policy.generation_batch_size, offload_when_idle=gen_cfg.colocated.enabled)
-    if gen_cfg.backend == "vllm":
-        kwargs["weight_transfer"] = "nccl" if cfg.policy.weight_sync.method == "nccl" else "ipc"
-    return kwargs
+    return GenerationSpec(
+        backend=gen_cfg.backend, model_name=cfg.policy.model_name, vllm_cfg=gen_cfg.vllm_cfg, device=device,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        max_total_sequence_length=cfg.policy.max_total_sequence_length, batch_size=cfg.policy.generation_batch_size,
+        offload_when_idle=gen_cfg.colocated.enabled,
+        weight_transfer=("nccl" if cfg.policy.weight_sync.method == "nccl" else "ipc") if gen_cfg.backend == "vllm"
+        else None)
 
 
 def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
-    """Start Ray, the placement group, the policy's ranks and the engine (``start_groups``'s order).
+    """Start Ray, the placement groups, the policy's ranks and the engines (``start_groups``'s order).
 
-    On a GPU host the engine is colocated with the policy (on the GPUs of ranks
-    ``0..tensor_parallel_size-1``) unless ``policy.generation.colocated.enabled`` is false, when it gets
-    ``policy.generation.vllm_cfg.tensor_parallel_size`` GPUs of its own. With ``policy.weight_sync.method: nccl``
-    the refit's NCCL group (policy rank 0 + the engine's workers) is formed once both groups exist; the
-    engine holds no weights until the first refit (the ``RefitController`` starts stale, so that refit, of
-    ``version``, runs before the first rollout).
+    On a GPU host the engines are colocated with the policy (engine i on the GPUs of ranks
+    ``i*n..(i+1)*n-1``, ``n = tensor_parallel_size``) unless ``policy.generation.colocated.enabled`` is false,
+    when they get GPUs of their own (``policy.generation.colocated.resources``); ``plan_from_config`` says how many.
+    With ``policy.weight_sync.method: nccl`` the refit's NCCL group (policy rank 0 + every engine's workers) is
+    formed once both groups exist; the engines hold no weights until the first refit (the ``RefitController``
+    starts stale, so that refit, of ``version``, runs before the first rollout).
     """
+    from nemo_fp8.distributed.placement import create_placement_group, plan_from_config
     from nemo_fp8.distributed.weight_sync import NcclWeightSync
-    from nemo_fp8.distributed.worker_groups import create_placement_group, init_ray, plan_cluster, start_groups
+    from nemo_fp8.distributed.worker_groups import init_ray, start_groups
 
     device = resolve_device(cfg.policy.device)
     init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
     gen_cfg = cfg.policy.generation
     colocated = gen_cfg.colocated.enabled
-    plan = plan_cluster(cfg.policy.world_size, device.type == "cuda", colocated, engine_gpus=gen_cfg.engine_gpus)
+    plan = plan_from_config(cfg.policy, cfg.cluster, device.type == "cuda")
     pg = create_placement_group(plan)
     # Engine and trainer take turns (never run at once); data-parallel ranks train side by side.
     threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.policy.data_parallel_size)
@@ -190,7 +195,7 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
         policy_kwargs=dict(megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device,
                            temperature=gen_cfg.temperature, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
                            seed=cfg.grpo.seed),
-        generation_kwargs=generation_backend_kwargs(cfg, tokenizer, device),
+        generation_spec=generation_spec(cfg, tokenizer, device),
         torch_threads=threads, tp_size=cfg.policy.tensor_parallel_size)
     weight_sync = make_weight_sync(cfg, policy, generation)
     if isinstance(weight_sync, NcclWeightSync):

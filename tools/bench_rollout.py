@@ -12,6 +12,8 @@ and FP8 KV's smaller cache entries show up as KV capacity and throughput, nothin
         [--rl-prompts 32] [--rl-samples 16] [--max-num-seqs 512]
         [--gpu-mem 0.9 | --gpu-mem-gib GIB] [--refit] [--timeout 900] [--budget-s S] [--out rows.json]
 
+    python tools/bench_rollout.py --engines 1,2,4 [...]   # data-parallel engines: tools/bench_engines.py
+
 Precisions (``PRECISIONS``):
     bf16             BF16 weights and KV cache.
     fp8-deepgemm     FP8 W8A8 blockwise (128x128 weights, 1x128 activations), DeepGEMM linears
@@ -346,6 +348,14 @@ def parse_args(argv=None):
 
 
 def main():
+    if "--engines" in sys.argv[1:]:  # data-parallel rollout, 1 / 2 / 4 engines: tools/bench_engines.py
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("bench_engines", Path(__file__).with_name("bench_engines.py"))
+        engines = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(engines)
+        engines.main(sys.argv[1:])
+        return
     a = parse_args()
     if a.child:
         print("RESULT " + json.dumps(run_engine(a)), flush=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -41,11 +41,34 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 
 @dataclass
 class Rollout:
-    """One generation round: the engine output, decoded responses and rewards ([B] float32)."""
+    """One generation round: the engine output, decoded responses and rewards ([B] float32), and the engines'
+    ``generation/*`` metrics of this round (``engine_metrics``)."""
 
     output: GenerationOutput
     responses: list[str]
     rewards: torch.Tensor
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def engine_metrics(generation) -> dict[str, float]:
+    """``generation/engines`` and per-engine tokens and seconds since the last call: a data-parallel group's
+    ``pop_engine_metrics`` (``nemo_fp8.distributed.engines.GenerationGroup``); one engine in this process
+    reports just the count."""
+    pop = getattr(generation, "pop_engine_metrics", None)
+    return pop() if pop is not None else {"generation/engines": 1.0}
+
+
+def sum_engine_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """The engine metrics of a step's generation rounds: tokens and seconds summed, the engine count kept, the
+    imbalance (slowest engine's seconds / mean) recomputed from the sums."""
+    out: dict[str, float] = {}
+    for m in rounds:
+        for k, v in m.items():
+            out[k] = v if k in ("generation/engines", "generation/engine_imbalance") else out.get(k, 0.0) + v
+    seconds = [v for k, v in out.items() if k.endswith("/seconds")]
+    if seconds and sum(seconds) > 0:
+        out["generation/engine_imbalance"] = max(seconds) / (sum(seconds) / len(seconds))
+    return out
 
 
 class RefitController:
@@ -156,7 +179,7 @@ def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn
     with timer("reward"):
         responses = decode_responses(out, tokenizer)
         rewards = reward_fn(responses, [s.example.answer for s in prompts for _ in range(n)])
-    return Rollout(out, responses, torch.tensor(rewards, dtype=torch.float32))
+    return Rollout(out, responses, torch.tensor(rewards, dtype=torch.float32), engine_metrics(generation))
 
 
 def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +239,7 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
         "train/num_sequences_trained": float(usable),
         "train/num_generation_rounds": float(len(rollouts)),
         **refit_metrics,
+        **sum_engine_metrics([r.engine_metrics for r in rollouts]),
     }
     if usable == 0:
         logger.warning("step %d: no informative groups after %d generation rounds; skipping the update", step,

@@ -10,6 +10,17 @@ from nemo_fp8.utils.config import StrictConfig
 
 
 class ClusterConfig(StrictConfig):
+    """The Ray cluster (``nemo_fp8.distributed.placement``).
+
+    Attributes:
+        address: None starts a local Ray; else e.g. ``"auto"`` or ``"ray://host:10001"``.
+        num_cpus: a local Ray's CPUs (None: this machine's).
+        gpus_per_node: GPUs of each node: the policy's bundles go into one ``STRICT_PACK`` placement group per
+            this many GPUs (0: all on one node); a multiple of ``policy.generation.vllm_cfg.tensor_parallel_size``.
+        num_nodes: nodes; with ``gpus_per_node``, the GPUs the run may use (checked by the preflight).
+        torch_threads_per_worker: torch CPU threads per actor (None: CPUs / data-parallel ranks).
+    """
+
     address: Optional[str] = None  # None: start a local Ray; else e.g. "auto" or "ray://host:10001"
     num_cpus: Optional[int] = Field(None, ge=1)
     gpus_per_node: int = Field(0, ge=0)

@@ -12,26 +12,25 @@ refit sent the whole state dict as one object: for an 8B model, 16 GB through Ra
 store every step). The same design as NeMo-RL's ``weight_sync`` and verl's checkpoint engine
 (``send_weights`` / ``receive_weights`` in buckets).
 
-Transports (``policy.weight_sync.method``):
+Transports (``policy.weight_sync.method``), each to every engine of the run
+(``nemo_fp8.distributed.engines``; every engine's version is checked, a failing one named):
 
 * ``in_process``: policy and engine in one process; buckets are lists of views, no copy.
 * ``object_store``: Ray actors. The policy's rank 0 packs a bucket into one contiguous uint8
   numpy buffer (zero-copy into Ray's shared-memory object store), a streaming generator hands
-  the engine actor one bucket at a time (back-pressure keeps at most one more in flight), and
-  the engine unpacks views of the shared buffer and copies them into its parameters.
-
-* ``cuda_ipc``: Ray actors, the vLLM engine colocated with a one-rank policy on one GPU. The
-  policy quantizes each bucket on its GPU and hands the engine CUDA IPC handles (vLLM's IPC
-  weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
+  the engines one bucket at a time (back-pressure keeps at most one more in flight), put once and
+  read by every engine, which unpacks views of the shared buffer and copies them into its parameters.
+* ``cuda_ipc``: Ray actors, one-GPU vLLM engines colocated with a data-parallel policy. The policy
+  rank on each engine's GPU quantizes each bucket there and hands its engine CUDA IPC handles (vLLM's
+  IPC weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
   memory. Nothing goes through host memory, and FP8 layers travel as FP8 + ``scale_inv`` (about
   half the bytes of bf16).
-* ``nccl``: Ray actors, the vLLM engine on GPUs of its own (``generation.colocated.enabled: false``,
-  tensor parallel n >= 1). At start (``NcclWeightSync.connect``) the policy's rank 0 and the
-  engine's n workers form one NCCL group (vLLM 0.22's ``NCCLWeightTransferEngine``: trainer rank 0,
-  workers 1..n); at each refit rank 0 quantizes a bucket on its GPU, tells the engine the
-  names/dtypes/shapes and broadcasts it (``refit.send_weights_nccl``), GPU to GPUs. Nothing goes
-  through host memory; FP8 layers travel as FP8 + ``scale_inv``. Not yet run on two GPUs
-  (``tests/gpu/test_weight_sync_nccl.py``), so ``auto`` does not pick it.
+* ``nccl``: Ray actors, vLLM engines on GPUs of their own (``generation.colocated.enabled: false``,
+  tensor parallel n >= 1). At start (``NcclWeightSync.connect``) the policy's rank 0 and every engine's n
+  workers form one NCCL group (vLLM 0.22's ``NCCLWeightTransferEngine``: trainer rank 0, engine i's
+  workers 1 + i*n ..); at each refit rank 0 quantizes a bucket on its GPU, tells the engines the
+  names/dtypes/shapes and broadcasts it once (``refit.send_weights_nccl``), GPU to GPUs. Nothing goes
+  through host memory; FP8 layers travel as FP8 + ``scale_inv``. ``auto`` does not pick it.
 """
 
 from __future__ import annotations
@@ -219,34 +218,42 @@ class WeightSync(Protocol):
         ...
 
 
-def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvScales]) -> None:
+def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvScales],
+                   engine: str = "the engine") -> None:
     if got.weights != version:
-        raise RuntimeError(f"refit: the engine reports weights of version {got.weights} after an update to {version}")
+        raise RuntimeError(f"refit: {engine} reports weights of version {got.weights} after an update to {version}")
     if kv_scales is not None and got.kv_scales != kv_scales.step:
-        raise RuntimeError(f"refit: the engine reports KV scales of step {got.kv_scales}, sent {kv_scales.step}")
+        raise RuntimeError(f"refit: {engine} reports KV scales of step {got.kv_scales}, sent {kv_scales.step}")
 
 
-def _sync_actors(generation_worker, peers: Sequence, version: int, kv_scales: Optional[KvScales],
-                 transfer: Callable[[], Iterable[tuple[int, int]]]) -> SyncStats:
-    """The frame every refit between Ray actors shares: the engine's ``start_weight_update``; the ``peers``
+def engine_labels(generation_workers: Sequence, labels: Optional[Sequence[str]]) -> list[str]:
+    """What errors call each engine: ``labels`` (``GenerationGroup.labels``: index, node, GPUs) or ``engine <i>``."""
+    return list(labels) if labels else [f"engine {i}" for i in range(len(generation_workers))]
+
+
+def _sync_actors(generation_workers: Sequence, labels: Sequence[str], peers: Sequence, version: int,
+                 kv_scales: Optional[KvScales], transfer: Callable[[], Iterable[tuple[int, int]]]) -> SyncStats:
+    """The frame every refit between Ray actors shares: every engine's ``start_weight_update``; the ``peers``
     (Megatron tensor-parallel ranks that gather their shards into rank 0's export) join with
-    ``drain_weights``; ``transfer()`` moves the buckets and yields (tensors, bytes) per bucket; then the
-    engine's ``finish_weight_update`` and the version checks.
+    ``drain_weights``; ``transfer()`` moves the buckets to every engine and yields (tensors, bytes) per bucket
+    (one engine's copy); then every engine's ``finish_weight_update`` and the version checks, each engine named.
 
     Raises:
-        RuntimeError: the engine's checks (a refit in progress, weights missing, KV scales incomplete or of
-            another step, another version held); whatever ``transfer`` raises.
+        RuntimeError: an engine's checks (a refit in progress, weights missing, KV scales incomplete or of
+            another step, another version held), naming the engine; whatever ``transfer`` raises.
     """
     import ray
 
     t0 = time.perf_counter()
     stats = SyncStats(version)
-    ray.get(generation_worker.start_weight_update.remote(version))
+    wait_all([w.start_weight_update.remote(version) for w in generation_workers])
     draining = [p.drain_weights.remote() for p in peers]
     for num_tensors, nbytes in transfer():
         stats.add_bucket(num_tensors, nbytes)
     ray.get(draining)
-    _check_version(ray.get(generation_worker.finish_weight_update.remote()), version, kv_scales)
+    held = wait_all([w.finish_weight_update.remote() for w in generation_workers])
+    for got, label in zip(held, labels):
+        _check_version(got, version, kv_scales, label)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -276,57 +283,74 @@ class InProcessWeightSync:
 
 
 class ObjectStoreWeightSync:
-    """Ray actors: packed buckets stream policy rank 0 -> object store -> engine actor.
+    """Ray actors: packed buckets stream policy rank 0 -> object store -> every engine actor.
+
+    Each bucket is put into the object store once and every engine reads it from there (one object, any number
+    of readers); the next bucket is packed while the engines load this one.
 
     Args:
         policy_worker: the policy's rank-0 actor (``PolicyWorker``), which sends a full replica.
-        generation_worker: the engine's actor (``GenerationWorker``).
+        generation_workers: the engines' actors (``GenerationWorker``), engine 0 first.
         bucket_bytes: bucket size in bytes.
         peers: policy actors that must take part in the export without sending (the other
             tensor-parallel ranks of a Megatron replica: the export gathers their shards).
+        labels: per engine, what errors call it (``GenerationGroup.labels``).
     """
 
-    def __init__(self, policy_worker, generation_worker, bucket_bytes: int, peers: Sequence = ()):
-        self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
-        self.peers = list(peers)
+    def __init__(self, policy_worker, generation_workers: Sequence, bucket_bytes: int, peers: Sequence = (),
+                 labels: Optional[Sequence[str]] = None):
+        self.policy_worker, self.bucket_bytes = policy_worker, bucket_bytes
+        self.generation_workers = list(generation_workers)
+        self.peers, self.labels = list(peers), engine_labels(self.generation_workers, labels)
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
-        import ray
-
         def transfer():
-            # One bucket is packed ahead while the engine loads the previous one (back-pressure 1).
+            # One bucket is packed ahead while the engines load the previous one (back-pressure 1).
             stream = self.policy_worker.packed_weight_buckets.options(
                 num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
             for ref in stream:
-                # The ref resolves inside the engine actor, straight from the object store.
-                loaded = ray.get(self.generation_worker.receive_packed_bucket.remote(ref))
+                # The ref resolves inside each engine actor, straight from the object store.
+                loaded = wait_all([w.receive_packed_bucket.remote(ref) for w in self.generation_workers])
                 del ref  # its object can be freed now
-                yield loaded
+                yield loaded[0]
 
-        return _sync_actors(self.generation_worker, self.peers, version, kv_scales, transfer)
+        return _sync_actors(self.generation_workers, self.labels, self.peers, version, kv_scales, transfer)
 
 
 class CudaIpcWeightSync:
-    """Ray actors on one GPU: the policy's rank 0 quantizes and sends CUDA IPC handles to the vLLM engine.
+    """Ray actors sharing GPUs: each engine's policy rank quantizes and sends it CUDA IPC handles.
 
-    The policy actor drives the transfer (``PolicyWorker.send_weights_cuda_ipc``): per bucket it
-    calls the engine actor, which loads the bucket through ``LLM.update_weights`` before the call
-    returns, so at most one bucket of converted tensors exists besides the policy's weights.
+    Engine ``i`` (one GPU, vLLM tensor parallel 1) runs on the GPU of policy rank ``i``, a full replica
+    (data parallel, Megatron tensor parallel 1). Every such rank drives the transfer into its engine at the same
+    time (``PolicyWorker.send_weights_cuda_ipc``): per bucket it calls its engine actor, which loads the bucket
+    through ``LLM.update_weights`` before the call returns, so each GPU holds at most one bucket of converted
+    tensors besides the policy's weights, quantized once per bucket on that GPU.
 
     Args:
-        policy_worker: the policy's only rank (``PolicyWorker``), on the engine's GPU.
-        generation_worker: the engine's actor (``GenerationWorker`` with the vLLM backend).
+        policy_workers: per engine, the policy rank on its GPU (``PolicyWorker``).
+        generation_workers: the engines' actors (``GenerationWorker`` with the vLLM backend), engine 0 first.
         bucket_bytes: bucket size in bytes (of the converted tensors).
+        labels: per engine, what errors call it (``GenerationGroup.labels``).
+
+    Raises:
+        ValueError: not one policy rank per engine.
     """
 
-    def __init__(self, policy_worker, generation_worker, bucket_bytes: int):
-        self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
+    def __init__(self, policy_workers: Sequence, generation_workers: Sequence, bucket_bytes: int,
+                 labels: Optional[Sequence[str]] = None):
+        self.policy_workers, self.generation_workers = list(policy_workers), list(generation_workers)
+        if len(self.policy_workers) != len(self.generation_workers):
+            raise ValueError(f"CUDA IPC refit: {len(self.policy_workers)} policy ranks for "
+                             f"{len(self.generation_workers)} engines; each engine needs the rank on its GPU")
+        self.bucket_bytes, self.labels = bucket_bytes, engine_labels(self.generation_workers, labels)
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
-        import ray
+        def transfer():
+            sent = wait_all([p.send_weights_cuda_ipc.remote(g, self.bucket_bytes, kv_scales)
+                             for p, g in zip(self.policy_workers, self.generation_workers)])
+            return sent[0]  # every engine gets the same buckets: one engine's count
 
-        return _sync_actors(self.generation_worker, (), version, kv_scales, lambda: ray.get(
-            self.policy_worker.send_weights_cuda_ipc.remote(self.generation_worker, self.bucket_bytes, kv_scales)))
+        return _sync_actors(self.generation_workers, self.labels, (), version, kv_scales, transfer)
 
 
 def wait_all(refs: Sequence) -> list:
@@ -346,75 +370,80 @@ def wait_all(refs: Sequence) -> list:
 
 class NcclWeightSync:
     """Ray actors on separate GPUs: the policy's rank 0 quantizes each bucket and broadcasts it over NCCL to
-    the workers of a vLLM engine of its own (vLLM 0.22's ``NCCLWeightTransferEngine``).
+    the workers of every vLLM engine (vLLM 0.22's ``NCCLWeightTransferEngine``), GPUs of their own.
 
     ``connect`` (once, at start, ``nemo_fp8.trainer.start_workers``): policy rank 0 picks an address on its node
-    (``PolicyWorker.nccl_rendezvous``); the engine actor's workers join as ranks 1..n
-    (``GenerationWorker.init_weight_transfer``) and rank 0 as the trainer
-    (``PolicyWorker.init_weight_transfer_nccl``). Both block until all ``1 + engine_gpus`` ranks have joined,
-    so both calls are started before either is waited on.
+    (``PolicyWorker.nccl_rendezvous``); engine ``i``'s ``engine_gpus`` workers join as ranks
+    ``1 + i*engine_gpus ..`` (``GenerationWorker.init_weight_transfer``) and rank 0 as the trainer
+    (``PolicyWorker.init_weight_transfer_nccl``): one group of ``1 + engines x engine_gpus`` ranks, so one
+    broadcast per bucket reaches every engine. All calls block until every rank has joined, so all are started
+    before any is waited on.
 
-    ``sync`` (each refit): the engine's ``start_weight_update``; the Megatron tensor-parallel ``peers`` join the
+    ``sync`` (each refit): every engine's ``start_weight_update``; the Megatron tensor-parallel ``peers`` join the
     export (``drain_weights``) as in ``ObjectStoreWeightSync``; rank 0 streams its weights and KV scales in
-    buckets of ``bucket_bytes`` (``PolicyWorker.send_weights_nccl``), then ``note_sent``; the engine's
+    buckets of ``bucket_bytes`` (``PolicyWorker.send_weights_nccl``), then ``note_sent``; every engine's
     ``finish_weight_update`` and the version checks. At most one bucket (converted, plus vLLM's packed
     buffer of it) exists besides the policy's weights.
 
-    Why the two actors (each ``max_concurrency=1``) do not deadlock: while rank 0's ``send_weights_nccl``
-    holds the policy actor, the driver waits on it and sends the engine actor nothing, so the engine actor
+    Why the actors (each ``max_concurrency=1``) do not deadlock: while rank 0's ``send_weights_nccl``
+    holds the policy actor, the driver waits on it and sends the engine actors nothing, so each engine actor
     runs one call at a time from rank 0: ``receive_update`` per bucket, whose ``LLM.update_weights`` blocks in
-    vLLM's workers until the broadcast arrives. Rank 0 makes that call from a thread of its own
-    (``refit.send_weights_nccl``) and broadcasts meanwhile from the actor's thread; ``ray.get`` from a second
-    thread needs no free slot of the policy actor. The broadcast's receivers are the engine's worker
-    processes, not the engine actor, so it completes, the workers load, ``receive_update`` returns, and the
-    next bucket starts.
+    vLLM's workers until the broadcast arrives. Rank 0 makes those calls (one per engine, all at once) from a
+    thread of its own (``refit.send_weights_nccl``) and broadcasts meanwhile from the actor's thread; ``ray.get``
+    from a second thread needs no free slot of the policy actor. The broadcast's receivers are the engines'
+    worker processes, not the engine actors, so it completes, the workers load, ``receive_update`` returns,
+    and the next bucket starts.
 
     Args:
         policy_worker: the policy's rank-0 actor (``PolicyWorker``), which sends a full replica.
-        generation_worker: the engine's actor (``GenerationWorker`` with a vLLM backend built with
-            ``weight_transfer="nccl"``).
+        generation_workers: the engines' actors (``GenerationWorker`` with a vLLM backend built with
+            ``weight_transfer="nccl"``), engine 0 first.
         bucket_bytes: bucket size in bytes, of the policy's tensors before conversion (an FP8 layer then
             travels in about half).
-        engine_gpus: the engine's workers (vLLM's ``tensor_parallel_size``): the group has ``1 + engine_gpus``.
+        engine_gpus: each engine's workers (vLLM's ``tensor_parallel_size``).
         peers: policy actors that must take part in the export without sending (``ObjectStoreWeightSync``).
+        labels: per engine, what errors call it (``GenerationGroup.labels``).
     """
 
-    def __init__(self, policy_worker, generation_worker, bucket_bytes: int, engine_gpus: int = 1,
-                 peers: Sequence = ()):
-        self.policy_worker, self.generation_worker, self.bucket_bytes = policy_worker, generation_worker, bucket_bytes
+    def __init__(self, policy_worker, generation_workers: Sequence, bucket_bytes: int, engine_gpus: int = 1,
+                 peers: Sequence = (), labels: Optional[Sequence[str]] = None):
+        self.policy_worker, self.bucket_bytes = policy_worker, bucket_bytes
+        self.generation_workers = list(generation_workers)
         self.engine_gpus, self.peers = engine_gpus, list(peers)
+        self.labels = engine_labels(self.generation_workers, labels)
 
     @property
     def world_size(self) -> int:
-        """Ranks of the NCCL group: the trainer's rank 0 plus the engine's workers."""
-        return 1 + self.engine_gpus
+        """Ranks of the NCCL group: the trainer's rank 0 plus every engine's workers."""
+        return 1 + len(self.generation_workers) * self.engine_gpus
 
     def connect(self) -> None:
         """Form the NCCL group (see the class docstring); returns once every rank has joined.
 
         Raises:
-            RuntimeError, ValueError: what either side raised (an engine built without NCCL weight transfer,
-                a world size that does not match the engine, a group formed already).
+            RuntimeError, ValueError: what any side raised (an engine built without NCCL weight transfer,
+                ranks that do not fit the group, a group formed already).
         """
         import ray
 
         address, port = ray.get(self.policy_worker.nccl_rendezvous.remote())
-        engine = self.generation_worker.init_weight_transfer.remote(address, port, self.world_size)
+        engines = [w.init_weight_transfer.remote(address, port, self.world_size, 1 + i * self.engine_gpus)
+                   for i, w in enumerate(self.generation_workers)]
         trainer = self.policy_worker.init_weight_transfer_nccl.remote(address, port, self.world_size)
-        wait_all([engine, trainer])
-        logger.info("refit over NCCL: policy rank 0 + %d engine worker(s) joined at %s:%d", self.engine_gpus,
-                    address, port)
+        wait_all([*engines, trainer])
+        logger.info("refit over NCCL: policy rank 0 + %d engine(s) x %d worker(s) joined at %s:%d",
+                    len(self.generation_workers), self.engine_gpus, address, port)
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
-        """Move the policy's current weights (and KV scales) into the engine as ``version``; per-bucket stats are
-        of the converted tensors (FP8 + ``scale_inv`` where the engine is FP8).
+        """Move the policy's current weights (and KV scales) into every engine as ``version``; per-bucket stats
+        are of the converted tensors (FP8 + ``scale_inv`` where the engines are FP8), broadcast once.
 
         Raises:
-            RuntimeError: a refit in progress, the group not formed (``connect``), or the engine's checks
-                (weights missing, KV scales incomplete or of another step, another version held).
-            KeyError: a weight the engine's model does not have (raised before it is sent).
+            RuntimeError: a refit in progress, the group not formed (``connect``), or an engine's checks
+                (weights missing, KV scales incomplete or of another step, another version held), naming it.
+            KeyError: a weight the engines' model does not have (raised before it is sent).
         """
         import ray
 
-        return _sync_actors(self.generation_worker, self.peers, version, kv_scales, lambda: ray.get(
-            self.policy_worker.send_weights_nccl.remote(self.generation_worker, self.bucket_bytes, kv_scales)))
+        return _sync_actors(self.generation_workers, self.labels, self.peers, version, kv_scales, lambda: ray.get(
+            self.policy_worker.send_weights_nccl.remote(self.generation_workers, self.bucket_bytes, kv_scales)))

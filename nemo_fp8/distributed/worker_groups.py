@@ -1,32 +1,23 @@
-"""Ray worker groups for the policy (N data-parallel ranks) and the rollout engine, with typed facades.
+"""Ray worker groups for the policy (N data-parallel ranks) and the rollout engines, with typed facades.
 
-Layout (``plan_cluster``): one Ray placement group whose bundles hold every actor of the run. The
-engine runs on ``engine_gpus`` GPUs (vLLM's ``tensor_parallel_size``; 1 for the torch engine).
+Placement (which bundle each actor takes, one engine per ``tensor_parallel_size`` GPUs, placement groups per
+node): ``nemo_fp8.distributed.placement``. The engines and their facade ``GenerationGroup``:
+``nemo_fp8.distributed.engines``. Here: the policy's rank actors (``PolicyWorker``), their facade
+``PolicyGroup`` and ``start_groups``.
 
-* CPU: one ``{"CPU": 1}`` bundle per policy rank plus one for the engine.
-* CUDA, colocated (``policy.generation.colocated.enabled``): one ``{"CPU": 1, "GPU": 1}``
-  bundle per policy rank; the engine sleeps while the trainer works (NeMo-RL's colocated mode).
-  Its actor takes half of bundle 0's GPU (rank 0 the other half) and its engine runs on the GPUs
-  of policy ranks ``0..engine_gpus-1`` (needs a policy world size >= ``engine_gpus``). One Ray
-  actor cannot span bundles, so with ``engine_gpus > 1`` the driver asks those ranks for their
-  GPU ids (``ray.get_gpu_ids()``) and the engine actor sets ``CUDA_VISIBLE_DEVICES`` to them
-  before anything touches CUDA; vLLM's worker processes inherit it (``start_groups``).
-* CUDA, not colocated: the engine gets a bundle of its own, ``{"CPU": 1, "GPU": engine_gpus}``,
-  and Ray gives its actor those GPUs.
-
-Start order (``start_groups``): the policy's rank actors (no backend yet, nothing on the GPUs),
-then the engine (vLLM measures the free GPU memory as it starts), then the policy backends.
+Start order (``start_groups``): the policy's rank actors (no backend yet, nothing on the GPUs), then the
+engines (vLLM measures the free GPU memory as it starts), then the policy backends.
 
 The driver holds ``PolicyGroup`` and ``GenerationGroup``, which implement the backend interfaces
 at group level (the GRPO loop cannot tell them from local backends): batches are sharded by
 data-parallel rank and gathered back; every call is a typed method of a typed actor (no method
-names as strings). Weights reach the engine through ``nemo_fp8.distributed.weight_sync``,
+names as strings). Weights reach the engines through ``nemo_fp8.distributed.weight_sync``,
 actor to actor, never through the driver: packed buckets through Ray's object store
-(``packed_weight_buckets`` -> ``receive_packed_bucket``), CUDA IPC handles from a colocated rank 0
-(``send_weights_cuda_ipc``), or an NCCL broadcast from rank 0 to an engine on GPUs of its own
-(``send_weights_nccl``; the group of rank 0 and the engine's workers is formed once at start,
-``init_weight_transfer_nccl`` / ``GenerationWorker.init_weight_transfer``, and released by the two
-actors' ``shutdown``).
+(``packed_weight_buckets`` -> ``receive_packed_bucket`` on every engine), CUDA IPC handles from the
+policy rank on each engine's GPU (``send_weights_cuda_ipc``), or an NCCL broadcast from rank 0 to all
+engines on GPUs of their own (``send_weights_nccl``; the group of rank 0 and every engine's workers is
+formed once at start, ``init_weight_transfer_nccl`` / ``GenerationWorker.init_weight_transfer``, and
+released by the actors' ``shutdown``).
 """
 
 from __future__ import annotations
@@ -40,12 +31,14 @@ from typing import Any, Iterator, Optional, Sequence
 import ray
 import torch
 
-from nemo_fp8.batch import GenerationOutput, TrainBatch
+from nemo_fp8.batch import TrainBatch
+from nemo_fp8.distributed.engines import GenerationGroup, GenerationWorker  # noqa: F401 (re-exported)
+from nemo_fp8.distributed.placement import (ClusterPlan, MemoryProbe, Placement, actor_options,  # noqa: F401
+                                            create_placement_group, plan_cluster, set_threads)
 from nemo_fp8.distributed.weight_sync import (PackedBucket, direct_refit_stream, iter_buckets, pack_bucket,
-                                              unpack_bucket, update_info_stats, weight_stream)
+                                              update_info_stats, wait_all, weight_stream)
 from nemo_fp8.fp8.kv_scales import KvScales
-from nemo_fp8.generation.config import colocated_engine_error
-from nemo_fp8.utils.memory import MemoryWatch
+from nemo_fp8.generation.spec import GenerationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -70,95 +63,6 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
     logger.info("ray: %s", ray.cluster_resources())
 
 
-# --------------------------------------------------------------------------- cluster plan
-@dataclass
-class ClusterPlan:
-    """Placement-group bundles and which bundle (and share of it) each actor takes.
-
-    Attributes:
-        bundles: resources of each bundle, e.g. ``{"CPU": 1, "GPU": 1}``.
-        policy_slots: per data-parallel rank, ``(bundle index, actor resources)``.
-        generation_slot: the engine actor's ``(bundle index, actor resources)``.
-        engine_gpus: GPUs the engine runs on (vLLM's ``tensor_parallel_size``; 0 on CPU).
-        engine_policy_ranks: colocated on CUDA, the policy ranks whose GPUs the engine runs on
-            (``0..engine_gpus-1``); empty when the engine has a bundle of its own or on CPU.
-    """
-
-    bundles: list[dict[str, float]]
-    policy_slots: list[tuple[int, dict[str, float]]]
-    generation_slot: tuple[int, dict[str, float]]
-    engine_gpus: int = 1
-    engine_policy_ranks: list[int] = field(default_factory=list)
-
-    def required(self) -> dict[str, float]:
-        """Total resources the run asks of the Ray cluster (compare with ``ray.cluster_resources()``)."""
-        total: dict[str, float] = {}
-        for b in self.bundles:
-            for k, v in b.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
-
-
-def plan_cluster(dp_size: int, use_gpu: bool, colocated: bool, engine_gpus: int = 1) -> ClusterPlan:
-    """The placement plan described in the module docstring; ``dp_size`` is the number of policy
-    ranks (``policy.world_size``: data parallel x Megatron tensor parallel), ``engine_gpus`` the
-    engine's (``policy.generation.engine_gpus``: vLLM's ``tensor_parallel_size``; ignored on CPU,
-    where the engine is the torch reference). ``engine_gpus=1`` gives the one-GPU engine's layout.
-
-    Raises:
-        ValueError: ``dp_size < 1``, ``engine_gpus < 1``, or a colocated engine of more GPUs than
-            there are policy ranks (the text names ``policy.generation.vllm_cfg.tensor_parallel_size``
-            and the valid values; the config check says the same before any GPU work).
-    """
-    if dp_size < 1:
-        raise ValueError(f"policy.data_parallel_size must be >= 1, got {dp_size}")
-    if engine_gpus < 1:
-        raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size must be >= 1, got {engine_gpus}")
-    if not use_gpu:
-        bundles = [{"CPU": 1.0} for _ in range(dp_size + 1)]
-        return ClusterPlan(bundles, [(i, {"CPU": 1.0}) for i in range(dp_size)], (dp_size, {"CPU": 1.0}), engine_gpus=0)
-    bundles = [{"CPU": 1.0, "GPU": 1.0} for _ in range(dp_size)]
-    if colocated:
-        why = colocated_engine_error(engine_gpus, dp_size)
-        if why:
-            raise ValueError(f"policy.generation.vllm_cfg.tensor_parallel_size: {why}")
-        bundles[0]["CPU"] += 1.0
-        slots = [(0, {"CPU": 1.0, "GPU": 0.5})] + [(i, {"CPU": 1.0, "GPU": 1.0}) for i in range(1, dp_size)]
-        return ClusterPlan(bundles, slots, (0, {"CPU": 1.0, "GPU": 0.5}), engine_gpus, list(range(engine_gpus)))
-    bundles.append({"CPU": 1.0, "GPU": float(engine_gpus)})
-    return ClusterPlan(bundles, [(i, {"CPU": 1.0, "GPU": 1.0}) for i in range(dp_size)],
-                       (dp_size, {"CPU": 1.0, "GPU": float(engine_gpus)}), engine_gpus)
-
-
-def create_placement_group(plan: ClusterPlan, timeout_s: float = 60.0):
-    """Reserve ``plan``'s bundles (PACK strategy).
-
-    Raises:
-        RuntimeError: the cluster cannot hold them within ``timeout_s``; names what the run
-            needs and what the cluster has, instead of waiting forever.
-    """
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    pg = placement_group(plan.bundles, strategy="PACK")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        raise RuntimeError(f"ray: the run needs {plan.required()} in {len(plan.bundles)} bundles {plan.bundles}; the "
-                           f"cluster has {have} free; raise cluster.num_cpus / GPUs or lower "
-                           "policy.data_parallel_size (or policy.generation.vllm_cfg.tensor_parallel_size: a bundle's "
-                           "GPUs must be on one node)")
-    return pg
-
-
-def _options(pg, slot: tuple[int, dict[str, float]]) -> dict:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    bundle, res = slot
-    return dict(num_cpus=res.get("CPU", 0.0), num_gpus=res.get("GPU", 0.0), max_concurrency=1,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle))
-
-
 def _free_address() -> tuple[str, int]:
     """(this node's IP, a port free on it now) for a rendezvous this process will serve."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -167,32 +71,14 @@ def _free_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-def _set_threads(torch_threads: Optional[int]) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
-
-
-class _MemoryProbe:
-    """Mixed into both actors: sample this process's memory around an operation (refit diagnostics)."""
-
-    def watch_memory(self, start: bool) -> Optional[dict[str, int]]:
-        """``start=True``: begin sampling (``nemo_fp8.utils.memory.MemoryWatch``); ``False``: stop, return the peaks."""
-        if start:
-            self._memory_watch = MemoryWatch()
-            self._memory_watch.start()
-            return None
-        return self._memory_watch.stop()
-
-
 # --------------------------------------------------------------------------- actors
 @ray.remote
-class PolicyWorker(_MemoryProbe):
+class PolicyWorker(MemoryProbe):
     """One rank of the policy (data-parallel, or tensor-parallel with Megatron): a ``PolicyBackend``
     in its own process."""
 
     def __init__(self, torch_threads: Optional[int] = None):
-        _set_threads(torch_threads)
+        set_threads(torch_threads)
         self.backend = None
         self._nccl_group = None  # rank 0 of the refit's NCCL group (init_weight_transfer_nccl)
 
@@ -245,26 +131,26 @@ class PolicyWorker(_MemoryProbe):
         """
         from nemo_fp8.generation.vllm.refit import send_weights_ipc
 
-        return self._send_direct(generation_worker, kv_scales,
+        return self._send_direct([generation_worker], kv_scales,
                                  lambda stream, update, plan: send_weights_ipc(stream, update, plan, bucket_bytes))
 
-    def _send_direct(self, generation_worker, kv_scales: Optional[KvScales], send) -> list[tuple[int, int]]:
+    def _send_direct(self, generation_workers: list, kv_scales: Optional[KvScales], send) -> list[tuple[int, int]]:
         """What the direct refits (CUDA IPC, NCCL) share: the engine's ``direct_refit_spec``, this rank's weights and
         KV scales through ``direct_refit_stream``, ``send(stream, update, plan) -> tensors sent`` with ``update``
         handing each bucket's ``{"update_info": ...}`` to the engine actor's ``receive_update``, then ``note_sent``.
         Returns (tensors, bytes) per bucket, of the converted tensors (``update_info_stats``)."""
-        spec = ray.get(generation_worker.direct_refit_spec.remote())
+        spec = ray.get(generation_workers[0].direct_refit_spec.remote())  # every engine has the same model
         names: list[str] = []
         buckets: list[tuple[int, int]] = []
 
         def update(payload: dict) -> None:
-            ray.get(generation_worker.receive_update.remote(payload))
+            wait_all([w.receive_update.remote(payload) for w in generation_workers])
             buckets.append(update_info_stats(payload["update_info"]))
 
         stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), spec["plan"],
                                      spec["skip"], names)
         n = send(stream, update, spec["plan"])
-        ray.get(generation_worker.note_sent.remote(names, n))
+        wait_all([w.note_sent.remote(names, n) for w in generation_workers])
         return buckets
 
     def init_weight_transfer_nccl(self, master_address: str, master_port: int, world_size: int) -> None:
@@ -283,7 +169,7 @@ class PolicyWorker(_MemoryProbe):
             raise RuntimeError("init_weight_transfer_nccl: this policy rank is in an NCCL refit group already")
         self._nccl_group = nccl_trainer_init(master_address, master_port, world_size)
 
-    def send_weights_nccl(self, generation_worker, bucket_bytes: int,
+    def send_weights_nccl(self, generation_workers: list, bucket_bytes: int,
                           kv_scales: Optional[KvScales]) -> list[tuple[int, int]]:
         """The refit from this rank's GPU to a vLLM engine on GPUs of its own, by NCCL broadcast (``NcclWeightSync``).
 
@@ -311,7 +197,7 @@ class PolicyWorker(_MemoryProbe):
         def send(stream, update, plan) -> int:  # update runs in send_weights_nccl's thread while this one broadcasts
             return sum(send_weights_nccl(bucket, update, plan, group) for bucket in iter_buckets(stream, bucket_bytes))
 
-        return self._send_direct(generation_worker, kv_scales, send)
+        return self._send_direct(generation_workers, kv_scales, send)
 
     def drain_weights(self) -> int:
         """Take part in an export another rank sends (Megatron tensor-parallel gathers)."""
@@ -346,90 +232,6 @@ class PolicyWorker(_MemoryProbe):
                 logger.warning("destroying the NCCL refit communicator failed: %s", e)
         if self.backend is not None:
             self.backend.shutdown()
-
-
-@ray.remote
-class GenerationWorker(_MemoryProbe):
-    """The rollout engine: a ``GenerationBackend`` in its own process.
-
-    Args:
-        backend_kwargs: ``build_generation_backend``'s arguments.
-        torch_threads: CPU threads of torch in this process.
-        cuda_visible_devices: physical GPU ids (``ray.get_gpu_ids()`` of the policy ranks it shares, module
-            docstring) that replace the ``CUDA_VISIBLE_DEVICES`` Ray set (bundle 0's GPU) before the backend
-            is built: torch reads it when CUDA initializes, vLLM's worker processes inherit it, so the
-            engine's ``cuda:i`` is the i-th of them. None: Ray's setting stays.
-
-    Raises:
-        RuntimeError: ``cuda_visible_devices`` given after CUDA was initialized in this process (too late).
-    """
-
-    def __init__(self, backend_kwargs: dict, torch_threads: Optional[int] = None,
-                 cuda_visible_devices: Optional[Sequence[str]] = None):
-        if cuda_visible_devices:
-            if torch.cuda.is_initialized():
-                raise RuntimeError("GenerationWorker: CUDA is initialized already; CUDA_VISIBLE_DEVICES="
-                                   f"{','.join(cuda_visible_devices)} would not apply")
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in cuda_visible_devices)
-        from nemo_fp8.generation import build_generation_backend
-
-        _set_threads(torch_threads)
-        self.backend = build_generation_backend(**backend_kwargs)
-
-    def ready(self) -> bool:
-        return True
-
-    def cuda_visible_devices(self) -> Optional[str]:
-        """This process's ``CUDA_VISIBLE_DEVICES`` (None: unset): the GPUs its engine runs on."""
-        return os.environ.get("CUDA_VISIBLE_DEVICES")
-
-    def generate(self, prompt_token_ids: list[list[int]], sampling) -> GenerationOutput:
-        return self.backend.generate(prompt_token_ids, sampling)
-
-    def start_weight_update(self, version: int) -> None:
-        self.backend.start_weight_update(version)
-
-    def update_weights(self, named_tensors) -> None:
-        self.backend.update_weights(named_tensors)
-
-    def direct_refit_spec(self) -> dict:
-        return self.backend.direct_refit_spec()
-
-    def receive_update(self, payload: dict) -> None:
-        self.backend.receive_update(payload)
-
-    def note_sent(self, names: list[str], num_tensors: int) -> None:
-        self.backend.note_sent(names, num_tensors)
-
-    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int) -> None:
-        """Join the engine's workers to the refit's NCCL group as ranks 1..n (``NcclWeightSync.connect``; blocks
-        until policy rank 0 joins too). Raises what ``VllmGenerationBackend.init_weight_transfer`` raises."""
-        self.backend.init_weight_transfer(master_address, master_port, world_size)
-
-    def engine_params(self, names: list[str]) -> list[dict]:
-        """Raw engine parameters per worker (``VllmGenerationBackend.engine_params``; diagnostics and tests)."""
-        return self.backend.engine_params(names)
-
-    def receive_packed_bucket(self, bucket: PackedBucket) -> tuple[int, int]:
-        """Load one bucket (read straight from the object store); returns (tensors, bytes)."""
-        items = unpack_bucket(bucket)
-        self.backend.update_weights(items)
-        return len(items), sum(t.numel() * t.element_size() for _, t in items)
-
-    def finish_weight_update(self):
-        return self.backend.finish_weight_update()
-
-    def weight_version(self):
-        return self.backend.weight_version()
-
-    def prepare_for_generation(self) -> None:
-        self.backend.prepare_for_generation()
-
-    def finish_generation(self) -> None:
-        self.backend.finish_generation()
-
-    def shutdown(self) -> None:
-        self.backend.shutdown()
 
 
 # --------------------------------------------------------------------------- facades
@@ -475,11 +277,11 @@ class PolicyGroup:
         self.packing = None  # the policy config when its sequence_packing is on (``setup``)
 
     @classmethod
-    def create(cls, pg, plan: ClusterPlan, global_batch_size: int, torch_threads: Optional[int],
+    def create(cls, pg: Optional[Placement], plan: ClusterPlan, global_batch_size: int, torch_threads: Optional[int],
                tp_size: int = 1) -> "PolicyGroup":
         """Start the rank actors on their bundles without building their backends (nothing on the GPUs yet);
         ``setup`` builds them."""
-        workers = [PolicyWorker.options(**_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
+        workers = [PolicyWorker.options(**actor_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
         return cls(workers, global_batch_size, tp_size)
 
     def setup(self, backend_kwargs: dict) -> None:
@@ -596,72 +398,29 @@ class PolicyGroup:
             ray.kill(w)
 
 
-class GenerationGroup:
-    """``GenerationBackend`` whose engine runs in a ``GenerationWorker`` actor."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    @classmethod
-    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
-              cuda_visible_devices: Optional[Sequence[str]] = None) -> "GenerationGroup":
-        """Start the engine actor on ``plan.generation_slot`` and build its backend (errors surface here).
-
-        ``cuda_visible_devices``: the GPUs a colocated multi-GPU engine runs on (``GenerationWorker``).
-        """
-        worker = GenerationWorker.options(**_options(pg, plan.generation_slot)).remote(
-            backend_kwargs, torch_threads, cuda_visible_devices)
-        ray.get(worker.ready.remote())  # re-raises the backend's construction error
-        logger.info("generation engine ready (CUDA_VISIBLE_DEVICES=%s)", ray.get(worker.cuda_visible_devices.remote()))
-        return cls(worker)
-
-    def generate(self, prompt_token_ids: list[list[int]], sampling) -> GenerationOutput:
-        return ray.get(self.worker.generate.remote(prompt_token_ids, sampling))
-
-    def start_weight_update(self, version: int) -> None:
-        ray.get(self.worker.start_weight_update.remote(version))
-
-    def update_weights(self, named_tensors) -> None:
-        ray.get(self.worker.update_weights.remote(list(named_tensors)))
-
-    def finish_weight_update(self):
-        return ray.get(self.worker.finish_weight_update.remote())
-
-    def weight_version(self):
-        return ray.get(self.worker.weight_version.remote())
-
-    def prepare_for_generation(self) -> None:
-        ray.get(self.worker.prepare_for_generation.remote())
-
-    def finish_generation(self) -> None:
-        ray.get(self.worker.finish_generation.remote())
-
-    def shutdown(self) -> None:
-        ray.get(self.worker.shutdown.remote())
-        ray.kill(self.worker)
-
-
-def start_groups(pg, plan: ClusterPlan, policy_kwargs: dict, generation_kwargs: dict, torch_threads: Optional[int],
-                 tp_size: int = 1) -> tuple[PolicyGroup, GenerationGroup]:
-    """Start the policy ranks and the engine on ``plan``'s bundles, in the order the GPUs need.
+def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, generation_spec: GenerationSpec,
+                 torch_threads: Optional[int], tp_size: int = 1) -> tuple[PolicyGroup, GenerationGroup]:
+    """Start the policy ranks and the engines on ``plan``'s bundles, in the order the GPUs need.
 
     1. the policy's rank actors, backends not built (``PolicyGroup.create``: nothing on the GPUs);
-    2. colocated with ``plan.engine_gpus > 1``: the GPU ids of policy ranks ``plan.engine_policy_ranks``,
-       which become the engine actor's ``CUDA_VISIBLE_DEVICES`` (a one-GPU engine keeps Ray's: bundle 0's);
-    3. the engine (vLLM measures the free memory of its GPUs as it starts, so before the trainer allocates);
+    2. colocated engines of more than one GPU: the GPU ids of each engine's policy ranks (``plan.engine_ranks``),
+       which become that engine actor's ``CUDA_VISIBLE_DEVICES`` (a one-GPU engine keeps Ray's: its bundle's);
+    3. the engines, all at once (vLLM measures the free memory of its GPUs as it starts, so before the trainer
+       allocates);
     4. the policy backends (``PolicyGroup.setup``).
 
     Args:
+        placement: ``create_placement_group(plan)``.
         policy_kwargs: ``build_policy_backend``'s arguments (``cfg``: ``PolicyConfig``).
-        generation_kwargs: ``build_generation_backend``'s arguments.
+        generation_spec: every engine's backend (``nemo_fp8.generation.GenerationSpec``).
         tp_size: Megatron tensor parallelism of the policy.
 
     Raises:
         RuntimeError: a shared policy rank holds other than one GPU of its own; or what building a
-            backend raised.
+            backend raised (``EngineError`` naming the engine).
     """
-    policy = PolicyGroup.create(pg, plan, policy_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
-    visible = policy.gpu_ids(plan.engine_policy_ranks) if len(plan.engine_policy_ranks) > 1 else None
-    generation = GenerationGroup.start(pg, plan, generation_kwargs, torch_threads, cuda_visible_devices=visible)
+    policy = PolicyGroup.create(placement, plan, policy_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
+    visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
+    generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
     policy.setup(policy_kwargs)
     return policy, generation

@@ -1,22 +1,25 @@
 """Rollout backends: ``torch`` (reference, here) and ``vllm`` (FP8 engine, ``nemo_fp8.generation.vllm``)."""
 
 from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
+from nemo_fp8.generation.spec import GenerationSpec
 
-__all__ = ["GenerationBackend", "SamplingParams", "build_generation_backend"]
+__all__ = ["GenerationBackend", "GenerationSpec", "SamplingParams", "build_generation_backend"]
 
 
-def build_generation_backend(backend: str, **kwargs) -> GenerationBackend:
-    """Build the backend named by ``policy.generation.backend`` (runs inside its Ray actor).
+def build_generation_backend(spec: GenerationSpec) -> GenerationBackend:
+    """Build the backend named by ``spec.backend`` (``policy.generation.backend``; runs inside its Ray actor).
 
     Raises:
         ImportError: ``vllm`` where vLLM is not installed (it exists on the GPU host only).
-        ValueError: an unknown name.
+        ValueError: an unknown backend name.
     """
-    if backend == "torch":
+    if spec.backend == "torch":
         from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 
-        return TorchGenerationBackend(**kwargs)
-    if backend == "vllm":
+        return TorchGenerationBackend(spec.model_name, spec.vllm_cfg, spec.device, spec.pad_token_id,
+                                      spec.eos_token_id, spec.max_total_sequence_length, batch_size=spec.batch_size,
+                                      offload_when_idle=spec.offload_when_idle)
+    if spec.backend == "vllm":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:  # vLLM itself is imported only inside generation/vllm/
@@ -24,6 +27,8 @@ def build_generation_backend(backend: str, **kwargs) -> GenerationBackend:
                               "the GPU host); valid without it: 'torch' (the reference backend, same FP8 numerics)")
         from nemo_fp8.generation.vllm.backend import VllmGenerationBackend
 
-        kwargs["colocated"] = kwargs.pop("offload_when_idle", True)  # sleep mode between rollouts
-        return VllmGenerationBackend(**kwargs)
-    raise ValueError(f"policy.generation.backend={backend!r}; valid: 'torch', 'vllm'")
+        return VllmGenerationBackend(spec.model_name, spec.vllm_cfg, spec.pad_token_id, spec.eos_token_id,
+                                     spec.max_total_sequence_length, colocated=spec.offload_when_idle,
+                                     device=spec.device, batch_size=spec.batch_size,
+                                     weight_transfer=spec.weight_transfer or "ipc")
+    raise ValueError(f"policy.generation.backend={spec.backend!r}; valid: 'torch', 'vllm'")

@@ -17,17 +17,23 @@ SUPPORTED_TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 def colocated_engine_error(tensor_parallel_size: int, policy_world_size: int) -> Optional[str]:
-    """Why a colocated vLLM engine of ``tensor_parallel_size`` GPUs cannot run beside a policy of
-    ``policy_world_size`` ranks (None: it can).
+    """Why colocated vLLM engines of ``tensor_parallel_size`` GPUs cannot run beside a policy of
+    ``policy_world_size`` ranks (None: they can).
 
-    A colocated engine shares the GPUs of policy ranks ``0..tensor_parallel_size-1`` (one GPU per
-    rank, ``nemo_fp8.distributed.worker_groups.plan_cluster``), so it needs at least that many ranks.
-    The text follows ``policy.generation.vllm_cfg.tensor_parallel_size: `` in both the config check
-    and ``plan_cluster``'s error.
+    Colocated engine ``i`` shares the GPUs of policy ranks ``i*n..(i+1)*n-1`` (``n = tensor_parallel_size``,
+    one GPU per rank, ``nemo_fp8.distributed.placement.plan_cluster``), so the policy needs at least ``n`` ranks
+    and a multiple of ``n``. The text follows ``policy.generation.vllm_cfg.tensor_parallel_size: `` in both
+    the config check and ``plan_cluster``'s error.
     """
-    if tensor_parallel_size <= policy_world_size:
+    if tensor_parallel_size <= policy_world_size and policy_world_size % tensor_parallel_size == 0:
         return None
-    valid = [n for n in SUPPORTED_TENSOR_PARALLEL_SIZES if n <= policy_world_size]
+    valid = [n for n in SUPPORTED_TENSOR_PARALLEL_SIZES if n <= policy_world_size and policy_world_size % n == 0]
+    if tensor_parallel_size <= policy_world_size:
+        return (f"{tensor_parallel_size} with policy.generation.colocated.enabled=true runs one engine on the GPUs of "
+                f"each {tensor_parallel_size} consecutive policy ranks, but the policy world size {policy_world_size} "
+                "(policy.data_parallel_size x policy.megatron_cfg.tensor_model_parallel_size) is not a multiple of "
+                f"it; valid: {', '.join(map(str, valid))}, or a policy world size that is a multiple of "
+                f"{tensor_parallel_size}")
     return (f"{tensor_parallel_size} with policy.generation.colocated.enabled=true runs the engine on the GPUs of "
             f"policy ranks 0..{tensor_parallel_size - 1}, but the policy has {policy_world_size} rank(s) (policy world "
             "size = policy.data_parallel_size x policy.megatron_cfg.tensor_model_parallel_size); valid: "
@@ -53,8 +59,8 @@ class VllmConfig(StrictConfig):
         None, ge=1, description="vLLM's kv_cache_memory_bytes: a fixed KV cache size per GPU that skips vLLM's "
         "memory profiling (which fails when another process on the GPU frees memory while it profiles)")
     tensor_parallel_size: int = Field(
-        1, ge=1, description="vLLM's tensor parallelism: the engine runs on this many GPUs, those of policy ranks "
-        "0..n-1 when colocated, else GPUs of its own (nemo_fp8/distributed/worker_groups.py's plan_cluster)")
+        1, ge=1, description="vLLM's tensor parallelism: each engine runs on this many GPUs of one node, those of "
+        "n consecutive policy ranks when colocated, else GPUs of its own (nemo_fp8/distributed/placement.py)")
     max_model_len: Optional[int] = Field(None, ge=1)
     enforce_eager: bool = False
 
@@ -67,6 +73,19 @@ class VllmConfig(StrictConfig):
             errs.append("kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8' "
                         "(valid with bfloat16 precision: 'auto')")
         return errs
+
+
+class EngineResources(StrictConfig):
+    """The GPUs of engines that are not colocated (NeMo-RL's ``policy.generation.colocated.resources``).
+
+    Attributes:
+        gpus_per_node: GPUs for engines on each node (None: ``vllm_cfg.tensor_parallel_size``, one engine);
+            a multiple of ``tensor_parallel_size`` (an engine never spans nodes).
+        num_nodes: nodes with such GPUs (None: 1).
+    """
+
+    gpus_per_node: Optional[int] = Field(None, ge=1)
+    num_nodes: Optional[int] = Field(None, ge=1)
 
 
 class ColocationConfig(StrictConfig):
@@ -83,10 +102,12 @@ class ColocationConfig(StrictConfig):
             the weight transfer; the rest, about 1.2 s, includes these moves). The preflight then counts the engine's
             ``gpu_memory_utilization`` share on top of the trainer's state. Without colocation nothing is
             moved either way.
+        resources: not colocated: the engines' own GPUs (``EngineResources``); unused when colocated.
     """
 
     enabled: bool = True
     offload_trainer: bool = True
+    resources: EngineResources = EngineResources()
 
     @property
     def moves_trainer_state(self) -> bool:
@@ -103,6 +124,10 @@ class GenerationConfig(StrictConfig):
     stop_token_ids: Optional[list[int]] = None
     vllm_cfg: VllmConfig = VllmConfig()
     colocated: ColocationConfig = ColocationConfig()
+    num_engines: Optional[int] = Field(
+        None, ge=1, description="rollout engines (data parallel). None: every GPU of the run, GPUs / "
+        "vllm_cfg.tensor_parallel_size (colocated: the policy's GPUs; else colocated.resources'); on CPU, one torch "
+        "engine per policy rank. A number: that many, at most the GPUs' count / tensor_parallel_size")
 
     def config_errors(self) -> list[str]:
         errs = []
@@ -113,7 +138,41 @@ class GenerationConfig(StrictConfig):
         if self.backend == "vllm" and tp not in SUPPORTED_TENSOR_PARALLEL_SIZES:
             errs.append(f"vllm_cfg.tensor_parallel_size: {tp} is not supported (valid: "
                         f"{', '.join(map(str, SUPPORTED_TENSOR_PARALLEL_SIZES))})")
+        per_node = self.colocated.resources.gpus_per_node
+        if not self.colocated.enabled and per_node is not None and per_node % self.engine_gpus:
+            errs.append(f"colocated.resources.gpus_per_node: {per_node} is not a multiple of "
+                        f"vllm_cfg.tensor_parallel_size={self.engine_gpus} (an engine never spans nodes); valid: "
+                        f"multiples of {self.engine_gpus}")
         return errs
+
+    @property
+    def own_engine_gpus(self) -> int:
+        """Not colocated: the GPUs of the engines, ``resources.gpus_per_node x resources.num_nodes`` (default: one
+        engine's, ``engine_gpus``)."""
+        res = self.colocated.resources
+        return (res.gpus_per_node or self.engine_gpus) * (res.num_nodes or 1)
+
+    def resolve_num_engines(self, policy_world_size: int, use_gpu: bool) -> int:
+        """How many engines the run starts (``num_engines``, or every GPU's share when None).
+
+        On CPU: one torch engine per policy rank. On GPUs, colocated: policy world size / ``engine_gpus``;
+        not colocated: ``own_engine_gpus / engine_gpus``.
+
+        Raises:
+            ValueError: ``num_engines`` above that count (names the keys and the valid range).
+        """
+        if not use_gpu:
+            return self.num_engines or policy_world_size
+        gpus = policy_world_size if self.colocated.enabled else self.own_engine_gpus
+        most = max(1, gpus // self.engine_gpus)
+        if self.num_engines is not None and self.num_engines > most:
+            where = ("the policy's GPUs (policy world size)" if self.colocated.enabled
+                     else "policy.generation.colocated.resources.gpus_per_node x num_nodes")
+            raise ValueError(f"policy.generation.num_engines: {self.num_engines} engines of "
+                             f"policy.generation.vllm_cfg.tensor_parallel_size={self.engine_gpus} GPU(s) need "
+                             f"{self.num_engines * self.engine_gpus} GPUs, but {where} gives {gpus}; valid: 1 to "
+                             f"{most}")
+        return self.num_engines or most
 
     @property
     def engine_gpus(self) -> int:

@@ -20,7 +20,7 @@ tagged with the version (GRPO step) of the weights they were measured on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Optional, Protocol, Sequence
 
 from torch import Tensor
 
@@ -47,6 +47,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
+def request_seed(seed: int, row: int) -> int:
+    """The sampling seed of request ``row`` of a generate call seeded ``seed`` (``SamplingParams.seed``).
+
+    A data-parallel rollout gives each request the seed of its row in the whole step's batch, so the samples do
+    not depend on which engine draws them (``nemo_fp8.distributed.engines``); vLLM takes it as the request's
+    ``SamplingParams.seed``, the torch engine as the seed of the request's own generator.
+    """
+    return seed * 1_000_003 + row
+
+
 @dataclass(frozen=True)
 class WeightVersion:
     """What the engine holds after a refit: the policy version of its weights and KV scales.
@@ -64,8 +74,15 @@ class WeightVersion:
 
 
 class GenerationBackend(Protocol):
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        """Generate one response per prompt (repeat a prompt for n samples); see GenerationOutput."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 request_seeds: Optional[Sequence[int]] = None,
+                 chunk_sizes: Optional[Sequence[int]] = None) -> GenerationOutput:
+        """Generate one response per prompt (repeat a prompt for n samples); see GenerationOutput.
+
+        ``request_seeds``: one sampling seed per prompt (``request_seed``), so a request samples the same
+        wherever it runs. ``chunk_sizes``: rows of each forward batch, for an engine that batches rows itself (the
+        torch engine); vLLM schedules its own and ignores it.
+        """
         ...
 
     def start_weight_update(self, version: int) -> None:

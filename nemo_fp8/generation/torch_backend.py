@@ -13,7 +13,7 @@ scales, as vLLM's FP8 KV cache with FlashAttention 3 does.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -173,6 +173,22 @@ class TorchGenerationBackend:
     def weight_version(self) -> WeightVersion:
         return self._version
 
+    def engine_params(self, names: list[str]) -> list[dict]:
+        """Raw parameters and buffers, as ``VllmGenerationBackend.engine_params`` answers (one worker): name (e.g.
+        ``model.layers.0.mlp.down_proj.weight``, an FP8 layer's e4m3 weight, or its ``weight_scale_inv``) ->
+        (dtype name, shape, raw bytes). Diagnostics and tests (every engine holds the same bytes after a refit).
+
+        Raises:
+            KeyError: a name the model has no parameter or buffer for.
+        """
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        out = {}
+        for n in names:
+            t = tensors[n].detach().contiguous().cpu()
+            out[n] = (str(t.dtype).split(".")[-1], list(t.shape), t.view(torch.uint8).numpy().tobytes())
+        return [out]
+
     # ----------------------------------------------------------------------- lifecycle
     def prepare_for_generation(self) -> None:
         """Wake: move the model back to its device (after ``finish_generation`` offloaded it)."""
@@ -195,12 +211,22 @@ class TorchGenerationBackend:
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 request_seeds: Optional[Sequence[int]] = None,
+                 chunk_sizes: Optional[Sequence[int]] = None) -> GenerationOutput:
         """Sample one response per prompt; returns a right-padded ``GenerationOutput``.
+
+        Args:
+            request_seeds: one seed per prompt: each row samples from a generator of its own, so a row's tokens
+                depend only on its seed and its logits (data-parallel engines, ``request_seed``). None: one
+                generator seeded ``sampling.seed`` draws for the whole batch.
+            chunk_sizes: rows of each forward batch, in order (sum = number of prompts); None: ``batch_size``
+                rows each. A row's logits depend (by bf16 rounding) on the rows it is batched with, so engines
+                that must agree bit for bit get the same batches.
 
         Raises:
             ValueError: an empty prompt, or a prompt that leaves no room under
-                ``max_total_sequence_length``.
+                ``max_total_sequence_length``; ``request_seeds`` / ``chunk_sizes`` that do not cover the prompts.
             RuntimeError: called during a weight update or while asleep.
         """
         if self._pending is not None:
@@ -216,12 +242,26 @@ class TorchGenerationBackend:
             if not p or len(p) >= self.max_total_sequence_length:
                 raise ValueError(f"generate: prompt {i} has {len(p)} tokens; valid: 1 to "
                                  f"{self.max_total_sequence_length - 1} (max_total_sequence_length - 1)")
-        gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        chunks = [self._generate_chunk(prompt_token_ids[i:i + self.batch_size], sampling, gen)
-                  for i in range(0, len(prompt_token_ids), self.batch_size)]
+        n = len(prompt_token_ids)
+        sizes = list(chunk_sizes) if chunk_sizes is not None else [min(self.batch_size, n - i)
+                                                                   for i in range(0, n, self.batch_size)]
+        if sum(sizes) != n or min(sizes) < 1:
+            raise ValueError(f"generate: chunk_sizes {sizes} do not cover the {n} prompts")
+        if request_seeds is not None and len(request_seeds) != n:
+            raise ValueError(f"generate: {len(request_seeds)} request_seeds for {n} prompts")
+        shared = torch.Generator(device=self.device).manual_seed(sampling.seed) if request_seeds is None else None
+        chunks, start = [], 0
+        for size in sizes:
+            rows = slice(start, start + size)
+            gens = shared if shared is not None else [torch.Generator(device=self.device).manual_seed(int(s))
+                                                      for s in request_seeds[rows]]
+            chunks.append(self._generate_chunk(prompt_token_ids[rows], sampling, gens))
+            start += size
         return _concat_outputs(chunks, self.pad_token_id)
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams, gen: torch.Generator):
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
+                        gen: torch.Generator | list[torch.Generator]):
+        """One forward batch; ``gen``: one generator for the batch, or one per row."""
         b, dev = len(prompts), self.device
         plen = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
         width = int(plen.max())
@@ -246,7 +286,7 @@ class TorchGenerationBackend:
             if sampling.greedy:
                 tok = logp.argmax(-1)
             else:
-                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)  # [B]
+                tok = _sample(logp.exp(), gen)  # [B]
             lp = logp.gather(-1, tok[:, None]).squeeze(-1)
             active = ~done & (step < limit)
             tok = torch.where(active, tok, torch.full_like(tok, self.pad_token_id))
@@ -275,6 +315,13 @@ class TorchGenerationBackend:
             token_ids[i, n:n + r] = resp[i, :r]
             gen_lp[i, n:n + r] = resp_lp[i, :r]
         return GenerationOutput(token_ids.cpu(), plen.cpu(), resp_len.cpu(), gen_lp.cpu(), truncated.cpu())
+
+
+def _sample(probs: Tensor, gen: torch.Generator | list[torch.Generator]) -> Tensor:
+    """[B] token ids drawn from ``probs`` [B, V]: with one generator for the batch, or row i with ``gen[i]``."""
+    if isinstance(gen, torch.Generator):
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(gen)])
 
 
 def _concat_outputs(chunks: list[GenerationOutput], pad_token_id: int) -> GenerationOutput:

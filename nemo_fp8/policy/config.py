@@ -339,10 +339,17 @@ class PolicyConfig(StrictConfig):
             why = colocated_engine_error(engine_gpus, self.world_size)
             if why:
                 errs.append(f"generation.vllm_cfg.tensor_parallel_size: {why}")
+        if self.device == "cuda" and not errs:
+            try:
+                self.generation.resolve_num_engines(self.world_size, use_gpu=True)
+            except ValueError as e:
+                errs.append(str(e).removeprefix("policy."))
         if self.weight_sync.method == "cuda_ipc":
             why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
                                     ("generation.colocated.enabled: true", not self.generation.colocated.enabled),
-                                    (f"one policy rank (world size {self.world_size})", self.world_size != 1),
+                                    ("policy.megatron_cfg.tensor_model_parallel_size 1 (every rank a full replica "
+                                     "that refits the engine on its own GPU; got "
+                                     f"{self.tensor_parallel_size})", self.tensor_parallel_size != 1),
                                     ("device: cuda or auto", self.device == "cpu"),
                                     ("a one-GPU engine (generation.vllm_cfg.tensor_parallel_size: 1, not "
                                      f"{engine_gpus}: the rank's handles are for its own GPU only, the engine's other "

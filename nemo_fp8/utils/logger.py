@@ -26,6 +26,8 @@ ROW_COLUMNS = [
     ("loss/is_weight_max", "is_max", "{:>7.3f}"),
     ("loss/is_frac_tokens_truncated", "is_trunc", "{:>8.4f}"),
     ("perf/rollout_tokens_per_s", "tok/s", "{:>8.0f}"),
+    ("generation/engines", "engines", "{:>7.0f}"),
+    ("generation/engine_imbalance", "eng_imb", "{:>7.2f}"),
     ("timing/step", "step_s", "{:>7.2f}"),
 ]
 

@@ -11,11 +11,10 @@ import os
 import pytest
 import ray
 import torch
-from ray.util.placement_group import remove_placement_group
 
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.distributed.worker_groups import create_placement_group, plan_cluster, start_groups
-from nemo_fp8.generation import SamplingParams
+from nemo_fp8.generation import GenerationSpec, SamplingParams
 from nemo_fp8.models.hf import load_tokenizer
 
 CPU = torch.device("cpu")
@@ -36,11 +35,11 @@ def ray_two_gpus():
 def _start(pg, plan, cfg, tok):
     return start_groups(
         pg, plan, policy_kwargs=dict(megatron=False, cfg=cfg.policy, device=CPU, temperature=1.0, keep_reference=False),
-        generation_kwargs=dict(backend="torch", model_name=cfg.policy.model_name,
-                               vllm_cfg=cfg.policy.generation.vllm_cfg, device=CPU, pad_token_id=tok.pad_token_id,
-                               eos_token_id=tok.eos_token_id,
-                               max_total_sequence_length=cfg.policy.max_total_sequence_length, batch_size=8,
-                               offload_when_idle=True),
+        generation_spec=GenerationSpec(backend="torch", model_name=cfg.policy.model_name,
+                                       vllm_cfg=cfg.policy.generation.vllm_cfg, device=CPU,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                       max_total_sequence_length=cfg.policy.max_total_sequence_length, batch_size=8,
+                                       offload_when_idle=True),
         torch_threads=1)
 
 
@@ -66,7 +65,7 @@ def test_colocated_two_gpu_engine_runs_on_the_gpus_of_policy_ranks_0_and_1(ray_t
             generation.shutdown()
             policy.shutdown()
     finally:
-        remove_placement_group(pg)
+        pg.remove()
 
 
 def test_one_gpu_engine_keeps_the_gpu_ray_gave_it(ray_two_gpus, tiny_cfg):
@@ -85,4 +84,4 @@ def test_one_gpu_engine_keeps_the_gpu_ray_gave_it(ray_two_gpus, tiny_cfg):
             generation.shutdown()
             policy.shutdown()
     finally:
-        remove_placement_group(pg)
+        pg.remove()

@@ -199,7 +199,16 @@ def test_cuda_ipc_refit_is_refused_where_it_cannot_run():
                                     "policy.train_global_batch_size=16"])
     msg = str(e.value)
     assert "weight_sync.method: 'cuda_ipc'" in msg and "generation.backend: vllm" in msg
-    assert "generation.colocated.enabled: true" in msg and "one policy rank (world size 2)" in msg
+    assert "generation.colocated.enabled: true" in msg and "one policy rank (world size 2)" not in msg
+    with pytest.raises(ConfigError) as e:  # each rank refits the engine on its GPU: every rank a full replica
+        load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.data_parallel_size=1",
+                                    "policy.megatron_cfg.tensor_model_parallel_size=2"])
+    msg = str(e.value)
+    assert "weight_sync.method: 'cuda_ipc'" in msg and "policy.megatron_cfg.tensor_model_parallel_size 1" in msg
+    assert "got 2" in msg and "generation.backend: vllm" not in msg
+    dp2 = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.data_parallel_size=2",
+                                      "policy.train_global_batch_size=128"])  # two replicas, two one-GPU engines
+    assert dp2.policy.weight_sync.method == "cuda_ipc" and dp2.policy.generation.resolve_num_engines(2, True) == 2
 
 
 def test_cuda_ipc_refit_is_refused_into_a_tensor_parallel_engine():
@@ -225,11 +234,11 @@ def test_make_weight_sync_picks_the_configured_transport():
     from nemo_fp8.trainer import make_weight_sync
 
     rank0, engine = object(), object()  # actor handles; nothing is called while the transport is chosen
-    policy, generation = PolicyGroup([rank0], global_batch_size=8), GenerationGroup(engine)
+    policy, generation = PolicyGroup([rank0], global_batch_size=8), GenerationGroup([engine])
     cfg = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.weight_sync.bucket_size_mb=64"])
     ws = make_weight_sync(cfg, policy, generation)
     assert isinstance(ws, CudaIpcWeightSync)
-    assert (ws.policy_worker, ws.generation_worker, ws.bucket_bytes) == (rank0, engine, 64 * 2**20)
+    assert (ws.policy_workers, ws.generation_workers, ws.bucket_bytes) == ([rank0], [engine], 64 * 2**20)
     assert isinstance(make_weight_sync(load_config(TINY_MEGATRON), policy, generation), ObjectStoreWeightSync)
     with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
         make_weight_sync(cfg, object(), object())
@@ -274,13 +283,14 @@ def test_make_weight_sync_builds_the_nccl_transport_without_calling_an_actor():
     from nemo_fp8.trainer import make_weight_sync
 
     rank0, rank1, engine = object(), object(), object()
-    policy, generation = PolicyGroup([rank0, rank1], global_batch_size=8, tp_size=2), GenerationGroup(engine)
+    policy, generation = PolicyGroup([rank0, rank1], global_batch_size=8, tp_size=2), GenerationGroup([engine])
     cfg = load_config(TINY_MEGATRON, [*NCCL, "policy.generation.vllm_cfg.tensor_parallel_size=2",
                                       "policy.megatron_cfg.tensor_model_parallel_size=2",
                                       "policy.weight_sync.bucket_size_mb=32"])
     ws = make_weight_sync(cfg, policy, generation)
     assert isinstance(ws, NcclWeightSync)
-    assert (ws.policy_worker, ws.generation_worker, ws.bucket_bytes, ws.peers) == (rank0, engine, 32 * 2**20, [rank1])
+    assert (ws.policy_worker, ws.generation_workers, ws.bucket_bytes, ws.peers) == (rank0, [engine], 32 * 2**20,
+                                                                                     [rank1])
     assert (ws.engine_gpus, ws.world_size) == (2, 3)
     with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
         make_weight_sync(cfg, object(), object())
@@ -347,19 +357,19 @@ def test_nccl_weight_sync_connects_both_sides_and_refits_in_order(monkeypatch):
     rank0 = _Actor("rank0", log, nccl_rendezvous=lambda: ("10.0.0.1", 29511), init_weight_transfer_nccl=lambda *a: None,
                    send_weights_nccl=lambda gen, bucket_bytes, kv: [(3, 300), (2, 64)])
     peer = _Actor("peer", log, drain_weights=lambda: 0)
-    ws = NcclWeightSync(rank0, engine, bucket_bytes=1024, engine_gpus=2, peers=[peer])
+    ws = NcclWeightSync(rank0, [engine], bucket_bytes=1024, engine_gpus=2, peers=[peer])
     ws.connect()
-    assert log == [("rank0.nccl_rendezvous", ()), ("engine.init_weight_transfer", ("10.0.0.1", 29511, 3)),
+    assert log == [("rank0.nccl_rendezvous", ()), ("engine.init_weight_transfer", ("10.0.0.1", 29511, 3, 1)),
                    ("rank0.init_weight_transfer_nccl", ("10.0.0.1", 29511, 3))]
     log.clear()
     stats = ws.sync(version=4)
     assert [name for name, _ in log] == ["engine.start_weight_update", "peer.drain_weights", "rank0.send_weights_nccl",
                                          "engine.finish_weight_update"]
-    assert log[2][1] == (engine, 1024, None)  # rank 0 calls the engine actor itself, bucket by bucket
+    assert log[2][1] == ([engine], 1024, None)  # rank 0 calls the engine actor itself, bucket by bucket
     assert (stats.version, stats.num_buckets, stats.num_tensors, stats.bytes, stats.max_bucket_bytes) == (4, 2, 5, 364,
                                                                                                          300)
     engine._methods["finish_weight_update"] = lambda: WeightVersion(weights=3)
-    with pytest.raises(RuntimeError, match="weights of version 3 after an update to 5"):
+    with pytest.raises(RuntimeError, match="engine 0 reports weights of version 3 after an update to 5"):
         ws.sync(version=5)
 
 
@@ -374,7 +384,7 @@ def test_nccl_group_setup_fails_at_once_when_one_side_fails(monkeypatch):
     rank0 = _Actor("rank0", log, nccl_rendezvous=lambda: ("10.0.0.1", 29511),
                    init_weight_transfer_nccl=lambda *a: _Ref(ready=False))  # blocks: nobody joins
     with pytest.raises(RuntimeError, match="built with IPC"):
-        NcclWeightSync(rank0, engine, bucket_bytes=1024).connect()
+        NcclWeightSync(rank0, [engine], bucket_bytes=1024).connect()
     assert [name for name, _ in log] == ["rank0.nccl_rendezvous", "engine.init_weight_transfer",
                                          "rank0.init_weight_transfer_nccl"]
 

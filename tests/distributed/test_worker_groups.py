@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from ray.util.placement_group import remove_placement_group
 
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
@@ -201,7 +200,7 @@ def test_two_data_parallel_ranks_train_like_one(ray_cluster, tiny_cfg, tok):
             results[dp] = (metrics, group.get_logprobs(batch))
         finally:
             group.shutdown()
-            remove_placement_group(pg)
+            pg.remove()
     (m1, lp1), (m2, lp2) = results[1], results[2]
     assert m1.keys() == m2.keys()
     for k in m1:  # two global batches of 4 rows; ranks hold 2 rows of each

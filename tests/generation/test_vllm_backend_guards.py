@@ -9,6 +9,7 @@ engine built for vLLM's NCCL weight transfer takes weights only from the trainer
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.machinery
 import sys
@@ -205,8 +206,12 @@ def test_nccl_engine_takes_weights_only_from_the_trainers_broadcast(backend):
     sp = SamplingParams(max_new_tokens=4, greedy=True)
     with pytest.raises(RuntimeError, match="no policy weights yet.*the trainer's first refit over NCCL"):
         be.generate([[5, 6, 7]], sp)
-    with pytest.raises(ValueError, match=r"world_size=3, but .* 1 worker\(s\): 2"):
-        be.init_weight_transfer("10.0.0.1", 29500, 3)
+    # one group over every engine's workers: engine 1 of two one-GPU engines is rank 2 of 3; rank 3 is outside
+    with pytest.raises(ValueError, match=r"world_size=3, rank_offset=3, .* 1 per engine: this engine's ranks 3..3 "
+                                         r"must lie in 1..2"):
+        be.init_weight_transfer("10.0.0.1", 29500, 3, rank_offset=3)
+    with pytest.raises(ValueError, match=r"rank_offset=0"):
+        be.init_weight_transfer("10.0.0.1", 29500, 2, rank_offset=0)
     be.init_weight_transfer("10.0.0.1", 29500, 2)
     assert llm.init_request == {"init_info": {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
                                               "world_size": 2}}
@@ -245,24 +250,26 @@ def test_nccl_engine_of_two_gpus_answers_the_trainer_and_ipc_engines_join_no_gro
 
 
 def test_trainer_builds_an_nccl_engine_for_weight_sync_nccl(backend, tmp_path):
-    """``start_workers``' engine arguments (``generation_backend_kwargs``) through ``build_generation_backend``:
-    ``policy.weight_sync.method=nccl`` gives the engine vLLM's NCCL weight transfer and no sleep mode (GPUs of its
+    """``start_workers``' engine spec (``generation_spec``, a frozen ``GenerationSpec``) through
+    ``build_generation_backend``: ``policy.weight_sync.method=nccl`` gives the engine vLLM's NCCL weight transfer and no sleep mode (GPUs of its
     own); the default keeps IPC."""
     from nemo_fp8.config import load_config
     from nemo_fp8.generation import build_generation_backend
-    from nemo_fp8.trainer import generation_backend_kwargs
+    from nemo_fp8.trainer import generation_spec
 
     backend()  # the stand-in vLLM module and the model's config.json in tmp_path
     tok = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
     base = ["policy.tiny_model.build_if_missing=false", f"policy.model_name={tmp_path}"]
     cfg = load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml",
                       [*base, "policy.weight_sync.method=nccl", "policy.generation.colocated.enabled=false"])
-    kwargs = generation_backend_kwargs(cfg, tok, device=None)
-    assert kwargs["weight_transfer"] == "nccl" and kwargs["offload_when_idle"] is False
-    be = build_generation_backend(**kwargs)
+    spec = generation_spec(cfg, tok, device=None)
+    assert spec.weight_transfer == "nccl" and spec.offload_when_idle is False
+    with pytest.raises(dataclasses.FrozenInstanceError):  # one spec, read by every engine: nobody edits it
+        spec.weight_transfer = "ipc"
+    be = build_generation_backend(spec)
     assert be.llm.kwargs["weight_transfer_config"] == {"backend": "nccl"} and not be.llm.kwargs["enable_sleep_mode"]
     assert be.llm.calls == [] and be.weight_transfer == "nccl"  # no initial load
-    ipc = generation_backend_kwargs(load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml", base), tok, None)
-    assert ipc["weight_transfer"] == "ipc"
+    ipc = generation_spec(load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml", base), tok, None)
+    assert ipc.weight_transfer == "ipc"
     torch_engine = load_config("examples/configs/grpo_math_tiny_fp8.yaml", base)  # the torch engine takes no such key
-    assert "weight_transfer" not in generation_backend_kwargs(torch_engine, tok, None)
+    assert generation_spec(torch_engine, tok, None).weight_transfer is None

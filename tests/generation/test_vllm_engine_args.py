@@ -334,3 +334,23 @@ def test_nccl_engine_args_and_init_info():
         build_engine_spec(VllmConfig(), DENSE, weight_transfer="rdma")
     assert nccl_init_info("10.0.0.1", "29500", 3) == {"master_address": "10.0.0.1", "master_port": 29500,
                                                       "rank_offset": 1, "world_size": 3}
+
+
+def test_the_rotary_reload_warning_is_dropped_and_other_layers_still_warn(caplog):
+    """vLLM 0.22's layerwise reload warns ``RotaryEmbedding: Failed to load weights`` on every refit (its
+    ``cos_sin_cache`` is a non-persistent buffer nobody sends; vLLM puts it back unchanged): that record is
+    dropped in the engine's processes, the same warning for a real weight is kept."""
+    import logging
+
+    from nemo_fp8.generation.vllm.log_filters import FAILED_TO_LOAD, LAYERWISE_LOGGER, install_log_filters
+
+    install_log_filters()
+    install_log_filters()  # once only
+    log = logging.getLogger(LAYERWISE_LOGGER)
+    assert len(log.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=LAYERWISE_LOGGER):
+        for name in ("RotaryEmbedding", "Llama3RotaryEmbedding", "QKVParallelLinear"):
+            log.warning(FAILED_TO_LOAD, name)
+        log.warning("%s: Delayed processing", "RotaryEmbedding")
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights",
+                                                        "RotaryEmbedding: Delayed processing"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ from torch import Tensor
 from nemo_fp8.batch import GenerationOutput
 from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.generation.config import VllmConfig
-from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
+from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_seed
 from nemo_fp8.generation.vllm.engine_args import init_fp8
 from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
 
@@ -180,16 +180,18 @@ class VllmGenerationBackend:
         self._seen.update(self.plan.checked_names(names))
         self._sent += num_tensors
 
-    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int) -> None:
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
+                             rank_offset: int = 1) -> None:
         """Join this engine's workers to the trainer's NCCL group (once, at start; NCCL engine only).
 
-        The workers take ranks 1..n of ``world_size`` (``refit.nccl_init_info``) through
-        ``LLM.init_weight_transfer_engine`` and block until the trainer's rank 0 joins
+        The workers take ranks ``rank_offset..rank_offset+n-1`` of ``world_size`` (``refit.nccl_init_info``;
+        engine ``i`` of ``e`` engines of ``n`` GPUs: ``rank_offset = 1 + i*n``, ``world_size = 1 + e*n``) through
+        ``LLM.init_weight_transfer_engine`` and block until every rank, the trainer's rank 0 among them, joins
         (``refit.nccl_trainer_init`` at ``master_address:master_port``, called at the same time).
 
         Raises:
             RuntimeError: a CUDA IPC engine (``weight_transfer="ipc"``), or joined already.
-            ValueError: ``world_size`` is not 1 (the trainer) + this engine's tensor_parallel_size.
+            ValueError: ranks ``rank_offset..rank_offset+n-1`` do not fit ``1..world_size-1``.
         """
         if self.weight_transfer != "nccl":
             raise RuntimeError("init_weight_transfer: this engine was built with vLLM's IPC weight transfer; an NCCL "
@@ -197,10 +199,12 @@ class VllmGenerationBackend:
         if self._nccl_joined:
             raise RuntimeError("init_weight_transfer: this engine's workers joined an NCCL group already")
         tp = self.vllm_cfg.tensor_parallel_size
-        if world_size != 1 + tp:
-            raise ValueError(f"init_weight_transfer: world_size={world_size}, but the group is the trainer's rank 0 "
-                             f"plus this engine's {tp} worker(s): {1 + tp}")
-        self.llm.init_weight_transfer_engine({"init_info": nccl_init_info(master_address, master_port, world_size)})
+        if rank_offset < 1 or rank_offset + tp > world_size or (world_size - 1) % tp:
+            raise ValueError(f"init_weight_transfer: world_size={world_size}, rank_offset={rank_offset}, but the group "
+                             f"is the trainer's rank 0 plus the engines' workers, {tp} per engine: this engine's ranks "
+                             f"{rank_offset}..{rank_offset + tp - 1} must lie in 1..{world_size - 1}")
+        self.llm.init_weight_transfer_engine({"init_info": nccl_init_info(master_address, master_port, world_size,
+                                                                          rank_offset)})
         self._nccl_joined = True
 
     def engine_params(self, names: list[str]) -> list[dict]:
@@ -273,8 +277,13 @@ class VllmGenerationBackend:
             self.llm.sleep(level=1)
             self._asleep_tags = {"weights", "kv_cache"}
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                 request_seeds: Optional[Sequence[int]] = None,
+                 chunk_sizes: Optional[Sequence[int]] = None) -> GenerationOutput:
         """One response per prompt (greedy or seeded sampling); returns a right-padded ``GenerationOutput``.
+
+        ``request_seeds``: each request's ``SamplingParams.seed`` (default ``request_seed(sampling.seed, i)``, the
+        same seeds a one-engine call gets); ``chunk_sizes`` is ignored (vLLM schedules its own batches).
 
         Raises:
             RuntimeError: a refit in progress or refused; ``kv_cache_dtype='fp8'`` and no KV
@@ -307,7 +316,9 @@ class VllmGenerationBackend:
             params.append(VSP(
                 n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0, top_k=0,
                 max_tokens=min(sampling.max_new_tokens, self.max_total_sequence_length - len(p)),
-                seed=None if sampling.greedy else sampling.seed * 1_000_003 + i, logprobs=0, detokenize=False,
+                seed=None if sampling.greedy else (int(request_seeds[i]) if request_seeds is not None
+                                                   else request_seed(sampling.seed, i)),
+                logprobs=0, detokenize=False,
                 stop_token_ids=[self.eos_token_id, *sampling.stop_token_ids]))
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
         return outputs_to_batch(prompt_token_ids, [o.outputs[0] for o in outs], self.pad_token_id,

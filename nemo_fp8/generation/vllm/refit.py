@@ -344,15 +344,16 @@ def _send_weights_ipc_tp(named_tensors: Iterable[tuple[str, Tensor]], update_fn:
     return n
 
 
-def nccl_init_info(master_address: str, master_port: int, world_size: int) -> dict[str, Any]:
+def nccl_init_info(master_address: str, master_port: int, world_size: int, rank_offset: int = 1) -> dict[str, Any]:
     """``init_info`` of ``LLM.init_weight_transfer_engine`` for an engine whose workers join the trainer's group.
 
     vLLM 0.22's ``NCCLWeightTransferEngine.init_transfer_engine`` gives worker ``r`` of a (data-parallel 1)
-    engine rank ``r + rank_offset``; the trainer is rank 0, so ``rank_offset`` is 1 and the engine's n
-    workers are ranks 1..n of ``world_size = 1 + n``. ``master_address:master_port`` is where the trainer's
-    rank 0 serves the group's TCP store (``nccl_trainer_init``).
+    engine rank ``r + rank_offset``; the trainer is rank 0, engine ``i`` of ``e`` engines of ``n`` workers
+    takes ``rank_offset = 1 + i*n``: one group of ``world_size = 1 + e*n`` over all engines' workers, so one
+    broadcast reaches them all. ``master_address:master_port`` is where the trainer's rank 0 serves the
+    group's TCP store (``nccl_trainer_init``).
     """
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1,
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
             "world_size": int(world_size)}
 
 

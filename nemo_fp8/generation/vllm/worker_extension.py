@@ -13,9 +13,11 @@ import os
 import torch
 
 from nemo_fp8.generation.vllm.engine_args import live_activation_scales
+from nemo_fp8.generation.vllm.log_filters import install_log_filters
 from nemo_fp8.generation.vllm.patches import apply_patches
 
 apply_patches(fp8=os.environ.get("NEMO_FP8_PRECISION") == "fp8")
+install_log_filters()  # vLLM's per-refit "RotaryEmbedding: Failed to load weights" is a false alarm (log_filters.py)
 
 
 class Fp8WorkerExtension:

@@ -1,0 +1,25 @@
+"""``tools/bench_engines.py`` (``bench_rollout.py --engines``) with the torch engines on the CPU: every engine
+count runs the same rollout (per-request seeds), each engine reports its tokens, and the table is printed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[2] / "tools" / "bench_engines.py"
+_spec = importlib.util.spec_from_file_location("bench_engines", _PATH)
+be = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(be)
+
+
+def test_engine_counts_roll_out_the_same_tokens_and_report_each_engine(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rows = be.main(["--backend", "torch", "--model", str(tiny_model_dir), "--engines", "1,2", "--prompts", "2",
+                    "--samples", "2", "--input-len", "8", "--output-len", "6", "--precision", "bfloat16",
+                    "--batch-size", "2", "--torch-threads", "1", "--out", str(out)])
+    assert [r["engines"] for r in rows] == [1, 2]
+    assert rows[0]["tokens"] == rows[1]["tokens"] > 0 and rows[0]["responses"] == 4  # same seeds: same rollout
+    assert sum(rows[1]["engine_tokens"]) == rows[1]["tokens"] and min(rows[1]["engine_tokens"]) > 0
+    assert "engines  tp  responses" in capsys.readouterr().out and out.is_file()
+    plan = be.engines_only_plan(4, 2, use_gpu=True)
+    assert plan.required() == {"CPU": 4.0, "GPU": 8.0} and plan.num_engines == 4 and plan.policy_slots == []
