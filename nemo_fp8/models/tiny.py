@@ -5,7 +5,9 @@ It exists so that the whole FP8 GRPO pipeline runs on a 2-core CPU machine with 
 initialised ``Qwen3ForCausalLM``, then warm-starts it with a short supervised pass on synthetic
 arithmetic problems so that GRPO begins with a non-zero reward. The result is an ordinary
 HF-format checkpoint (``config.json``, ``model.safetensors``, ``tokenizer.json``) loaded by the
-same code as any other local checkpoint.
+same code as any other local checkpoint. The default spec's weights ship in ``tiny_weights/``
+(``tools/make_tiny_model.py --ship``) and are loaded instead of trained: a fresh clone's first run
+starts in seconds, with the same model on every machine.
 """
 
 from __future__ import annotations
@@ -159,9 +161,9 @@ def ship_tiny_weights(model_dir: str | Path, name: str, shipped_dir: Path = SHIP
     shipped_dir.mkdir(parents=True, exist_ok=True)
     weights = Path(shipped_dir) / f"{name}.safetensors"
     save_model(model, str(weights))
-    record = {"spec": asdict(spec), "sha256": state_dict_sha256(model.state_dict()), "parameters": built.get("parameters"),
-              "build_seconds": built.get("build_seconds"), "torch": torch.__version__,
-              "built_by": "tools/make_tiny_model.py"}
+    record = {"spec": asdict(spec), "sha256": state_dict_sha256(model.state_dict()),
+              "parameters": built.get("parameters"), "build_seconds": built.get("build_seconds"),
+              "torch": torch.__version__, "built_by": "tools/make_tiny_model.py"}
     weights.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     return weights
 
@@ -175,8 +177,9 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, dev
     ``"Answer: 42<eos>"``, loss on response tokens only) -> ``save_pretrained``. Writes into a
     temporary sibling folder and renames it, so an interrupted build leaves no half checkpoint.
     When ``shipped_dir`` (None: never) holds weights built with exactly this spec
-    (:func:`find_shipped_weights`), they are loaded (and checked against their recorded sha256) instead of training: about a second.
-    Training takes about 1.5-2.5 minutes on 2 CPU cores with the default spec.
+    (:func:`find_shipped_weights`), they are loaded and checked against their recorded sha256 instead
+    of training: about a second. Training the default spec takes 2.5 minutes on 2 idle CPU cores, up
+    to 10 on busy ones.
 
     Raises:
         ValueError: shipped weights for this spec whose fingerprint differs from their record.

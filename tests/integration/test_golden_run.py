@@ -36,7 +36,8 @@ def test_tiny_fp8_golden_run(tiny_cfg):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = tiny_cfg("grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=8",
+        cfg = tiny_cfg("grpo.use_dynamic_sampling=true",  # the recipe's, as shipped (conftest turns it off)
+                       "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=8",
                        "policy.train_global_batch_size=32", "policy.train_micro_batch_size=16",
                        "policy.weight_sync.bucket_size_mb=1")
         torch.manual_seed(cfg.grpo.seed)
