@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 
 def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
-    """Start (``address`` None) or join a Ray cluster, once per driver process.
+    """Start (``address`` None: a local cluster of this process's own, even where other runs have theirs)
+    or join a Ray cluster, once per driver process.
 
     Ray's dashboard and usage stats are off; workers inherit the driver's ``PYTHONPATH`` plus
     the repository root, so ``nemo_fp8`` imports there without an install too.
@@ -58,8 +59,9 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
                                   runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}})
     if address:
         ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=num_cpus, **kwargs)
+    else:  # "local": a cluster of this run's own; with None Ray joins the newest other local run's cluster
+        # (concurrent runs on one machine, compare_precision --parallel), unless RAY_ADDRESS names one
+        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus, **kwargs)
     logger.info("ray: %s", ray.cluster_resources())
 
 

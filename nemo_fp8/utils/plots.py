@@ -108,6 +108,17 @@ def _seed_mean_by_step(runs: dict[str, list[dict]], labels: list[str], key: str)
 
 
 
+def val_accuracy_with_se(rows: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, ``val/accuracy``, its binomial standard error sqrt(p (1 - p) / n)) of each validation row, by step;
+    n is the row's ``val/num_samples`` (NaN standard error where the row has none). With 256 problems and p
+    near 0.5 one standard error is about 0.03: a change smaller than that is noise."""
+    out = []
+    for r in sorted((r for r in rows if _num(r.get("val/accuracy")) and "step" in r), key=lambda r: r["step"]):
+        p, n = r["val/accuracy"], r.get("val/num_samples")
+        out.append((r["step"], p, math.sqrt(p * (1 - p) / n) if _num(n) and n > 0 else float("nan")))
+    return out
+
+
 def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = "learning parity",
                 baseline: str | None = None, baseline_of: dict[str, str] | None = None, smooth: int = 10) -> Path:
     """One figure, a curve per run: four panels (validation accuracy, reward, gen_kl_error,
@@ -117,7 +128,8 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
     prompts at each step, so prompt difficulty cancels), as a trailing ``smooth``-step mean. When some variants
     ran over several sampling seeds (``<variant>-seed<N>``), one panel of their validation accuracy averaged
     over seeds and, when ``baseline`` is one of them, one of their seed-averaged training reward minus the
-    baseline's (seed noise shrinks by the square root of the seeds). Runs of a variant share its colour.
+    baseline's (seed noise shrinks by the square root of the seeds). Runs of a variant share its colour. Each
+    validation point carries its binomial standard error (:func:`val_accuracy_with_se`) as a bar and a band.
 
     Raises:
         ValueError: no runs.
@@ -165,6 +177,15 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, label=name, color=style[name][0], linestyle=style[name][1],
                         marker="o" if len(pts) < 30 else None, markersize=3, linewidth=1.2)
+            se = [(x, y, e) for x, y, e in val_accuracy_with_se(rows) if key == "val/accuracy" and e == e]
+            if se:  # binomial standard error of each validation point: a band of +- 1 se, and error bars
+                xs, ys, es = zip(*se)
+                ax.fill_between(xs, [y - e for y, e in zip(ys, es)], [y + e for y, e in zip(ys, es)],
+                                color=style[name][0], alpha=0.15, linewidth=0)
+                ax.errorbar(xs, ys, yerr=es, fmt="none", ecolor=style[name][0], elinewidth=0.8, capsize=2)
+        if key == "val/accuracy":
+            ax.text(0.01, 0.01, "band, bars: +- 1 standard error, sqrt(p(1-p)/n)", transform=ax.transAxes,
+                    fontsize=7, alpha=0.7)
         if key == "paired":
             ax.axhline(0.0, color="black", linewidth=0.6)
         ax.set_title(label)

@@ -16,8 +16,11 @@ from nemo_fp8.trainer import prepare_prompts
 from nemo_fp8.utils.timer import Timer
 
 CPU = torch.device("cpu")
+# temperature 1.0 (the recipe samples at 0.7): the session model's 4 responses to a prompt then differ in length,
+# so the even-length reward below gives every step real advantages
 SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-         "policy.train_micro_batch_size=8", "policy.generation.max_new_tokens=8", "grpo.max_val_samples=8"]
+         "policy.train_micro_batch_size=8", "policy.generation.max_new_tokens=8", "grpo.max_val_samples=8",
+         "policy.generation.temperature=1.0"]
 
 
 def setup(cfg):

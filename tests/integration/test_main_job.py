@@ -11,8 +11,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "run_grpo_math.py"
+# The session's tiny model scores ~0 on arithmetic: with the recipe's dynamic sampling every group would be dropped
+# and no step would train, so the mechanics tests turn it off.
 FAST = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=16", "grpo.max_val_samples=16", "grpo.val_batch_size=16", "grpo.val_period=2"]
+        "policy.train_micro_batch_size=16", "grpo.max_val_samples=16", "grpo.val_batch_size=16", "grpo.val_period=2",
+        "grpo.use_dynamic_sampling=false"]
 
 
 def run_job(model_dir, out: Path, *args, config="grpo_math_tiny_fp8.yaml", timeout=300):

@@ -423,3 +423,22 @@ def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):
     assert ckpt(REPO / "logs" / "sweep" / "a") == str(REPO / "results" / "sweep" / "a" / "bf16")
     assert ckpt(REPO / "logs" / "sweep" / "a") != ckpt(REPO / "logs" / "sweep" / "b")
     assert ckpt(tmp_path / "x") == str(tmp_path / "x" / "checkpoints" / "bf16")
+
+
+def test_validation_points_carry_their_binomial_standard_error(tmp_path):
+    from nemo_fp8.utils.plots import plot_parity, val_accuracy_with_se
+
+    rows = [{"step": 10, "val/accuracy": 0.5, "val/num_samples": 256.0}, {"step": 0, "val/accuracy": 0.25,
+            "val/num_samples": 256.0}, {"step": 5, "train/reward_mean": 0.3}, {"step": 20, "val/accuracy": 0.4}]
+    got = val_accuracy_with_se(rows)
+    assert [(s, p) for s, p, _ in got] == [(0, 0.25), (10, 0.5), (20, 0.4)]
+    assert got[0][2] == pytest.approx(math.sqrt(0.25 * 0.75 / 256)) and got[1][2] == pytest.approx(1 / 32)
+    assert math.isnan(got[2][2])  # no val/num_samples: no standard error to draw
+    # the plot draws the error bars / band from val/num_samples: the same run without it is drawn differently
+    with_n = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
+    for r in with_n:
+        if "val/accuracy" in r:
+            r["val/num_samples"] = 16.0
+    a = plot_parity({"bf16": fake_run(2.0, 0.0, [0.1, 0.4, 0.3])}, tmp_path / "a.png").read_bytes()
+    b = plot_parity({"bf16": with_n}, tmp_path / "b.png").read_bytes()
+    assert a != b
