@@ -1,0 +1,50 @@
+#!/bin/bash
+# The mission command at 8B on one 4-GPU node, the layout a user runs there (docs/performance.md):
+#   training: Megatron tensor parallel 2 (the configs') x data parallel 2, sequence packing on (the configs');
+#   rollout:  four vLLM engines of tensor parallel 1, one per GPU, colocated with the trainer;
+#   refit:    the Ray object store (each bucket put once, read by all four engines).
+# RL-shaped step: 32 GSM8K prompts x 16 responses of up to 1,024 tokens (random weights run to the limit), one
+# optimizer step of 512 sequences. Runs side by side: bf16, fp8 (W8A8 blockwise rollout with DeepGEMM + TE
+# blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); then the report and the checks of the targets:
+# FP8 step <= 0.80 x BF16, FP8 + FP8 KV <= 0.72 x, every phase of FP8 <= its BF16 time. Step 1 (warm-up) is
+# left out of every mean.
+#   RUNS     which runs, in order (default "bf16 fp8 fp8kv"); one call per run where calls are time-limited: the
+#            report and checks join whatever runs $OUT holds
+#   STEPS    GRPO steps per run (default 4); MAX_NEW  response limit (default 1024); MISSION_ARGS more overrides
+#   CHECKS=0 print the report only
+source "$(dirname "$0")/../common.sh"
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}
+suite_init mission-8b-4gpu
+[ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
+  ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
+D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-4}
+for v in ${RUNS:-bf16 fp8 fp8kv}; do
+  case $v in
+    bf16) cfg=examples/configs/grpo_math_8B_megatron.yaml; extra="" ;;
+    fp8) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="" ;;
+    fp8kv) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8" ;;
+    fp8tw) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise" ;;
+    *) echo "unknown run $v (bf16, fp8, fp8kv, fp8tw)"; exit 2 ;;
+  esac
+  mkdir -p "$OUT/$v"
+  nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500 > "$OUT/gpu_mem_$v.csv" 2>/dev/null & SMI=$!
+  # shellcheck disable=SC2086
+  run_grpo "$v" "$cfg" cluster.gpus_per_node=4 policy.data_parallel_size=2 policy.model_name=models/qwen3-8b-random grpo.max_num_steps="$S" \
+    grpo.val_at_end=false data.dataset=gsm8k data.train_path="$D/train.jsonl" data.val_path="$D/test.jsonl" \
+    grpo.num_prompts_per_step=32 grpo.num_generations_per_prompt=16 policy.train_global_batch_size=512 \
+    policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
+  kill $SMI 2>/dev/null
+done
+report_runs --baseline bf16
+[ "${CHECKS:-1}" = 0 ] && exit 0
+checks=()
+for v in fp8 fp8kv fp8tw; do
+  [ -f "$OUT/$v/metrics.jsonl" ] || continue
+  target=0.80; [ "$v" = fp8kv ] && target=0.72
+  checks+=("ratio(mean($v:timing/step[1:]), mean(bf16:timing/step[1:])) <= $target")
+  [ "$v" = fp8kv ] && continue
+  for phase in generation refit logprobs training; do
+    checks+=("ratio(mean($v:timing/$phase[1:]), mean(bf16:timing/$phase[1:])) <= 1.0")
+  done
+done
+check_runs "count(bf16:timing/step) >= $S" "${checks[@]}"
