@@ -409,7 +409,9 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
        which become that engine actor's ``CUDA_VISIBLE_DEVICES`` (a one-GPU engine keeps Ray's: its bundle's);
     3. the engines, all at once (vLLM measures the free memory of its GPUs as it starts, so before the trainer
        allocates);
-    4. the policy backends (``PolicyGroup.setup``).
+    4. colocated (``generation_spec.offload_when_idle``): the engines go to sleep, as after every rollout, so the
+       trainer's weights, gradient buffers and optimizer state fit beside their reserved share of the GPU;
+    5. the policy backends (``PolicyGroup.setup``).
 
     Args:
         placement: ``create_placement_group(plan)``.
@@ -424,5 +426,7 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
     policy = PolicyGroup.create(placement, plan, policy_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
     visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
     generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
+    if generation_spec.offload_when_idle:  # colocated: the engines sleep while the trainer builds on their GPUs
+        generation.finish_generation()
     policy.setup(policy_kwargs)
     return policy, generation
