@@ -306,16 +306,30 @@ def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, token
             with timer("validation"):
                 metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step, refitter, timer))
         if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or is_last):
-            with timer("checkpoint"):
-                checkpointer.save(step, policy, {"dataloader": dataloader.state_dict()}, config_yaml)
-        phases = timer.pop()
-        metrics.update({f"timing/{k}": v for k, v in phases.items()})
-        metrics["timing/step"] = time.perf_counter() - t0
-        resp_tokens = metrics.get("train/response_length_mean", 0.0) * g.num_prompts_per_step \
-            * g.num_generations_per_prompt * metrics.get("train/num_generation_rounds", 1.0)
-        if phases.get("generation"):
-            metrics["perf/rollout_tokens_per_s"] = resp_tokens / phases["generation"]
-        metrics_logger.log(step, metrics)
+            # The row is written before the checkpoint becomes visible (utils/checkpoint.py): one commit.
+            t_save = time.perf_counter()
+            checkpointer.save(step, policy, {"dataloader": dataloader.state_dict()}, config_yaml,
+                              before_commit=lambda: _log_row(metrics_logger, step, metrics, timer, t0, cfg,
+                                                             time.perf_counter() - t_save))
+        else:
+            _log_row(metrics_logger, step, metrics, timer, t0, cfg)
         bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}")
         last = metrics
     return last
+
+
+def _log_row(metrics_logger, step: int, metrics: dict[str, float], timer: Timer, t0: float, cfg: MasterConfig,
+             checkpoint_s: Optional[float] = None) -> None:
+    """Add the step's phase timings (``timing/*``, ``timing/checkpoint``: the checkpoint's files, seconds) and
+    rollout throughput to ``metrics`` and write its row."""
+    g = cfg.grpo
+    phases = timer.pop()
+    if checkpoint_s is not None:
+        phases["checkpoint"] = checkpoint_s
+    metrics.update({f"timing/{k}": v for k, v in phases.items()})
+    metrics["timing/step"] = time.perf_counter() - t0
+    resp_tokens = metrics.get("train/response_length_mean", 0.0) * g.num_prompts_per_step \
+        * g.num_generations_per_prompt * metrics.get("train/num_generation_rounds", 1.0)
+    if phases.get("generation"):
+        metrics["perf/rollout_tokens_per_s"] = resp_tokens / phases["generation"]
+    metrics_logger.log(step, metrics)
