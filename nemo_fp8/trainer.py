@@ -342,10 +342,12 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     """The body of ``run`` once the folders are owned and the preflight passed."""
     import ray
 
+    from nemo_fp8.distributed.teardown import (RayProcesses, SigtermWatchdog, actor_names, describe_dead_actor,
+                                               fast_teardown)
     from nemo_fp8.distributed.worker_groups import init_ray
     from nemo_fp8.preflight import check_cluster
     from nemo_fp8.rewards import MathRewardScorer
-    from nemo_fp8.utils.run_dir import raise_on_sigterm
+    from nemo_fp8.utils.run_dir import RunFailed, Terminated, raise_on_sigterm
 
     ensure_model(cfg)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or cfg.policy.model_name)
@@ -359,15 +361,22 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     if latest is not None:
         state = CheckpointManager.load_trainer_state(latest)
         start_step = int(state["step"])
+    procs = RayProcesses()
+    watchdog = SigtermWatchdog(procs, lambda: interrupt_hint(cfg, checkpointer, setup.run_id))
     try:
         init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
         raise_on_sigterm()  # ray.init replaced it with sys.exit
+        procs.record()
+        watchdog.start()
         check_cluster(cfg)
         workers = start_workers(cfg, tokenizer, version=start_step)
+        procs.record()
     except BaseException:
-        ray.shutdown()
+        fast_teardown(procs)
+        watchdog.stop()
         raise
     metrics_logger = scorer = None
+    graceful = False
     try:
         if latest is not None:
             workers.policy.load(latest / "policy")
@@ -382,11 +391,25 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
         scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
                                   max_seconds_per_step=cfg.env.math.max_seconds_per_step)
-        return grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
-                          RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
-                          workers.refitter)
-    except KeyboardInterrupt:
-        logger.warning("interrupted; %s", interrupt_hint(cfg, checkpointer, setup.run_id))
+        out = grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
+                         RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
+                         workers.refitter)
+        graceful = True
+        return out
+    except BaseException as e:
+        # SIGTERM (often to the whole process group: Ray's GCS may be gone) gets no graceful calls. Ray turns a
+        # signal inside ray.get into a plain KeyboardInterrupt, and the watchdog's kill of the actors may surface
+        # first as an actor error: the watchdog tells them apart.
+        hint = interrupt_hint(cfg, checkpointer, setup.run_id)
+        if isinstance(e, Terminated) or watchdog.fired.is_set():
+            logger.warning("terminated; %s", hint)
+            raise Terminated() from None
+        if isinstance(e, KeyboardInterrupt):
+            logger.warning("interrupted; %s", hint)
+            graceful = True
+            raise
+        if isinstance(e, ray.exceptions.RayActorError):
+            raise RunFailed(f"the Ray worker {describe_dead_actor(e, actor_names(workers))} died; {hint}") from None
         raise
     finally:
         if metrics_logger is not None:
@@ -395,5 +418,10 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
                 logger.info("curves: %s", png)
         if scorer is not None:
             scorer.close()
-        workers.shutdown()
-        ray.shutdown()
+        if graceful:
+            workers.shutdown()
+            ray.shutdown()
+            procs.kill()  # Ray's agents that outlive ray.shutdown()
+        else:
+            fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
+        watchdog.stop()

@@ -166,6 +166,11 @@ def claim_fresh(log_dir: Path, checkpoint_dir: Path | None, overwrite: bool) -> 
     logger.warning("--overwrite: %s", "; ".join(found) + " (removed)")
 
 
+class RunFailed(RuntimeError):
+    """A run stopped by a failure outside the config (a Ray worker died); the message names the part that
+    failed and how to continue (``--resume``). The entry point exits with code 1."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, turned into an interrupt so the run cleans up as on Ctrl-C."""
 
