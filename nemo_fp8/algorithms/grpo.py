@@ -160,18 +160,36 @@ def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn
 
 
 def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages [B], keep [B] bool): shaped rewards -> group baseline -> optional std scaling."""
+    """(advantages [B], keep [B] bool): shaped rewards -> group baseline -> optional std scaling.
+
+    A reward of ``nan`` is an answer the reward's step budget left unscored (``MathRewardScorer``): not
+    wrong, unknown. It gets advantage 0 (no policy-gradient term), takes no part in its group's baseline
+    and std (the group is normalised over its scored answers), and is dropped from the batch with
+    ``grpo.use_dynamic_sampling`` (whose extra rounds refill it).
+    """
     g = cfg.grpo
-    shaped = r.rewards
+    scored = ~torch.isnan(r.rewards)
+    shaped = torch.where(scored, r.rewards, torch.zeros_like(r.rewards))
     if g.reward_shaping.enabled:
         max_len = g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens
         shaped = shaped + overlong_penalty(r.output.response_lengths, max_len,
                                            g.reward_shaping.overlong_buffer_length,
                                            g.reward_shaping.overlong_buffer_penalty)
     n = g.num_generations_per_prompt
-    adv = grpo_advantages(shaped, n, "leave_one_out" if g.use_leave_one_out_baseline else "mean",
-                          normalize_std=g.normalize_rewards)
-    keep = dynamic_sampling_keep_mask(shaped, n) if g.use_dynamic_sampling else torch.ones_like(adv, dtype=torch.bool)
+    baseline = "leave_one_out" if g.use_leave_one_out_baseline else "mean"
+    if bool(scored.all()):
+        adv = grpo_advantages(shaped, n, baseline, normalize_std=g.normalize_rewards)
+        keep = dynamic_sampling_keep_mask(shaped, n) if g.use_dynamic_sampling else torch.ones_like(scored)
+        return adv, keep
+    adv, keep = torch.zeros_like(shaped), scored.clone()
+    for start in range(0, shaped.numel(), n):
+        idx = start + torch.nonzero(scored[start:start + n]).flatten()
+        if idx.numel() >= 2:
+            adv[idx] = grpo_advantages(shaped[idx], idx.numel(), baseline, normalize_std=g.normalize_rewards)
+        if g.use_dynamic_sampling and (idx.numel() < 2 or bool(shaped[idx].max() == shaped[idx].min())):
+            keep[start:start + n] = False
+    if not g.use_dynamic_sampling:
+        keep = torch.ones_like(scored)  # rows keep the batch's shape; advantage 0 leaves them out of the update
     return adv, keep
 
 
@@ -210,7 +228,8 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
     rewards = torch.cat([r.rewards for r in rollouts])
     resp_len = torch.cat([r.output.response_lengths for r in rollouts]).float()
     metrics = {
-        "train/reward_mean": float(rewards.mean()),
+        "train/reward_mean": float(rewards.nanmean()),  # nan: left unscored by the reward's step budget
+        "train/num_unscored": float(rewards.isnan().sum()),
         "train/response_length_mean": float(resp_len.mean()),
         "train/truncated_frac": float(torch.cat([r.output.truncated for r in rollouts]).float().mean()),
         "train/num_sequences_trained": float(usable),
@@ -271,13 +290,14 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
                 if shown < cfg.logger.num_val_samples_to_print:
                     tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
                     shown += 1
-    scores = torch.cat(rewards)
-    out = {"val/accuracy": float(scores.mean()), "val/num_samples": float(len(samples))}
+    scores = torch.cat(rewards)  # nan: left unscored by the reward's step budget, not counted either way
+    out = {"val/accuracy": float(scores.nanmean()), "val/num_samples": float(len(samples)),
+           "val/num_unscored": float(scores.isnan().sum())}
     sources = [s.example.data_source for s in samples]
     if len(set(sources)) > 1:
         for src in sorted(set(sources)):
             mask = torch.tensor([x == src for x in sources])
-            out[f"val/accuracy/{src}"] = float(scores[mask].mean())
+            out[f"val/accuracy/{src}"] = float(scores[mask].nanmean())
     return out
 
 
