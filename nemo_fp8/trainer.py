@@ -318,7 +318,7 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
         ConfigError: a resume changes keys that cannot change.
         KeyboardInterrupt: Ctrl-C; ``Terminated`` (a KeyboardInterrupt) on SIGTERM.
     """
-    from nemo_fp8.preflight import preflight
+    from nemo_fp8.preflight import preflight, with_local_model
     from nemo_fp8.utils.run_dir import config_hash, raise_on_sigterm, write_marker
 
     random.seed(cfg.grpo.seed)
@@ -328,6 +328,7 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
     setup = prepare_run_dirs(cfg, config_yaml, resume, resume_from, overwrite)
     try:
         preflight(cfg)
+        cfg = with_local_model(cfg)  # a hub id -> its snapshot folder; the saved config keeps the id
         resumed = setup.checkpoint is not None or resume or resume_from is not None
         for folder in {cfg.logger.log_dir, *([cfg.checkpointing.checkpoint_dir] if cfg.checkpointing.enabled else [])}:
             write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed)
@@ -347,11 +348,14 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     from nemo_fp8.distributed.worker_groups import init_ray
     from nemo_fp8.preflight import check_cluster
     from nemo_fp8.rewards import MathRewardScorer
-    from nemo_fp8.utils.run_dir import RunFailed, Terminated, raise_on_sigterm
+    from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, Terminated, raise_on_sigterm
 
     ensure_model(cfg)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or cfg.policy.model_name)
-    train, val = prepare_prompts(cfg, tokenizer)
+    try:
+        train, val = prepare_prompts(cfg, tokenizer)
+    except ValueError as e:  # the preflight parsed the files; what is left: too few prompts after tokenizing
+        raise RunSetupError(str(e)) from None
     dataloader = PromptDataloader(train, cfg.grpo.num_prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     checkpointer = CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_last_k,
                                      run_id=setup.run_id)

@@ -118,13 +118,15 @@ class CheckpointManager:
         return json.loads(f.read_text())
 
 
-def _check_safetensors(f: Path) -> str | None:
+def check_safetensors(f: Path) -> str | None:
     """What is wrong with a safetensors file (None: header parses, the data it declares is there)."""
     size = f.stat().st_size
     if size < 8:
         return f"truncated ({size} bytes, no header)"
     with f.open("rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
+        if n > 100 * 2**20:
+            return f"unreadable header (declares {n} bytes)"
         if n > size - 8:
             return f"truncated (header of {n} bytes, file has {size})"
         try:
@@ -165,7 +167,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     if not model_files:
         problems.append(f"{path / 'policy' / 'model'}: no *.safetensors weights")
     for f in model_files:
-        if (why := _check_safetensors(f)) is not None:
+        if (why := check_safetensors(f)) is not None:
             problems.append(f"{f}: {why}")
     opt = path / "policy" / "optimizer.pt"
     if not opt.is_file():
