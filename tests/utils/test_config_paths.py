@@ -49,3 +49,31 @@ def test_a_yaml_whose_top_level_is_not_a_mapping_is_a_config_error(tmp_path, tex
     bad.write_text(text)
     with pytest.raises(ConfigError, match=r"bad\.yaml: the top level must be a mapping"):
         load_config(bad)
+
+
+def test_overwrite_moves_old_tensorboard_events_aside(tmp_path):
+    from nemo_fp8.utils.run_dir import claim_fresh, write_marker
+
+    logs = tmp_path / "logs"
+    (logs / "tensorboard").mkdir(parents=True)
+    (logs / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"old")
+    (logs / "metrics.jsonl").write_text('{"step": 1}\n')
+    write_marker(logs, "old-run", "h", resumed=False)
+    claim_fresh(logs, None, overwrite=True)
+    assert not (logs / "tensorboard").exists()
+    assert (logs / "tensorboard.old-run" / "events.out.tfevents.1.host").read_bytes() == b"old"
+
+
+def test_a_refused_run_leaves_no_folders_behind(tmp_path, monkeypatch):
+    import signal
+
+    from nemo_fp8.preflight import PreflightError
+    from nemo_fp8.trainer import run
+
+    cfg = load_config(CONFIGS / "grpo_math_tiny_fp8.yaml", [
+        f"logger.log_dir={tmp_path / 'out' / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'out' / 'ckpt'}",
+        f"policy.model_name={tmp_path / 'none'}", "policy.tiny_model.build_if_missing=false", "policy.device=cpu"])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # run() would install its SIGTERM handler in pytest
+    with pytest.raises(PreflightError):
+        run(cfg)
+    assert not (tmp_path / "out" / "logs").exists() and not (tmp_path / "out" / "ckpt").exists()
