@@ -378,6 +378,8 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     except BaseException:
         fast_teardown(procs)
         watchdog.stop()
+        if watchdog.fired.is_set():
+            raise Terminated() from None
         raise
     metrics_logger = scorer = None
     graceful = False

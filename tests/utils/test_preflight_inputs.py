@@ -17,8 +17,8 @@ CONFIG = REPO / "examples" / "configs" / "grpo_math_tiny_fp8.yaml"
 
 
 def cfg_for(tmp_path, *overrides):
-    return load_config(CONFIG, [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ck'}",
-                                "policy.device=cpu", *overrides])
+    return load_config(CONFIG, [f"logger.log_dir={tmp_path / 'logs'}",
+                                f"checkpointing.checkpoint_dir={tmp_path / 'ck'}", "policy.device=cpu", *overrides])
 
 
 def write_checkpoint(folder: Path) -> Path:
