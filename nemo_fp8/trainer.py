@@ -365,7 +365,7 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     if latest is not None:
         state = CheckpointManager.load_trainer_state(latest)
         start_step = int(state["step"])
-    procs = RayProcesses()
+    procs = RayProcesses(reaper=True)
     watchdog = SigtermWatchdog(procs, lambda: interrupt_hint(cfg, checkpointer, setup.run_id))
     try:
         init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
@@ -378,6 +378,7 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     except BaseException:
         fast_teardown(procs)
         watchdog.stop()
+        procs.close_reaper()
         if watchdog.fired.is_set():
             raise Terminated() from None
         raise
@@ -431,3 +432,4 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         else:
             fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
         watchdog.stop()
+        procs.close_reaper()

@@ -17,7 +17,9 @@ processes at once, then gives the main thread ``grace_s`` to clean up and exit (
 ``/proc``, with their start times so that a reused pid is never hit) while they can still be found;
 the actors' worker processes run in sessions of their own and outlive the raylet, so they are only
 reachable through this record. ``fast_teardown`` kills them and bounds ``ray.shutdown()`` in time.
-Linux only (``/proc``); elsewhere the record is empty and the teardown is ``ray.shutdown()``.
+A reaper process (in a session of its own) gets the same record and kills what is left when the
+driver ends, so a ``kill -9`` of the driver leaves no Ray process behind either. Linux only
+(``/proc``); elsewhere the record is empty and the teardown is ``ray.shutdown()``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import select
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -67,15 +70,65 @@ def descendants(pid: int | None = None) -> dict[int, int]:
     return out
 
 
-class RayProcesses:
-    """The processes a local Ray started for this driver, recorded while they are its descendants."""
+# The reaper: a small process in a session of its own that reads "pid start_time" lines from the driver
+# and, when its stdin closes (the driver ended, kill -9 included), kills those still alive.
+_REAPER = """
+import os, signal, sys
+def start(pid):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+known = {}
+for line in sys.stdin:
+    pid, t = line.split()
+    known[int(pid)] = int(t)
+for pid, t in known.items():
+    if start(pid) == t:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
 
-    def __init__(self) -> None:
+
+class RayProcesses:
+    """The processes a local Ray started for this driver, recorded while they are its descendants.
+
+    Args:
+        reaper: also hand each recorded process to a reaper process (``_REAPER``) that kills the ones
+            still alive when this driver ends, also by ``kill -9``, which no code in the driver survives.
+    """
+
+    def __init__(self, reaper: bool = False) -> None:
         self.known: dict[int, int] = {}
+        self._reaper = None
+        if reaper and Path("/proc").is_dir():
+            self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE, text=True,
+                                            start_new_session=True)
 
     def record(self) -> None:
         """Add this process's current descendants (call once the actors run, and again at teardown)."""
-        self.known.update(descendants())
+        found = {p: t for p, t in descendants().items() if self._reaper is None or p != self._reaper.pid}
+        new = {p: t for p, t in found.items() if self.known.get(p) != t}
+        self.known.update(found)
+        if self._reaper is not None and new:
+            try:
+                self._reaper.stdin.write("".join(f"{p} {t}\n" for p, t in new.items()))
+                self._reaper.stdin.flush()
+            except (OSError, ValueError):  # the reaper is gone: the driver's own teardown still runs
+                pass
+
+    def close_reaper(self) -> None:
+        """Let the reaper finish (it kills what is left of the record, then exits)."""
+        if self._reaper is not None:
+            reaper, self._reaper = self._reaper, None
+            try:
+                reaper.stdin.close()
+                reaper.wait(timeout=10)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
 
     def alive(self) -> list[int]:
         """Recorded pids still running (same start time: not a reused pid)."""

@@ -84,3 +84,11 @@ def test_a_killed_ray_worker_is_named_with_the_resume_hint(tiny_model_dir, tmp_p
     assert last.startswith("error: the Ray worker PolicyWorker rank 0") and "continue with --resume" in last, last
     assert "Traceback" not in err, err[-3000:]
     assert_none_left(procs)
+
+
+def test_kill_9_of_the_driver_leaves_no_ray_process_behind(tiny_model_dir, tmp_path):
+    proc = start_job(tiny_model_dir, tmp_path, "grpo.max_num_steps=50")
+    procs = wait_for_checkpoint(proc, tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert_none_left({p: t for p, t in procs.items() if p != proc.pid}, within_s=20)
