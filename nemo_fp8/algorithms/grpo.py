@@ -273,7 +273,8 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
     Returns ``val/accuracy`` and ``val/num_samples``; when the samples come from more than one
     ``data_source`` (e.g. the small model's synthetic arithmetic + GSM8K split), also
     ``val/accuracy/<data_source>`` for each (verl logs ``val/test_score/<data_source>`` the same way),
-    so a gain on one source is not averaged away by a source the model cannot solve yet.
+    so a gain on one source is not averaged away by a source the model cannot solve yet. Answers the
+    reward's step budget left unscored (nan) count neither way; ``val/num_unscored`` says how many, when any.
     """
     g, gen_cfg = cfg.grpo, cfg.policy.generation
     sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
@@ -291,8 +292,9 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
                     tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
                     shown += 1
     scores = torch.cat(rewards)  # nan: left unscored by the reward's step budget, not counted either way
-    out = {"val/accuracy": float(scores.nanmean()), "val/num_samples": float(len(samples)),
-           "val/num_unscored": float(scores.isnan().sum())}
+    out = {"val/accuracy": float(scores.nanmean()), "val/num_samples": float(len(samples))}
+    if scores.isnan().any():
+        out["val/num_unscored"] = float(scores.isnan().sum())
     sources = [s.example.data_source for s in samples]
     if len(set(sources)) > 1:
         for src in sorted(set(sources)):
