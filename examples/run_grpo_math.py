@@ -7,7 +7,8 @@
 With no ``--config`` it runs examples/configs/grpo_math_tiny_fp8.yaml, the embedded CPU default.
 A run owns its logger.log_dir and checkpointing.checkpoint_dir: a fresh run into folders holding
 another run stops (pass --resume, a new folder, or --overwrite), and a second run on the same
-folders stops at once. Exit codes: 0 done, 2 configuration / setup error, 130 Ctrl-C, 143 SIGTERM.
+folders stops at once. Exit codes: 0 done, 1 a Ray worker died (resumable), 2 configuration / setup error, 130 Ctrl-C,
+143 SIGTERM.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from nemo_fp8.config import ConfigError, load_config
-from nemo_fp8.utils.run_dir import RunSetupError, Terminated, raise_on_sigterm
+from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, Terminated, raise_on_sigterm
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_math_tiny_fp8.yaml"
 
@@ -49,6 +50,9 @@ def main() -> int:
     except (ConfigError, RunSetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Terminated:
         print("terminated (SIGTERM)", file=sys.stderr)
         return 143

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import BaseModel, ValidationError, model_validator
 
 from nemo_fp8.algorithms.config import GRPOConfig, ClippedPGLossConfig, RewardShapingConfig, TRUNCATED_IS_TYPES
@@ -95,6 +95,9 @@ def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> Any:
     if path in seen:
         raise ConfigError(f"config 'defaults' cycle: {' -> '.join(map(str, seen + (path,)))}")
     node = load_yaml_file(path)
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...), "
+                          f"got {'a list' if isinstance(node, ListConfig) else repr(node)}")
     base_name = node.pop("defaults", None)
     if base_name is None:
         return node
@@ -132,8 +135,52 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"invalid configuration ({source}):\n" + "\n".join(lines)
 
 
+# Keys holding local paths. Relative ones are read against where they were written: in a YAML file,
+# the repository that holds it (``config_root``), so a job started from any folder uses the same model,
+# data, logs and checkpoints; in a command-line override, the working directory, as for any command.
+PATH_KEYS: tuple[str, ...] = ("policy.model_name", "policy.tokenizer.name", "data.train_path", "data.val_path",
+                              "logger.log_dir", "checkpointing.checkpoint_dir")
+
+
+def config_root(config_path: Path) -> Path:
+    """The folder relative paths of ``config_path`` are read against: the nearest folder above it holding a
+    ``pyproject.toml`` (the repository, for the shipped configs), else the config file's own folder."""
+    config_path = Path(config_path).resolve()
+    return next((p for p in config_path.parents if (p / "pyproject.toml").is_file()), config_path.parent)
+
+
+def resolve_paths(data: dict, root: Path, from_command_line: set[str]) -> dict:
+    """Make the ``PATH_KEYS`` of a config dict absolute (in place; returns ``data``).
+
+    A model or tokenizer name stays as written when it is not an existing local path and not a tiny-model
+    build target: it may be a Hugging Face hub id (``nemo_fp8.models.hub``).
+    """
+    import os
+
+    build = bool(((data.get("policy") or {}).get("tiny_model") or {}).get("build_if_missing", False))
+    for key in PATH_KEYS:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        base = Path.cwd() if key in from_command_line else root
+        path = Path(os.path.expanduser(value))
+        absolute = path if path.is_absolute() else base / path
+        if key in ("policy.model_name", "policy.tokenizer.name") and not value.startswith((".", "/", "~")) \
+                and not absolute.exists() and not (build and key == "policy.model_name"):
+            continue  # a hub id, or a missing folder the preflight names
+        node[leaf] = os.path.normpath(absolute)
+    return data
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterConfig:
     """Load a YAML config, apply ``key.sub=value`` overrides, validate, return the typed config.
+
+    Relative paths (``PATH_KEYS``) become absolute: those of the YAML against ``config_root(path)``,
+    those of the overrides against the working directory.
 
     Raises:
         ConfigError: missing file, malformed override, or any invalid key/value/combination;
@@ -150,7 +197,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterC
         data = OmegaConf.to_container(node, resolve=True)
     except Exception as e:  # interpolation errors name the key themselves
         raise ConfigError(f"invalid configuration ({path}): {e}") from e
-    return validate_config(data, source=str(path))
+    cli_keys = {item.split("=", 1)[0].lstrip("+~") for item in overrides or []}
+    return validate_config(resolve_paths(data, config_root(path), cli_keys), source=str(path))
 
 
 def validate_config(data: dict, source: str = "<dict>") -> MasterConfig:
@@ -183,6 +231,8 @@ def load_yaml_file(path: Path) -> Any:
         where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
         problem = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
         raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+    except OSError as e:  # OmegaConf refuses a top level that is a scalar ("Invalid loaded object type")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...): {e}") from None
 
 
 # Keys that cannot change when a run is resumed: the model and its precision (the checkpoint's
@@ -220,6 +270,13 @@ def config_diff(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
 
 
+def _same_path(old: str, new: str) -> bool:
+    """``old`` (as saved, maybe relative to the repository or the working directory) names the folder ``new``."""
+    target = Path(new).resolve()
+    repo = Path(__file__).resolve().parents[1]
+    return target.exists() and any((base / old).resolve() == target for base in (Path.cwd(), repo))
+
+
 def resume_changes(old_yaml: str, cfg: MasterConfig, checkpoint_step: int) -> dict[str, tuple[Any, Any]]:
     """Compare the config saved with a checkpoint to the new one; return the changes that apply.
 
@@ -232,6 +289,10 @@ def resume_changes(old_yaml: str, cfg: MasterConfig, checkpoint_step: int) -> di
     """
     old = OmegaConf.to_container(OmegaConf.create(old_yaml), resolve=True)
     diff = config_diff(old, cfg.model_dump(mode="json"))
+    for key in PATH_KEYS:  # the same folder written relative (older checkpoints) or absolute is no change
+        if key in diff and all(isinstance(v, str) for v in diff[key]) and \
+                _same_path(diff[key][0], diff[key][1]):
+            del diff[key]
     frozen = [k for k in diff if any(k == p or k.startswith(p + ".") for p in IMMUTABLE_ON_RESUME)]
     errs = [f"  - {k}: {diff[k][0]!r} in the checkpoint, {diff[k][1]!r} now (cannot change when resuming)"
             for k in frozen]

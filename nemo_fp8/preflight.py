@@ -1,6 +1,8 @@
 """Preflight: checks that run before anything expensive (the model build, Ray, the actors).
 
-``preflight(cfg)`` opens the data files and parses their first records, checks the model path,
+``preflight(cfg)`` opens the data files and parses every record the run will read, checks the model
+path (a folder with ``config.json`` and intact safetensors headers, a hub id that resolves, or an empty
+or missing tiny-model build target),
 compares the resources the actors will ask Ray for with what the cluster has, and the megatron
 trainer's weights, gradients and optimizer state with one GPU's memory. Every error
 names the file (and line) or the config key; all problems are reported at once in one
@@ -18,18 +20,16 @@ from nemo_fp8.utils.run_dir import RunSetupError
 
 logger = logging.getLogger(__name__)
 
-HEAD_RECORDS = 16  # records parsed per data file by the preflight
-
-
 class PreflightError(RunSetupError):
     """One or more preflight problems, one per line, each naming a file, line or key."""
 
 
 def check_data(cfg: MasterConfig) -> list[str]:
-    """Open ``data.train_path`` / ``data.val_path`` and parse their first records.
+    """Parse every record of ``data.train_path`` / ``data.val_path`` that the run will read (up to
+    ``data.max_train_samples`` / ``grpo.max_val_samples``; cheap next to a run).
 
     Returns one line per problem (missing file, wrong extension, not UTF-8, invalid JSON, not
-    Parquet, missing schema keys, no records at all), each naming the key and the file.
+    Parquet, missing schema keys, no records at all), each naming the key and the file (and line).
     """
     from nemo_fp8.data.datasets import load_math_dataset
 
@@ -37,41 +37,88 @@ def check_data(cfg: MasterConfig) -> list[str]:
     if d.dataset == "synthetic":
         return []
     errs = []
-    for key, path in (("data.train_path", d.train_path), ("data.val_path", d.val_path)):
+    for key, path, limit in (("data.train_path", d.train_path, d.max_train_samples),
+                             ("data.val_path", d.val_path, cfg.grpo.max_val_samples)):
         if not path:
             continue
         try:
-            head = load_math_dataset(path, schema=d.dataset, limit=HEAD_RECORDS)
+            records = load_math_dataset(path, schema=d.dataset, limit=limit)
         except FileNotFoundError:
             errs.append(f"{key}: file not found: {path}")
             continue
         except ValueError as e:  # DatasetFormatError is a ValueError; so are bad extensions
             errs.append(f"{key}: {e}")
             continue
-        if not head:
+        if not records:
             errs.append(f"{key}: {path} has no records (empty file)")
     return errs
 
 
-def check_model(cfg: MasterConfig) -> list[str]:
-    """``policy.model_name`` is an HF folder (``config.json``), or may be built there; same for
-    ``policy.tokenizer.name`` when it is a local path."""
-    errs = []
-    path = Path(cfg.policy.model_name)
+def model_folder_errors(path: Path, can_build: bool) -> list[str]:
+    """What keeps the HF checkpoint folder ``path`` from loading: a file, a folder without ``config.json``
+    (allowed only as an empty or missing tiny-model build target, ``can_build``), no weights, or a
+    safetensors file whose header or size is wrong (truncated copy or download)."""
+    from nemo_fp8.utils.checkpoint import check_safetensors
+
+    key = "policy.model_name"
+    if path.is_file():
+        return [f"{key}: {path} is a file; an HF checkpoint folder (config.json + weights) is needed"]
     if not (path / "config.json").is_file():
-        if not cfg.policy.tiny_model.build_if_missing:
+        if not can_build:
             what = "is not a folder" if not path.exists() else "has no config.json"
-            errs.append(f"policy.model_name: {path} {what} (an HF checkpoint folder is needed); set "
-                        "policy.tiny_model.build_if_missing=true to build the tiny model there, or point it at a "
-                        "local checkpoint")
-        else:
-            parent = next((p for p in [path, *path.parents] if p.exists()), Path("."))
-            if not os.access(parent, os.W_OK):
-                errs.append(f"policy.model_name: cannot build the tiny model at {path} ({parent} is not writable)")
-    tok = cfg.policy.tokenizer.name
-    if tok and (tok.startswith((".", "/")) or Path(tok).exists()) and not Path(tok).is_dir():
+            return [f"{key}: {path} {what} (an HF checkpoint folder is needed); set "
+                    "policy.tiny_model.build_if_missing=true to build the tiny model there, or point it at a "
+                    "local checkpoint or a Hugging Face hub id"]
+        if path.is_dir() and any(path.iterdir()):
+            return [f"{key}: {path} is not empty but has no config.json: not a checkpoint, and the tiny model "
+                    "is only built into an empty or new folder (choose another folder or empty it)"]
+        parent = next((p for p in [path, *path.parents] if p.exists()), Path("."))
+        if not os.access(parent, os.W_OK):
+            return [f"{key}: cannot build the tiny model at {path} ({parent} is not writable)"]
+        return []
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights and not any(path.glob("*.bin")):
+        return [f"{key}: {path} has config.json but no weights (*.safetensors)"]
+    return [f"{key}: {f}: {why}" for f in weights if (why := check_safetensors(f)) is not None]
+
+
+def check_model(cfg: MasterConfig) -> list[str]:
+    """``policy.model_name`` is an HF folder (or may be built there) or a hub id that resolves
+    (``nemo_fp8.models.hub``); ``policy.tokenizer.name`` likewise when it is a local path or hub id."""
+    from nemo_fp8.models.hub import ModelNotFoundError, is_hub_id, resolve_hub_model
+
+    pol = cfg.policy
+    can_build = pol.tiny_model.build_if_missing
+    if is_hub_id(pol.model_name) and not can_build:
+        try:
+            path = resolve_hub_model(pol.model_name)
+        except ModelNotFoundError as e:
+            return [str(e)]
+    else:
+        path = Path(pol.model_name)
+    errs = model_folder_errors(path, can_build)
+    tok = pol.tokenizer.name
+    if tok and is_hub_id(tok):
+        try:
+            resolve_hub_model(tok)
+        except ModelNotFoundError as e:
+            errs.append(str(e).replace("policy.model_name", "policy.tokenizer.name"))
+    elif tok and (tok.startswith((".", "/")) or Path(tok).exists()) and not Path(tok).is_dir():
         errs.append(f"policy.tokenizer.name: {tok} is not a folder")
     return errs
+
+
+def with_local_model(cfg: MasterConfig) -> MasterConfig:
+    """``cfg`` with a hub id in ``policy.model_name`` / ``policy.tokenizer.name`` replaced by its local snapshot
+    folder (what the actors load); other configs unchanged. Call after ``preflight`` (which resolved them)."""
+    from nemo_fp8.models.hub import is_hub_id, resolve_hub_model
+
+    pol, update = cfg.policy, {}
+    if is_hub_id(pol.model_name) and not pol.tiny_model.build_if_missing:
+        update["model_name"] = str(resolve_hub_model(pol.model_name))
+    if pol.tokenizer.name and is_hub_id(pol.tokenizer.name):
+        update["tokenizer"] = pol.tokenizer.model_copy(update={"name": str(resolve_hub_model(pol.tokenizer.name))})
+    return cfg.model_copy(update={"policy": pol.model_copy(update=update)}) if update else cfg
 
 
 def required_resources(cfg: MasterConfig) -> dict[str, float]:
@@ -81,10 +128,12 @@ def required_resources(cfg: MasterConfig) -> dict[str, float]:
     Raises:
         ValueError: engines that do not fit the policy's GPUs (``plan_cluster``).
     """
-    from nemo_fp8.distributed.placement import plan_from_config
-    from nemo_fp8.models.hf import resolve_device
+    import torch
 
-    cuda = resolve_device(cfg.policy.device).type == "cuda"
+    from nemo_fp8.distributed.placement import plan_from_config
+
+    # policy.device=cuda without a GPU is config_support_errors' line; here it only sizes the plan
+    cuda = cfg.policy.device == "cuda" or (cfg.policy.device == "auto" and torch.cuda.is_available())
     need = plan_from_config(cfg.policy, cfg.cluster, cuda).required()
     return {"CPU": need.get("CPU", 0.0), "GPU": need.get("GPU", 0.0)}
 

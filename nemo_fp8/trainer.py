@@ -323,7 +323,7 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
         ConfigError: a resume changes keys that cannot change.
         KeyboardInterrupt: Ctrl-C; ``Terminated`` (a KeyboardInterrupt) on SIGTERM.
     """
-    from nemo_fp8.preflight import preflight
+    from nemo_fp8.preflight import preflight, with_local_model
     from nemo_fp8.utils.run_dir import config_hash, raise_on_sigterm, write_marker
 
     random.seed(cfg.grpo.seed)
@@ -333,6 +333,7 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
     setup = prepare_run_dirs(cfg, config_yaml, resume, resume_from, overwrite)
     try:
         preflight(cfg)
+        cfg = with_local_model(cfg)  # a hub id -> its snapshot folder; the saved config keeps the id
         resumed = setup.checkpoint is not None or resume or resume_from is not None
         for folder in {cfg.logger.log_dir, *([cfg.checkpointing.checkpoint_dir] if cfg.checkpointing.enabled else [])}:
             write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed)
@@ -347,14 +348,19 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     """The body of ``run`` once the folders are owned and the preflight passed."""
     import ray
 
+    from nemo_fp8.distributed.teardown import (RayProcesses, SigtermWatchdog, actor_names, describe_dead_actor,
+                                               fast_teardown)
     from nemo_fp8.distributed.worker_groups import init_ray
     from nemo_fp8.preflight import check_cluster
     from nemo_fp8.rewards import MathRewardScorer
-    from nemo_fp8.utils.run_dir import raise_on_sigterm
+    from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, Terminated, raise_on_sigterm
 
     ensure_model(cfg)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or cfg.policy.model_name)
-    train, val = prepare_prompts(cfg, tokenizer)
+    try:
+        train, val = prepare_prompts(cfg, tokenizer)
+    except ValueError as e:  # the preflight parsed the files; what is left: too few prompts after tokenizing
+        raise RunSetupError(str(e)) from None
     dataloader = PromptDataloader(train, cfg.grpo.num_prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     checkpointer = CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_last_k,
                                      run_id=setup.run_id)
@@ -364,15 +370,25 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
     if latest is not None:
         state = CheckpointManager.load_trainer_state(latest)
         start_step = int(state["step"])
+    procs = RayProcesses(reaper=True)
+    watchdog = SigtermWatchdog(procs, lambda: interrupt_hint(cfg, checkpointer, setup.run_id))
     try:
         init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
         raise_on_sigterm()  # ray.init replaced it with sys.exit
+        procs.record()
+        watchdog.start()
         check_cluster(cfg)
         workers = start_workers(cfg, tokenizer, version=start_step)
+        procs.record()
     except BaseException:
-        ray.shutdown()
+        fast_teardown(procs)
+        watchdog.stop()
+        procs.close_reaper()
+        if watchdog.fired.is_set():
+            raise Terminated() from None
         raise
     metrics_logger = scorer = None
+    graceful = False
     try:
         if latest is not None:
             workers.policy.load(latest / "policy")
@@ -387,11 +403,25 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
         scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
                                   max_seconds_per_step=cfg.env.math.max_seconds_per_step)
-        return grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
-                          RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
-                          workers.refitter)
-    except KeyboardInterrupt:
-        logger.warning("interrupted; %s", interrupt_hint(cfg, checkpointer, setup.run_id))
+        out = grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
+                         RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
+                         workers.refitter)
+        graceful = True
+        return out
+    except BaseException as e:
+        # SIGTERM (often to the whole process group: Ray's GCS may be gone) gets no graceful calls. Ray turns a
+        # signal inside ray.get into a plain KeyboardInterrupt, and the watchdog's kill of the actors may surface
+        # first as an actor error: the watchdog tells them apart.
+        hint = interrupt_hint(cfg, checkpointer, setup.run_id)
+        if isinstance(e, Terminated) or watchdog.fired.is_set():
+            logger.warning("terminated; %s", hint)
+            raise Terminated() from None
+        if isinstance(e, KeyboardInterrupt):
+            logger.warning("interrupted; %s", hint)
+            graceful = True
+            raise
+        if isinstance(e, ray.exceptions.RayActorError):
+            raise RunFailed(f"the Ray worker {describe_dead_actor(e, actor_names(workers))} died; {hint}") from None
         raise
     finally:
         if metrics_logger is not None:
@@ -400,5 +430,11 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
                 logger.info("curves: %s", png)
         if scorer is not None:
             scorer.close()
-        workers.shutdown()
-        ray.shutdown()
+        if graceful:
+            workers.shutdown()
+            ray.shutdown()
+            procs.kill()  # Ray's agents that outlive ray.shutdown()
+        else:
+            fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
+        watchdog.stop()
+        procs.close_reaper()

@@ -183,18 +183,36 @@ def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn
 
 
 def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages [B], keep [B] bool): shaped rewards -> group baseline -> optional std scaling."""
+    """(advantages [B], keep [B] bool): shaped rewards -> group baseline -> optional std scaling.
+
+    A reward of ``nan`` is an answer the reward's step budget left unscored (``MathRewardScorer``): not
+    wrong, unknown. It gets advantage 0 (no policy-gradient term), takes no part in its group's baseline
+    and std (the group is normalised over its scored answers), and is dropped from the batch with
+    ``grpo.use_dynamic_sampling`` (whose extra rounds refill it).
+    """
     g = cfg.grpo
-    shaped = r.rewards
+    scored = ~torch.isnan(r.rewards)
+    shaped = torch.where(scored, r.rewards, torch.zeros_like(r.rewards))
     if g.reward_shaping.enabled:
         max_len = g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens
         shaped = shaped + overlong_penalty(r.output.response_lengths, max_len,
                                            g.reward_shaping.overlong_buffer_length,
                                            g.reward_shaping.overlong_buffer_penalty)
     n = g.num_generations_per_prompt
-    adv = grpo_advantages(shaped, n, "leave_one_out" if g.use_leave_one_out_baseline else "mean",
-                          normalize_std=g.normalize_rewards)
-    keep = dynamic_sampling_keep_mask(shaped, n) if g.use_dynamic_sampling else torch.ones_like(adv, dtype=torch.bool)
+    baseline = "leave_one_out" if g.use_leave_one_out_baseline else "mean"
+    if bool(scored.all()):
+        adv = grpo_advantages(shaped, n, baseline, normalize_std=g.normalize_rewards)
+        keep = dynamic_sampling_keep_mask(shaped, n) if g.use_dynamic_sampling else torch.ones_like(scored)
+        return adv, keep
+    adv, keep = torch.zeros_like(shaped), scored.clone()
+    for start in range(0, shaped.numel(), n):
+        idx = start + torch.nonzero(scored[start:start + n]).flatten()
+        if idx.numel() >= 2:
+            adv[idx] = grpo_advantages(shaped[idx], idx.numel(), baseline, normalize_std=g.normalize_rewards)
+        if g.use_dynamic_sampling and (idx.numel() < 2 or bool(shaped[idx].max() == shaped[idx].min())):
+            keep[start:start + n] = False
+    if not g.use_dynamic_sampling:
+        keep = torch.ones_like(scored)  # rows keep the batch's shape; advantage 0 leaves them out of the update
     return adv, keep
 
 
@@ -233,7 +251,8 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
     rewards = torch.cat([r.rewards for r in rollouts])
     resp_len = torch.cat([r.output.response_lengths for r in rollouts]).float()
     metrics = {
-        "train/reward_mean": float(rewards.mean()),
+        "train/reward_mean": float(rewards.nanmean()),  # nan: left unscored by the reward's step budget
+        "train/num_unscored": float(rewards.isnan().sum()),
         "train/response_length_mean": float(resp_len.mean()),
         "train/truncated_frac": float(torch.cat([r.output.truncated for r in rollouts]).float().mean()),
         "train/num_sequences_trained": float(usable),
@@ -278,7 +297,8 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
     Returns ``val/accuracy`` and ``val/num_samples``; when the samples come from more than one
     ``data_source`` (e.g. the small model's synthetic arithmetic + GSM8K split), also
     ``val/accuracy/<data_source>`` for each (verl logs ``val/test_score/<data_source>`` the same way),
-    so a gain on one source is not averaged away by a source the model cannot solve yet.
+    so a gain on one source is not averaged away by a source the model cannot solve yet. Answers the
+    reward's step budget left unscored (nan) count neither way; ``val/num_unscored`` says how many, when any.
     """
     g, gen_cfg = cfg.grpo, cfg.policy.generation
     sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
@@ -295,13 +315,15 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
                 if shown < cfg.logger.num_val_samples_to_print:
                     tqdm.write(f"[val] {s.prompt!r} -> {text!r} (gold {s.example.answer!r}, reward {rew})")
                     shown += 1
-    scores = torch.cat(rewards)
-    out = {"val/accuracy": float(scores.mean()), "val/num_samples": float(len(samples))}
+    scores = torch.cat(rewards)  # nan: left unscored by the reward's step budget, not counted either way
+    out = {"val/accuracy": float(scores.nanmean()), "val/num_samples": float(len(samples))}
+    if scores.isnan().any():
+        out["val/num_unscored"] = float(scores.isnan().sum())
     sources = [s.example.data_source for s in samples]
     if len(set(sources)) > 1:
         for src in sorted(set(sources)):
             mask = torch.tensor([x == src for x in sources])
-            out[f"val/accuracy/{src}"] = float(scores[mask].mean())
+            out[f"val/accuracy/{src}"] = float(scores[mask].nanmean())
     return out
 
 
@@ -330,16 +352,30 @@ def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, token
             with timer("validation"):
                 metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step, refitter, timer))
         if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or is_last):
-            with timer("checkpoint"):
-                checkpointer.save(step, policy, {"dataloader": dataloader.state_dict()}, config_yaml)
-        phases = timer.pop()
-        metrics.update({f"timing/{k}": v for k, v in phases.items()})
-        metrics["timing/step"] = time.perf_counter() - t0
-        resp_tokens = metrics.get("train/response_length_mean", 0.0) * g.num_prompts_per_step \
-            * g.num_generations_per_prompt * metrics.get("train/num_generation_rounds", 1.0)
-        if phases.get("generation"):
-            metrics["perf/rollout_tokens_per_s"] = resp_tokens / phases["generation"]
-        metrics_logger.log(step, metrics)
+            # The row is written before the checkpoint becomes visible (utils/checkpoint.py): one commit.
+            t_save = time.perf_counter()
+            checkpointer.save(step, policy, {"dataloader": dataloader.state_dict()}, config_yaml,
+                              before_commit=lambda: _log_row(metrics_logger, step, metrics, timer, t0, cfg,
+                                                             time.perf_counter() - t_save))
+        else:
+            _log_row(metrics_logger, step, metrics, timer, t0, cfg)
         bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}")
         last = metrics
     return last
+
+
+def _log_row(metrics_logger, step: int, metrics: dict[str, float], timer: Timer, t0: float, cfg: MasterConfig,
+             checkpoint_s: Optional[float] = None) -> None:
+    """Add the step's phase timings (``timing/*``, ``timing/checkpoint``: the checkpoint's files, seconds) and
+    rollout throughput to ``metrics`` and write its row."""
+    g = cfg.grpo
+    phases = timer.pop()
+    if checkpoint_s is not None:
+        phases["checkpoint"] = checkpoint_s
+    metrics.update({f"timing/{k}": v for k, v in phases.items()})
+    metrics["timing/step"] = time.perf_counter() - t0
+    resp_tokens = metrics.get("train/response_length_mean", 0.0) * g.num_prompts_per_step \
+        * g.num_generations_per_prompt * metrics.get("train/num_generation_rounds", 1.0)
+    if phases.get("generation"):
+        metrics["perf/rollout_tokens_per_s"] = resp_tokens / phases["generation"]
+    metrics_logger.log(step, metrics)

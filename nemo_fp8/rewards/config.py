@@ -11,16 +11,24 @@ from nemo_fp8.utils.config import StrictConfig
 
 class MathEnvConfig(StrictConfig):
     """Attributes:
-        num_workers: reward worker processes (0: score inline, no time limits).
+        num_workers: reward worker processes (>= 1: the per-answer limit is enforced by killing a
+            worker; inline scoring could not stop a hung answer).
         timeout_s: seconds allowed per answer; an answer past it scores 0.0.
         max_seconds_per_step: seconds allowed for all the answers of one scoring call (one
-            rollout batch); answers not scored by then score 0.0 and are counted in the metrics
+            rollout batch), shared fairly between them (``MathRewardScorer``); answers not scored by
+            then are left out of the advantages and counted in the metrics
             (``reward/num_over_step_budget``). None: no step budget.
     """
 
-    num_workers: int = Field(2, ge=0)
+    num_workers: int = 2
     timeout_s: float = Field(5.0, gt=0)
     max_seconds_per_step: Optional[float] = Field(60.0, gt=0)
+
+    def config_errors(self) -> list[str]:
+        if self.num_workers < 1:
+            return [f"num_workers: {self.num_workers} would score inline, where timeout_s={self.timeout_s} cannot "
+                    "stop an answer that hangs the verifier (valid: >= 1)"]
+        return []
 
 
 class EnvConfig(StrictConfig):

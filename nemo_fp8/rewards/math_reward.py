@@ -9,18 +9,21 @@ Answer extraction follows the formats of the datasets used here:
 
 Equivalence is decided by Hugging Face math-verify (github.com/huggingface/Math-Verify) with its
 own timeouts disabled: they rely on ``signal.alarm`` and only work on the main thread. The time
-limit is enforced instead by :class:`MathRewardScorer`, which scores in ``pebble`` worker
-processes and kills a worker whose answer takes longer than ``timeout_s``.
+limit is enforced instead by :class:`MathRewardScorer`, which runs cheap checks first, then scores
+in ``pebble`` worker processes, kills a worker whose answer takes longer than its limit and shares
+a step budget fairly between the answers.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FuturesTimeoutError
+from concurrent.futures import wait as futures_wait
 from decimal import Decimal, InvalidOperation
 
 import math_verify
@@ -47,20 +50,24 @@ def _iter_boxed(text: str):
     (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``). A box whose braces never close (e.g. a
     truncated response) or whose content is empty is skipped. A box nested in another box is
     yielded too, after (at a larger start than) the outer one.
+
+    One pass over ``text`` with a stack of open braces, so the cost is linear in its length
+    (plus a sort of the boxes found), also for thousands of unclosed boxes.
     """
-    for match in _BOXED_START_RE.finditer(text):
-        depth = 1
-        start = match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    content = text[start:i].strip()
-                    if content:
-                        yield match.start(), content
-                    break
+    box_at = {m.end() - 1: m for m in _BOXED_START_RE.finditer(text)}  # index of a box's "{" -> its match
+    stack: list[int] = []  # indices of open "{"
+    found = []
+    for i, c in enumerate(text):
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            opened = stack.pop()
+            m = box_at.get(opened)
+            if m is not None:
+                content = text[opened + 1:i].strip()
+                if content:
+                    found.append((m.start(), content))
+    yield from sorted(found)
 
 
 def _find_last_boxed(text: str) -> str | None:
@@ -236,19 +243,47 @@ def score_response(response: str, ground_truth: str) -> float:
     return 1.0 if verify_answer(answer, ground_truth) else 0.0
 
 
+def quick_score(response: str, ground_truth: str) -> float | None:
+    """``score_response``'s verdict when it needs no math-verify, else None.
+
+    Decided here: no extractable answer (0.0), the same string, or two plain numbers (exact decimal
+    comparison, as in ``verify_answer``). Costs time linear in ``len(response)``, so the scorer runs it
+    in the calling process before anything goes to its workers.
+    """
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    predicted, gold = answer.strip(), ground_truth.strip()
+    if not predicted or not gold:
+        return 0.0
+    if predicted == gold:
+        return 1.0
+    pred_num, gold_num = _as_plain_number(predicted), _as_plain_number(gold)
+    if pred_num is not None and gold_num is not None:
+        return 1.0 if pred_num == gold_num else 0.0
+    return None
+
+
 class MathRewardScorer:
-    """Score batches of responses in parallel worker processes, with a per-answer time limit.
+    """Score batches of responses in parallel worker processes, with a per-answer time limit and a step budget.
 
-    Each (response, ground truth) pair is one ``pebble.ProcessPool`` task with
-    ``timeout=timeout_s``; a task past its limit scores 0.0 and pebble kills its worker and starts
-    a new one. This works from any thread, unlike math-verify's signal-based timeouts. With
-    ``num_workers=0`` everything is scored inline in the calling process, without a per-answer
-    time limit (for debugging).
+    How a call spends its time (so that slow answers cannot cost other answers their score):
 
-    ``max_seconds_per_step`` bounds one call as a whole: answers still pending when it runs out
-    are cancelled (their workers killed) and score 0.0. Counts of the last call are in
-    ``last_num_timeouts`` / ``last_num_over_budget`` / ``last_num_errors``; running totals since
-    :meth:`pop_stats` in ``pop_stats()``.
+    1. cheap checks first, in this process (``quick_score``: no answer, same string, plain numbers);
+       only answers that need math-verify go on (with the default ``score_fn``);
+    2. a fair first pass: with ``max_seconds_per_step``, each remaining answer gets at most an equal
+       share of the budget, ``budget * num_workers / n_remaining`` (capped by ``timeout_s``), so the
+       budget is spread over all answers before any one of them gets more;
+    3. a second pass gives the answers that ran past their share their full ``timeout_s``, while the
+       budget lasts.
+
+    Each answer is one ``pebble.ProcessPool`` task; pebble kills the worker of an answer past its
+    limit. An answer past its own ``timeout_s`` scores 0.0 (``num_timeouts``); answers still unscored
+    when the budget runs out get ``nan`` (``num_over_step_budget``): not scored, which is not wrong,
+    and the trainer leaves them out of the advantages. With ``num_workers=0`` answers are scored inline,
+    without a per-answer limit (debugging only; the run's config refuses it) and the budget is checked
+    between answers. Counts of the last call are in ``last_num_timeouts`` / ``last_num_over_budget`` /
+    ``last_num_errors``; running totals since :meth:`pop_stats` in ``pop_stats()``.
 
     The pool is started on the first call; call :meth:`close` (or use ``with``) to stop it.
 
@@ -256,11 +291,10 @@ class MathRewardScorer:
         num_workers (int): Worker processes (0: inline).
         timeout_s (float): Seconds allowed per answer (> 0).
         score_fn (Callable[[str, str], float]): Scores one pair; must be picklable (a
-            module-level function). Defaults to :func:`score_response`.
+            module-level function). Defaults to :func:`score_response` (then ``quick_score`` runs first).
         mp_context (str | None): multiprocessing start method for the workers (``"fork"``,
             ``"spawn"``, ``"forkserver"``); None uses the platform default.
-        max_seconds_per_step (float | None): Seconds allowed per call (None: no limit). Inline
-            scoring (``num_workers=0``) checks it between answers.
+        max_seconds_per_step (float | None): Seconds allowed per call (None: no limit).
 
     Raises:
         ValueError: Negative ``num_workers``, non-positive ``timeout_s`` or ``max_seconds_per_step``.
@@ -313,7 +347,8 @@ class MathRewardScorer:
             ground_truths (list[str]): Reference answers, same length.
 
         Returns:
-            list[float]: 1.0 / 0.0 per response, in input order; 0.0 for timeouts and errors.
+            list[float]: per response, in input order: 1.0 / 0.0 (0.0 also for an answer past
+            ``timeout_s`` and for errors), ``nan`` for an answer the step budget left unscored.
 
         Raises:
             ValueError: The lists have different lengths.
@@ -322,59 +357,68 @@ class MathRewardScorer:
             raise ValueError(
                 f"responses and ground_truths differ in length: {len(responses)} vs {len(ground_truths)}"
             )
-        self.last_num_timeouts = 0
-        self.last_num_errors = 0
-        self.last_num_over_budget = 0
+        self.last_num_timeouts = self.last_num_errors = self.last_num_over_budget = 0
         if not responses:
             return []
-        budget = self.max_seconds_per_step
-        deadline = None if budget is None else time.monotonic() + budget
-        if self.num_workers == 0:
-            scores = []
-            for r, g in zip(responses, ground_truths):
-                if deadline is not None and time.monotonic() > deadline:
-                    self.last_num_over_budget += 1
-                    scores.append(0.0)
-                else:
-                    scores.append(float(self.score_fn(r, g)))
-            self._finish(len(responses))
-            return scores
-
-        pool = self._get_pool()
-        futures = [
-            pool.schedule(self.score_fn, args=(r, g), timeout=self.timeout_s)
-            for r, g in zip(responses, ground_truths)
-        ]
-        scores = []
-        for future in futures:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                scores.append(float(future.result(timeout=wait)))
-            except FuturesTimeoutError:
-                if future.done():  # pebble's per-answer limit fired
-                    self.last_num_timeouts += 1
-                else:  # the step budget ran out first: stop this answer (pebble kills its worker)
-                    future.cancel()
-                    self.last_num_over_budget += 1
-                scores.append(0.0)
-            except Exception as e:  # worker crashed (pebble ProcessExpired) or score_fn raised
-                self.last_num_errors += 1
-                logger.debug("reward scoring failed: %r", e)
-                scores.append(0.0)
+        deadline = None if self.max_seconds_per_step is None else time.monotonic() + self.max_seconds_per_step
+        scores: list[float | None] = [None] * len(responses)
+        if self.score_fn is score_response:
+            for i, (r, g) in enumerate(zip(responses, ground_truths)):
+                scores[i] = quick_score(r, g)
+        pending = [i for i, v in enumerate(scores) if v is None]
+        if pending and self.num_workers == 0:
+            for i in pending:
+                if deadline is None or time.monotonic() < deadline:
+                    scores[i] = float(self.score_fn(responses[i], ground_truths[i]))
+        elif pending:
+            share = self.timeout_s if deadline is None else \
+                min(self.timeout_s, self.max_seconds_per_step * self.num_workers / len(pending))
+            past_share = self._pass(pending, share, responses, ground_truths, scores, deadline)
+            if past_share and share < self.timeout_s:
+                self._pass(past_share, self.timeout_s, responses, ground_truths, scores, deadline)
+        self.last_num_over_budget = sum(v is None for v in scores)
         if self.last_num_timeouts:
-            logger.warning(
-                "math reward: %d of %d answers timed out after %.1f s and scored 0.0",
-                self.last_num_timeouts, len(responses), self.timeout_s,
-            )
+            logger.warning("math reward: %d of %d answers timed out after %.1f s and scored 0.0",
+                           self.last_num_timeouts, len(responses), self.timeout_s)
         if self.last_num_errors:
             logger.warning("math reward: %d of %d answers failed with an error and scored 0.0",
                            self.last_num_errors, len(responses))
         self._finish(len(responses))
-        return scores
+        return [math.nan if v is None else v for v in scores]
+
+    def _pass(self, indices: list[int], limit_s: float, responses, ground_truths, scores: list,
+              deadline: float | None) -> list[int]:
+        """Score ``indices`` in the pool, each within ``limit_s``, until ``deadline``; fill ``scores`` (None stays
+        for answers not done). Returns the answers that ran past ``limit_s`` when it is below ``timeout_s``
+        (a later pass may give them more); at ``timeout_s`` they score 0.0 and are counted."""
+        pool = self._get_pool()
+        futures = {pool.schedule(self.score_fn, args=(responses[i], ground_truths[i]), timeout=limit_s): i
+                   for i in indices}
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, not_done = futures_wait(list(futures), timeout=wait)
+        for f in not_done:  # the step budget ran out: stop them (pebble kills their workers)
+            f.cancel()
+        past = []
+        for f in done:
+            i = futures[f]
+            try:
+                scores[i] = float(f.result())
+            except FuturesTimeoutError:  # pebble's per-answer limit fired
+                if limit_s < self.timeout_s:
+                    past.append(i)
+                else:
+                    self.last_num_timeouts += 1
+                    scores[i] = 0.0
+            except Exception as e:  # worker crashed (pebble ProcessExpired) or score_fn raised
+                self.last_num_errors += 1
+                logger.debug("reward scoring failed: %r", e)
+                scores[i] = 0.0
+        return sorted(past)
 
     def _finish(self, n: int) -> None:
         if self.last_num_over_budget:
-            logger.warning("math reward: step budget of %.1f s ran out; %d of %d answers not scored (0.0)",
+            logger.warning("math reward: step budget of %.1f s ran out; %d of %d answers not scored (nan: left "
+                           "out of the advantages)",
                            self.max_seconds_per_step, self.last_num_over_budget, n)
         self._totals["num_timeouts"] += self.last_num_timeouts
         self._totals["num_over_step_budget"] += self.last_num_over_budget

@@ -1,7 +1,10 @@
 """Step checkpoints: ``<checkpoint_dir>/step_<N>/`` with the policy and the trainer state.
 
 A checkpoint is written to ``step_<N>.tmp`` and renamed when complete, so a crash while saving
-never leaves a half checkpoint that ``--resume`` would pick up. Each checkpoint records the run
+never leaves a half checkpoint that ``--resume`` would pick up. The step's metrics row is written
+(``before_commit``) after the files and before the rename: a kill before the rename resumes from
+the previous checkpoint and ``repair_metrics`` moves the row aside to be written again; a kill after
+it finds the row in place. No kill point loses or duplicates a row. Each checkpoint records the run
 id that wrote it; only the last ``keep_last_k`` of *this run's* checkpoints are kept, so an
 older run's steps are never counted (or deleted) by a newer one.
 
@@ -19,7 +22,7 @@ import shutil
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from nemo_fp8.utils.run_dir import RunSetupError
 
@@ -77,8 +80,13 @@ class CheckpointManager:
         except (OSError, ValueError):
             return None
 
-    def save(self, step: int, policy, trainer_state: dict[str, Any], config_yaml: str) -> Path:
-        """Write policy weights + optimizer and ``trainer_state.json`` for ``step``; prune this run's old ones."""
+    def save(self, step: int, policy, trainer_state: dict[str, Any], config_yaml: str,
+             before_commit: Optional[Callable[[], None]] = None) -> Path:
+        """Write policy weights + optimizer and ``trainer_state.json`` for ``step``; prune this run's old ones.
+
+        ``before_commit`` runs once the files are written, just before the rename that makes the
+        checkpoint visible (the trainer writes the step's metrics row there; module docstring).
+        """
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -87,6 +95,8 @@ class CheckpointManager:
         state = {"step": step, **({"run_id": self.run_id} if self.run_id else {}), **trainer_state}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
         (tmp / "config.yaml").write_text(config_yaml)
+        if before_commit is not None:
+            before_commit()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         mine = [s for s in self.steps() if self.run_id is None or self.run_id_of(s) == self.run_id]
@@ -108,13 +118,15 @@ class CheckpointManager:
         return json.loads(f.read_text())
 
 
-def _check_safetensors(f: Path) -> str | None:
+def check_safetensors(f: Path) -> str | None:
     """What is wrong with a safetensors file (None: header parses, the data it declares is there)."""
     size = f.stat().st_size
     if size < 8:
         return f"truncated ({size} bytes, no header)"
     with f.open("rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
+        if n > 100 * 2**20:
+            return f"unreadable header (declares {n} bytes)"
         if n > size - 8:
             return f"truncated (header of {n} bytes, file has {size})"
         try:
@@ -155,7 +167,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     if not model_files:
         problems.append(f"{path / 'policy' / 'model'}: no *.safetensors weights")
     for f in model_files:
-        if (why := _check_safetensors(f)) is not None:
+        if (why := check_safetensors(f)) is not None:
             problems.append(f"{f}: {why}")
     opt = path / "policy" / "optimizer.pt"
     if not opt.is_file():

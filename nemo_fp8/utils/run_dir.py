@@ -80,8 +80,10 @@ class FolderLock:
     def __init__(self, folder: str | Path, run_id: str):
         self.folder, self.run_id = Path(folder), run_id
         self._fd: int | None = None
+        self._created = False
 
     def acquire(self) -> "FolderLock":
+        self._created = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -106,9 +108,14 @@ class FolderLock:
         return self
 
     def release(self) -> None:
-        """Drop the lock (safe to call twice); the lock file stays, its content is stale."""
+        """Drop the lock (safe to call twice); the lock file stays, its content is stale. A folder this lock
+        created and the run left holding only the lock file (a run refused before it wrote anything) is
+        removed."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            if self._created and [p.name for p in self.folder.iterdir()] == [LOCK]:
+                (self.folder / LOCK).unlink()
+                self.folder.rmdir()
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
@@ -140,8 +147,9 @@ def foreign_contents(log_dir: Path, checkpoint_dir: Path | None) -> list[str]:
 def claim_fresh(log_dir: Path, checkpoint_dir: Path | None, overwrite: bool) -> None:
     """Make sure a fresh run does not mix with an older one in the same folders.
 
-    With ``overwrite``, the older run's step checkpoints are deleted and its ``metrics.jsonl`` is
-    moved aside to ``metrics.<old run id>.jsonl`` (never silently lost).
+    With ``overwrite``, the older run's step checkpoints are deleted, its ``metrics.jsonl`` is
+    moved aside to ``metrics.<old run id>.jsonl`` and its TensorBoard events to
+    ``tensorboard.<old run id>/`` (never silently lost, never mixed into the new run's curves).
 
     Raises:
         RunSetupError: the folders hold another run's checkpoints or metrics and not ``overwrite``.
@@ -163,7 +171,18 @@ def claim_fresh(log_dir: Path, checkpoint_dir: Path | None, overwrite: bool) -> 
         aside = log_dir / f"metrics.{old}.jsonl"
         metrics.replace(aside)
         logger.warning("--overwrite: old metrics moved to %s", aside)
+    events = log_dir / "tensorboard"
+    if events.is_dir():
+        aside = log_dir / f"tensorboard.{(read_marker(log_dir) or {}).get('run_id', 'old')}"
+        shutil.rmtree(aside, ignore_errors=True)
+        events.replace(aside)
+        logger.warning("--overwrite: old TensorBoard events moved to %s", aside)
     logger.warning("--overwrite: %s", "; ".join(found) + " (removed)")
+
+
+class RunFailed(RuntimeError):
+    """A run stopped by a failure outside the config (a Ray worker died); the message names the part that
+    failed and how to continue (``--resume``). The entry point exits with code 1."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -108,6 +108,16 @@ def test_setup_errors_before_model_build_and_ray(tmp_path, args, needles):
     assert not (tmp_path / "logs" / "metrics.jsonl").exists()
 
 
+def test_bad_row_deep_in_the_data_is_caught_before_model_build_and_ray(tmp_path):
+    rows = [json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(300)]
+    rows[199] = "{not json"
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    proc = job(tmp_path / "model", tmp_path, "policy.tiny_model.build_if_missing=true", "data.dataset=gsm8k",
+               f"data.train_path={tmp_path / 'train.jsonl'}")
+    fails_fast(proc, "data.train_path:", "line 200")
+    assert not (tmp_path / "model").exists()
+
+
 def test_abbreviated_flag_and_yaml_syntax_error(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--resum"], capture_output=True, text=True, timeout=60,
                           cwd=REPO)

@@ -1,0 +1,277 @@
+"""Ending a run's Ray processes quickly and completely, also when Ray itself is half gone.
+
+Two cases the graceful path (``group.shutdown()`` then ``ray.shutdown()``) handles badly:
+
+* SIGTERM to the whole process group (``timeout``, SLURM's ``scancel`` and time limit, systemd):
+  the local Ray's GCS and raylet are in the driver's group and die with it; every call to an actor
+  then waits until Ray gives up on the GCS (60 s) and ends the driver with exit code 1.
+* an actor process that died (OOM killer, a crash in a native library): Ray raises
+  ``ActorDiedError`` with a long message; the other actors and Ray's agents live on.
+
+``SigtermWatchdog`` acts on SIGTERM without the main thread, which may be blocked inside Ray's C++
+(``ray.get`` on an actor whose raylet is gone never returns to Python): it kills the recorded Ray
+processes at once, then gives the main thread ``grace_s`` to clean up and exit (it raises
+``Terminated``), and otherwise prints the resume hint and ends the process with code 143.
+
+``RayProcesses`` remembers the processes a local Ray started for this driver (its descendants in
+``/proc``, with their start times so that a reused pid is never hit) while they can still be found;
+the actors' worker processes run in sessions of their own and outlive the raylet, so they are only
+reachable through this record. ``fast_teardown`` kills them and bounds ``ray.shutdown()`` in time.
+A reaper process (in a session of its own) gets the same record and kills what is left when the
+driver ends, so a ``kill -9`` of the driver leaves no Ray process behind either. Linux only
+(``/proc``); elsewhere the record is empty and the teardown is ``ray.shutdown()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot); None when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def descendants(pid: int | None = None) -> dict[int, int]:
+    """``{pid: start time}`` of every live descendant of ``pid`` (default: this process), from ``/proc``."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        p = todo.pop()
+        if (t := _start_time(p)) is not None:
+            out[p] = t
+        todo.extend(children.get(p, []))
+    return out
+
+
+# The reaper: a small process in a session of its own that reads "pid start_time" lines from the driver
+# and, when its stdin closes (the driver ended, kill -9 included), kills those still alive.
+_REAPER = """
+import os, signal, sys
+def start(pid):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+known = {}
+for line in sys.stdin:
+    pid, t = line.split()
+    known[int(pid)] = int(t)
+for pid, t in known.items():
+    if start(pid) == t:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+class RayProcesses:
+    """The processes a local Ray started for this driver, recorded while they are its descendants.
+
+    Args:
+        reaper: also hand each recorded process to a reaper process (``_REAPER``) that kills the ones
+            still alive when this driver ends, also by ``kill -9``, which no code in the driver survives.
+    """
+
+    def __init__(self, reaper: bool = False) -> None:
+        self.known: dict[int, int] = {}
+        self._reaper = None
+        if reaper and Path("/proc").is_dir():
+            self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE, text=True,
+                                            start_new_session=True)
+
+    def record(self) -> None:
+        """Add this process's current descendants (call once the actors run, and again at teardown)."""
+        found = {p: t for p, t in descendants().items() if self._reaper is None or p != self._reaper.pid}
+        new = {p: t for p, t in found.items() if self.known.get(p) != t}
+        self.known.update(found)
+        if self._reaper is not None and new:
+            try:
+                self._reaper.stdin.write("".join(f"{p} {t}\n" for p, t in new.items()))
+                self._reaper.stdin.flush()
+            except (OSError, ValueError):  # the reaper is gone: the driver's own teardown still runs
+                pass
+
+    def close_reaper(self) -> None:
+        """Let the reaper finish (it kills what is left of the record, then exits)."""
+        if self._reaper is not None:
+            reaper, self._reaper = self._reaper, None
+            try:
+                reaper.stdin.close()
+                reaper.wait(timeout=10)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+
+    def alive(self) -> list[int]:
+        """Recorded pids still running (same start time: not a reused pid)."""
+        return [p for p, t in self.known.items() if _start_time(p) == t and _is_running(p)]
+
+    def kill(self, wait_s: float = 5.0) -> list[int]:
+        """SIGKILL every recorded process still alive, wait up to ``wait_s`` for them to go; returns the pids
+        that were killed."""
+        victims = self.alive()
+        for p in victims:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self.alive():
+            time.sleep(0.05)
+        return victims
+
+
+def _is_running(pid: int) -> bool:
+    """Not a zombie (a killed child that its parent has not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def fast_teardown(procs: RayProcesses, shutdown_timeout_s: float = 5.0) -> None:
+    """Kill the recorded Ray processes, then ``ray.shutdown()`` bounded by ``shutdown_timeout_s`` (it waits on
+    a GCS that may be gone; a thread that does not return in time is left behind, as a daemon)."""
+    import ray
+
+    procs.record()
+    killed = procs.kill()
+    logger.info("teardown: killed %d Ray process(es)", len(killed))
+    done = threading.Event()
+
+    def _shutdown():
+        try:
+            ray.shutdown()
+        finally:
+            done.set()
+
+    threading.Thread(target=_shutdown, daemon=True, name="ray-shutdown").start()
+    if not done.wait(shutdown_timeout_s):
+        logger.warning("teardown: ray.shutdown() did not return within %.0f s; going on without it",
+                       shutdown_timeout_s)
+
+
+_FORK_HOOK = False
+
+
+def _drop_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread: nothing was inherited that Python would write to
+        pass
+
+
+class SigtermWatchdog:
+    """Kill the recorded Ray processes on SIGTERM and make sure the process exits with 143 within ``grace_s``.
+
+    Uses ``signal.set_wakeup_fd``: the C-level signal handler writes the signal number to a pipe even while
+    the main thread is blocked in native code; a daemon thread reads it. A Python handler for SIGTERM must be
+    installed (``nemo_fp8.utils.run_dir.raise_on_sigterm``), else nothing is written. Main thread only.
+
+    Args:
+        procs: the run's Ray processes.
+        hint: returns what to print before a forced exit (the resume hint).
+        grace_s: seconds the main thread gets to end the process itself after SIGTERM.
+    """
+
+    def __init__(self, procs: RayProcesses, hint: Callable[[], str], grace_s: float = 10.0):
+        self.procs, self.hint, self.grace_s = procs, hint, grace_s
+        self.fired = threading.Event()
+        self._read_fd = self._write_fd = None
+        self._old_fd = -1
+
+    def start(self) -> "SigtermWatchdog":
+        global _FORK_HOOK
+        if not _FORK_HOOK:  # a forked child (the reward's pebble workers) must not write its signals to our pipe
+            os.register_at_fork(after_in_child=_drop_wakeup_fd)
+            _FORK_HOOK = True
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._old_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, daemon=True, name="sigterm-watchdog").start()
+        return self
+
+    def _watch(self) -> None:
+        fd = self._read_fd
+        while True:
+            try:
+                ready, _, _ = select.select([fd], [], [])
+                data = os.read(fd, 64) if ready else b""
+            except (OSError, ValueError):  # closed by stop()
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                break
+        self.fired.set()
+        self.procs.kill(wait_s=2.0)  # the actors run in sessions of their own: the group's SIGTERM missed them
+        time.sleep(self.grace_s)
+        try:
+            print(f"terminated (SIGTERM); cleanup did not finish within {self.grace_s:.0f} s; {self.hint()}",
+                  file=sys.stderr, flush=True)
+        finally:
+            os._exit(143)
+
+    def stop(self) -> None:
+        """Stop watching (a watchdog that fired keeps counting down: the exit it guards is under way)."""
+        if self.fired.is_set() or self._write_fd is None:
+            return
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._write_fd)  # the reader sees EOF and returns
+        self._write_fd = None
+
+
+def actor_names(workers) -> dict[str, str]:
+    """``{actor id (hex): "PolicyWorker rank r" | "GenerationWorker"}`` for a ``trainer.Workers``'s Ray actors
+    (empty for backends that run in this process)."""
+    names = {}
+    for r, w in enumerate(getattr(workers.policy, "workers", None) or []):
+        names[w._actor_id.hex()] = f"PolicyWorker rank {r}"
+    engine = getattr(workers.generation, "worker", None)
+    if engine is not None and hasattr(engine, "_actor_id"):
+        names[engine._actor_id.hex()] = "GenerationWorker"
+    return names
+
+
+def describe_dead_actor(err: BaseException, names: dict[str, str] | None = None) -> str:
+    """Which actor a ``RayActorError`` is about (``PolicyWorker rank 0 (pid 123)``), from ``names`` (see
+    ``actor_names``) or Ray's message, and the first line of Ray's reason."""
+    text = str(err)
+    cls = re.search(r"class_name:\s*(\S+)", text)
+    pid = re.search(r"\bpid:\s*(\d+)", text)
+    actor_id = getattr(err, "actor_id", None)
+    name = (names or {}).get(actor_id or "") or (cls.group(1) if cls else f"actor {actor_id or '?'}")
+    name += f" (pid {pid.group(1)})" if pid else ""
+    reason = next((line.strip() for line in text.splitlines()
+                   if line.strip() and not re.match(r"\s*(class_name|actor_id|pid|name|namespace|ip):", line)
+                   and "The actor is dead" not in line and "died unexpectedly" not in line), "")
+    return f"{name}{' (' + reason[:200] + ')' if reason else ''}"
