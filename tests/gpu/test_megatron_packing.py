@@ -85,9 +85,15 @@ def test_packed_first_step_loss_and_grad_norm_match_unpacked(ckpt):
         finally:
             _close(be)
     print(f"unpacked {got[False]}\npacked {got[True]}")
-    assert got[True]["loss"] == pytest.approx(got[False]["loss"], rel=2e-2, abs=1e-4)
+    # At the first step ratio ~ 1 and each group's advantages sum to 0, so the PG loss is sum(A * (ratio - 1)) / N:
+    # it measures the bf16 log-prob noise between the two layouts (approx_kl ~2e-4), not the normalisation, and a
+    # relative bound on it fails by noise alone (0.00113 vs 0.00165 on one H100). The gradient norm is the check
+    # of the normalisation (a wrong token count would scale it): 10.267 vs 10.262 there.
+    assert got[True]["loss"] == pytest.approx(got[False]["loss"], abs=2e-3)
     assert got[True]["grad_norm"] == pytest.approx(got[False]["grad_norm"], rel=5e-2)
-    assert got[True]["packing_efficiency"] > got[False]["packing_efficiency"]
+    # fewer, fuller micro-batches (the efficiency itself can drop on short rows: each sequence is rounded to
+    # sequence_length_round, while a padded row only to the longest of its micro-batch)
+    assert got[True]["micro_batches"] < got[False]["micro_batches"]
 
 
 def test_packed_kv_calibration_matches_unpacked(ckpt):

@@ -129,12 +129,13 @@ def test_refit_reaches_every_engine_and_their_rollouts_follow_it(case, tiny_cfg,
                 whole = group.generate(ids, sp)
                 metrics = group.pop_engine_metrics()
                 per_engine.append([ray.get(w.generate.remote(ids, sp))[0] for w in group.workers])
+                # read while awake: after the block the engines sleep and their weights are off the GPU
+                _engines_hold(workers, changed_state if version == 1 else start, tp)
             s = workers.refitter.last_stats
             print(f"{case}: refit to version {version} in {s.seconds:.3f} s, {s.num_buckets} buckets, "
                   f"{s.bytes / 2**20:.1f} MiB; per-engine tokens "
                   f"{[metrics[f'generation/engine_{e}/tokens'] for e in range(engines)]}")
             assert group.weight_version().weights == version
-            _engines_hold(workers, changed_state if version == 1 else start, tp)
             assert all(metrics[f"generation/engine_{e}/tokens"] > 0 for e in range(engines))
             for e, out in enumerate(per_engine[-1]):
                 assert torch.equal(out.token_ids, per_engine[-1][0].token_ids), e  # same weights, same greedy rollout
