@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from nemo_fp8.utils.logger import read_metrics
+
 # a metric reference: optional "run:" then a key with at least one '/' (every logged metric is "section/name")
 _METRIC = re.compile(r"(?:(?P<run>[A-Za-z_][\w-]*):)?(?P<key>[A-Za-z_][\w.-]*(?:/[\w.+-]+)+)")
 
@@ -62,15 +64,7 @@ def read_rows(path: Path, by: Sequence[str] = ()) -> list[dict]:
                                                             for r in data):
             raise CheckError(f"{path}: a .json run needs --by FIELD[,FIELD] naming fields every row holds")
         return [{".".join(str(r[f]) for f in by) + "/" + k: v for r in data for k, v in r.items()}]
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return read_metrics(path)
 
 
 def _series(runs: dict[str, list[dict]], default: str | None, run: str | None, key: str) -> list[float]:

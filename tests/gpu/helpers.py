@@ -118,3 +118,26 @@ def score(model, out):
     lp = torch.zeros(ids.shape, dtype=torch.float32, device="cuda")
     lp[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     return (lp * out.token_mask.cuda()).cpu()
+
+
+def fused_fp8_reference(state: dict, layers) -> dict:
+    """vLLM parameter name -> our reference quantization (e4m3 ``weight``, fp32 ``weight_scale_inv``) of the HF
+    weights ``state`` in ``layers``, fused as vLLM holds them at tensor parallel 1 (q|k|v and gate|up by rows,
+    each part's 128x128 blocks its own). Needs CUDA (the quantizer runs where the engine's would)."""
+    from nemo_fp8.fp8 import quantize_weight_blockwise
+
+    def q(name):
+        w, s = quantize_weight_blockwise(state[name].cuda(), (128, 128), scale_mode="fp32")
+        return w.cpu(), s.cpu()
+
+    out = {}
+    for i in layers:
+        pre = f"model.layers.{i}"
+        fused = {f"{pre}.self_attn.qkv_proj": [q(f"{pre}.self_attn.{p}_proj.weight") for p in "qkv"],
+                 f"{pre}.mlp.gate_up_proj": [q(f"{pre}.mlp.{p}_proj.weight") for p in ("gate", "up")],
+                 f"{pre}.self_attn.o_proj": [q(f"{pre}.self_attn.o_proj.weight")],
+                 f"{pre}.mlp.down_proj": [q(f"{pre}.mlp.down_proj.weight")]}
+        for module, parts in fused.items():
+            out[f"{module}.weight"] = torch.cat([w for w, _ in parts])
+            out[f"{module}.weight_scale_inv"] = torch.cat([s for _, s in parts])
+    return out

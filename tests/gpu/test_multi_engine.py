@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu,
 vllm = pytest.importorskip("vllm")
 
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
-from tests.gpu.helpers import decode_engine_params, prompts, save_qwen3  # noqa: E402
+from tests.gpu.helpers import decode_engine_params, fused_fp8_reference, prompts, save_qwen3  # noqa: E402
 
 CPU = torch.device("cpu")
 LAYERS = (0, 3)
@@ -40,33 +40,12 @@ CASES = {  # id: (overrides, engines, GPUs per engine)
 }
 
 
-def _reference(state: dict) -> dict:
-    """vLLM parameter name -> reference quantization (e4m3 weight, fp32 ``weight_scale_inv``) of the HF weights in
-    ``LAYERS``, fused as vLLM holds them at TP 1 (q|k|v and gate|up by rows)."""
-    from nemo_fp8.fp8 import quantize_weight_blockwise
-
-    def q(name):
-        w, s = quantize_weight_blockwise(state[name].cuda(), (128, 128), scale_mode="fp32")
-        return w.cpu(), s.cpu()
-
-    out = {}
-    for i in LAYERS:
-        pre = f"model.layers.{i}"
-        fused = {f"{pre}.self_attn.qkv_proj": [q(f"{pre}.self_attn.{p}_proj.weight") for p in "qkv"],
-                 f"{pre}.mlp.gate_up_proj": [q(f"{pre}.mlp.{p}_proj.weight") for p in ("gate", "up")],
-                 f"{pre}.self_attn.o_proj": [q(f"{pre}.self_attn.o_proj.weight")],
-                 f"{pre}.mlp.down_proj": [q(f"{pre}.mlp.down_proj.weight")]}
-        for module, parts in fused.items():
-            out[f"{module}.weight"] = torch.cat([w for w, _ in parts])
-            out[f"{module}.weight_scale_inv"] = torch.cat([s for _, s in parts])
-    return out
-
 
 def _engines_hold(workers, state: dict, tp: int) -> None:
     """Every engine, worker by worker, holds the same bytes as engine 0; at TP 1, the reference quantization."""
     import ray
 
-    want = _reference(state)
+    want = fused_fp8_reference(state, LAYERS)
     names = list(want)
     per_engine = [decode_engine_params(ray.get(w.engine_params.remote(names))) for w in workers.generation.workers]
     assert all(len(e) == tp for e in per_engine)

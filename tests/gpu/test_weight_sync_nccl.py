@@ -28,9 +28,8 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs two GPUs (NCCL cannot put two ranks of one group on one GPU)")]
 vllm = pytest.importorskip("vllm")
 
-from nemo_fp8.fp8 import quantize_weight_blockwise  # noqa: E402
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
-from tests.gpu.helpers import decode_engine_params  # noqa: E402
+from tests.gpu.helpers import decode_engine_params, fused_fp8_reference  # noqa: E402
 
 CPU = torch.device("cpu")
 LAYERS = (0, 2)
@@ -43,28 +42,9 @@ def _engine_weights(workers, names):
     return decode_engine_params(ray.get(workers.generation.worker.engine_params.remote(names)))[0]
 
 
-def _reference(state):
-    """vLLM parameter name -> our reference quantization (e4m3 weight or fp32 ``weight_scale_inv``) of the HF weights
-    ``state`` in ``LAYERS``, fused as vLLM holds them (q|k|v and gate|up by rows, each part's blocks its own)."""
-    def q(name):
-        w, s = quantize_weight_blockwise(state[name].cuda(), (128, 128), scale_mode="fp32")
-        return w.cpu(), s.cpu()
-
-    out = {}
-    for i in LAYERS:
-        pre = f"model.layers.{i}"
-        fused = {f"{pre}.self_attn.qkv_proj": [q(f"{pre}.self_attn.{p}_proj.weight") for p in "qkv"],
-                 f"{pre}.mlp.gate_up_proj": [q(f"{pre}.mlp.{p}_proj.weight") for p in ("gate", "up")],
-                 f"{pre}.self_attn.o_proj": [q(f"{pre}.self_attn.o_proj.weight")],
-                 f"{pre}.mlp.down_proj": [q(f"{pre}.mlp.down_proj.weight")]}
-        for module, parts in fused.items():
-            out[f"{module}.weight"] = torch.cat([w for w, _ in parts])
-            out[f"{module}.weight_scale_inv"] = torch.cat([s for _, s in parts])
-    return out
-
 
 def _assert_engine_holds(workers, state):
-    want = _reference(state)
+    want = fused_fp8_reference(state, LAYERS)
     got = _engine_weights(workers, list(want))
     for name, w in want.items():
         assert got[name].dtype == w.dtype and got[name].shape == w.shape, (name, got[name].dtype, got[name].shape)
