@@ -14,7 +14,8 @@ NAN = float("nan")
 
 def test_unscored_answers_get_no_advantage_and_no_part_in_the_baseline():
     cfg = load_config(CONFIG, ["grpo.num_generations_per_prompt=4", "grpo.num_prompts_per_step=2",
-                               "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8"])
+                               "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
+                               "grpo.use_dynamic_sampling=false"])  # the default recipe samples dynamically
     rewards = torch.tensor([1.0, 0.0, NAN, 1.0, 0.0, 0.0, NAN, 0.0])
     adv, keep = compute_advantages(Rollout(None, [], rewards), cfg)
     assert not adv.isnan().any()

@@ -3,7 +3,6 @@
 import pytest
 import ray
 import torch
-from ray.util.placement_group import remove_placement_group
 
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
@@ -116,7 +115,7 @@ def test_two_data_parallel_ranks_packed_train_like_one(ray_cluster, tiny_cfg):
             results[dp] = (batch.prev_logprobs, metrics, group.get_logprobs(batch))
         finally:
             group.shutdown()
-            remove_placement_group(pg)
+            pg.remove()
     (lp1, m1, after1), (lp2, m2, after2) = results[1], results[2]
     torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)
     for k in ("loss", "grad_norm", "is_weight_mean"):

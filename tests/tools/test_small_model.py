@@ -87,7 +87,9 @@ def test_parity_config_uses_the_small_model_prompt():
 
     cfg = load_config(REPO / "examples" / "configs" / "grpo_math_small_parity.yaml")
     assert cfg.data.prompt_template == SMALL_PROMPT_TEMPLATE and cfg.data.use_chat_template
-    assert Path(cfg.data.train_path).parent.parent == Path(cfg.policy.model_name)
+    # the data lives in the model's folder; the config's relative paths are the repository's (the model folder
+    # stays as written until it exists, since a relative name that does not exist may be a hub id)
+    assert Path(cfg.data.train_path).parent.parent == (REPO / cfg.policy.model_name).resolve()
     assert cfg.grpo.max_num_steps >= 100
 
 
