@@ -50,6 +50,7 @@ def w8a8_block_linear(
     weight_block_size: Sequence[int] = (128, 128),
     act_scale_mode: ScaleMode = "fp32",
     out_dtype: torch.dtype | None = None,
+    prepared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T + bias with FP8 block-scaled W and dynamically quantized x.
 
@@ -67,6 +68,8 @@ def w8a8_block_linear(
         weight_block_size: (bn, bk) = rows x cols of one weight block.
         act_scale_mode: "fp32" or "pow2" scales for the activation groups.
         out_dtype: output dtype; defaults to x.dtype.
+        prepared: ``_weight_blocks(qweight, weight_scale_inv, weight_block_size)`` computed earlier (the same
+            values, kept by ``Fp8BlockLinear`` between refits); None computes it here.
 
     Returns:
         [..., N] tensor of out_dtype.
@@ -103,16 +106,34 @@ def w8a8_block_linear(
     # 1. dynamic per-token-group activation quantization (1 x bk groups along K)
     x2 = x.reshape(-1, K)  # [M, K]
     x_q, x_s = _quantize_last_dim_groups(x2, bk, E4M3, act_scale_mode)  # [M, K], [M, Kb]
-    M = x2.shape[0]
 
     # 2. lay out FP8 values (exactly representable in fp32) as K blocks
-    pad_k = Kb * bk - K
-    w_f = torch.nn.functional.pad(qweight.float(), (0, pad_k))  # [N, Kp]
-    w_blocks = w_f.view(N, Kb, bk).permute(1, 2, 0)  # [Kb, bk, N]
-    w_s = weight_scale_inv.float().repeat_interleave(bn, dim=0)[:N].t()  # [Kb, N]
+    w_blocks, w_s = _weight_blocks(qweight, weight_scale_inv, (bn, bk)) if prepared is None else prepared
+    return _block_scaled_matmul(x_q, x_s, w_blocks, w_s, bias, bk).to(out_dtype).reshape(*lead_shape, N)
 
+
+def _weight_blocks(qweight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                   weight_block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_blocks [Kb, bk, N] fp32, w_s [Kb, N] fp32): the FP8 weight's values (exact in fp32) laid out as K blocks,
+    and each block's scale per output row; what ``w8a8_block_linear`` multiplies with, a pure function of the
+    weight and its scales (``Fp8BlockLinear`` keeps it between refits)."""
+    bn, bk = weight_block_size
+    N, K = qweight.shape
+    Kb = math.ceil(K / bk)
+    w_f = torch.nn.functional.pad(qweight.float(), (0, Kb * bk - K))  # [N, Kp]
+    w_blocks = w_f.view(N, Kb, bk).permute(1, 2, 0).contiguous()  # [Kb, bk, N]
+    w_s = weight_scale_inv.float().repeat_interleave(bn, dim=0)[:N].t()  # [Kb, N]
+    return w_blocks, w_s
+
+
+def _block_scaled_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_blocks: torch.Tensor, w_s: torch.Tensor,
+                         bias: torch.Tensor | None, bk: int) -> torch.Tensor:
+    """sum_b (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[b] in fp32 -> [M, N] (``w8a8_block_linear``'s step 3)."""
+    M, K = x_q.shape
+    Kb, _, N = w_blocks.shape
+    pad_k = Kb * bk - K
     # 3. per-block fp32 partial products, scaled and summed over K blocks
-    out = torch.empty(M, N, dtype=torch.float32, device=x.device)  # [M, N]
+    out = torch.empty(M, N, dtype=torch.float32, device=x_q.device)  # [M, N]
     rows_per_chunk = max(1, _MAX_PARTIAL_ELEMENTS // max(1, Kb * N))
     for start in range(0, M, rows_per_chunk):
         stop = min(M, start + rows_per_chunk)
@@ -125,7 +146,7 @@ def w8a8_block_linear(
 
     if bias is not None:
         out = out + bias.float()  # [M, N]
-    return out.to(out_dtype).reshape(*lead_shape, N)
+    return out
 
 
 class Fp8BlockLinear(nn.Module):
@@ -258,6 +279,21 @@ class Fp8BlockLinear(nn.Module):
             )
         self.bias.copy_(bias)
 
+    def _prepared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight's fp32 K-block layout (``_weight_blocks``), kept until the weight or its scales change.
+
+        Converting the FP8 weight to fp32 on every call was most of an emulated forward's time on CPU; the
+        layout is a pure function of the two buffers, so it is rebuilt only when either has been written in
+        place (a refit's ``load_weight``, ``copy_`` or ``load_state_dict``: torch's ``_version`` counter) or
+        replaced. Costs 4 bytes per weight element while held.
+        """
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device,
+               self.weight_scale_inv.data_ptr(), self.weight_scale_inv._version)
+        if getattr(self, "_prepared_key", None) != key:
+            self._prepared_value = _weight_blocks(self.weight, self.weight_scale_inv, self.weight_block_size)
+            self._prepared_key = key
+        return self._prepared_value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] in x.dtype."""
         return w8a8_block_linear(
@@ -267,6 +303,7 @@ class Fp8BlockLinear(nn.Module):
             self.bias,
             self.weight_block_size,
             act_scale_mode=self.act_scale_mode,
+            prepared=self._prepared(),
         )
 
     def extra_repr(self) -> str:
