@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import ray

@@ -141,3 +141,18 @@ def fused_fp8_reference(state: dict, layers) -> dict:
             out[f"{module}.weight"] = torch.cat([w for w, _ in parts])
             out[f"{module}.weight_scale_inv"] = torch.cat([s for _, s in parts])
     return out
+
+
+def save_perturbed_policy(policy_cfg, path, scale: float = 0.05, seed: int = 0) -> dict:
+    """Save to ``path`` (``TorchPolicyBackend.save``) the policy of ``policy_cfg`` with every parameter moved by
+    ``scale`` x N(0, 1) noise (``seed``): weights a refit must visibly change the rollouts to. Returns its
+    ``named_weights()`` (HF names -> CPU tensors), what the engines must hold after refitting it."""
+    from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+
+    changed = TorchPolicyBackend(policy_cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in changed.model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    changed.save(path)
+    return {n: t.clone() for n, t in changed.named_weights()}

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.gpu,
 vllm = pytest.importorskip("vllm")
 
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
-from tests.gpu.helpers import decode_engine_params, fused_fp8_reference, prompts, save_qwen3  # noqa: E402
+from tests.gpu.helpers import (decode_engine_params, fused_fp8_reference, prompts, save_perturbed_policy,  # noqa: E402
+                               save_qwen3)
 
 CPU = torch.device("cpu")
 LAYERS = (0, 3)
@@ -79,14 +80,7 @@ def test_refit_reaches_every_engine_and_their_rollouts_follow_it(case, tiny_cfg,
                    "policy.weight_sync.bucket_size_mb=16", *overrides)
     tok = load_tokenizer(str(tiny_model_dir))
     start = {n: t.clone() for n, t in TorchPolicyBackend(cfg.policy, CPU).named_weights()}
-    changed = TorchPolicyBackend(cfg.policy, CPU)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in changed.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    changed.save(tmp_path / "changed")
-    changed_state = {n: t.clone() for n, t in changed.named_weights()}
-    del changed
+    changed_state = save_perturbed_policy(cfg.policy, tmp_path / "changed")
 
     init_ray(None, num_cpus=16)
     workers = start_workers(cfg, tok)

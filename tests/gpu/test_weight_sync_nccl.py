@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
 vllm = pytest.importorskip("vllm")
 
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
-from tests.gpu.helpers import decode_engine_params, fused_fp8_reference  # noqa: E402
+from tests.gpu.helpers import decode_engine_params, fused_fp8_reference, save_perturbed_policy  # noqa: E402
 
 CPU = torch.device("cpu")
 LAYERS = (0, 2)
@@ -68,14 +68,7 @@ def test_refit_over_nccl_into_an_engine_on_its_own_gpu(tiny_cfg, tmp_path):
                    "policy.generation.vllm_cfg.gpu_memory_utilization=0.3", "policy.device=cuda")
     tok = load_tokenizer(cfg.policy.model_name)
     start = dict(TorchPolicyBackend(cfg.policy, CPU).named_weights())  # what the policy rank loads: fp32
-    changed = TorchPolicyBackend(cfg.policy, CPU)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in changed.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    changed.save(tmp_path / "changed")
-    changed_state = {n: t.clone() for n, t in changed.named_weights()}
-    del changed
+    changed_state = save_perturbed_policy(cfg.policy, tmp_path / "changed")
     plan, _ = build_refit_plan(cfg.policy.generation.vllm_cfg, cfg.policy.model_name)
     sent = [(n, t) for n, t in start.items() if n != "lm_head.weight"]  # tied: the engine skips it
     want_tensors, want_bytes = update_info_stats(nccl_update_info(sent, plan))
