@@ -38,6 +38,7 @@ from nemo_fp8.distributed.weight_sync import (PackedBucket, direct_refit_stream,
                                               update_info_stats, wait_all, weight_stream)
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.generation.spec import GenerationSpec
+from nemo_fp8.policy.config import megatron_env_vars
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,11 @@ class PolicyWorker(MemoryProbe):
 
 
 # --------------------------------------------------------------------------- facades
+def _env_options(env_vars: Optional[dict[str, str]]) -> dict:
+    """Ray actor options that add ``env_vars`` to a rank's environment (none: no option, the job's environment)."""
+    return {"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}
+
+
 def shard_rows(size: int, parts: int) -> list[slice]:
     """``parts`` contiguous row ranges covering ``range(size)``, sizes differing by at most 1."""
     base, extra = divmod(size, parts)
@@ -279,10 +285,12 @@ class PolicyGroup:
 
     @classmethod
     def create(cls, pg: Optional[Placement], plan: ClusterPlan, global_batch_size: int, torch_threads: Optional[int],
-               tp_size: int = 1) -> "PolicyGroup":
+               tp_size: int = 1, env_vars: Optional[dict[str, str]] = None) -> "PolicyGroup":
         """Start the rank actors on their bundles without building their backends (nothing on the GPUs yet);
-        ``setup`` builds them."""
-        workers = [PolicyWorker.options(**actor_options(pg, slot)).remote(torch_threads) for slot in plan.policy_slots]
+        ``setup`` builds them. ``env_vars``: the ranks' extra environment (``megatron_env_vars``), merged by Ray
+        over the job's."""
+        workers = [PolicyWorker.options(**actor_options(pg, slot), **_env_options(env_vars)).remote(torch_threads)
+                   for slot in plan.policy_slots]
         return cls(workers, global_batch_size, tp_size)
 
     def setup(self, backend_kwargs: dict) -> None:
@@ -299,7 +307,9 @@ class PolicyGroup:
     def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
               tp_size: int = 1) -> "PolicyGroup":
         """``create`` then ``setup``: the ranks on their bundles with their backends built."""
-        group = cls.create(pg, plan, backend_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
+        cfg = backend_kwargs["cfg"]
+        group = cls.create(pg, plan, cfg.train_global_batch_size, torch_threads, tp_size,
+                           megatron_env_vars(cfg.megatron_cfg))
         group.setup(backend_kwargs)
         return group
 
@@ -422,7 +432,9 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
         RuntimeError: a shared policy rank holds other than one GPU of its own; or what building a
             backend raised (``EngineError`` naming the engine).
     """
-    policy = PolicyGroup.create(placement, plan, policy_kwargs["cfg"].train_global_batch_size, torch_threads, tp_size)
+    cfg = policy_kwargs["cfg"]
+    policy = PolicyGroup.create(placement, plan, cfg.train_global_batch_size, torch_threads, tp_size,
+                                megatron_env_vars(cfg.megatron_cfg))
     visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
     generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
     if generation_spec.offload_when_idle:  # colocated: the engines sleep while the trainer builds on their GPUs

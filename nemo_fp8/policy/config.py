@@ -170,6 +170,10 @@ class MegatronConfig(StrictConfig):
     bias_activation_fusion: bool = Field(
         True, description="megatron-core's bias_activation_fusion (NeMo-RL's key): the MLP's SwiGLU in one fused kernel "
         "each way instead of separate silu and multiply")
+    env_vars: dict[str, str] = Field(
+        default_factory=dict, description="environment variables of the policy's rank processes (NeMo-RL's "
+        "policy.megatron_cfg.env_vars), over the defaults (megatron_env_vars): e.g. {PYTORCH_CUDA_ALLOC_CONF: "
+        "'expandable_segments:False'} turns the default expandable segments off")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     distributed_data_parallel_config: DistributedDataParallelConfig = DistributedDataParallelConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
@@ -209,10 +213,26 @@ class MegatronConfig(StrictConfig):
         if off and not self.enabled:
             errs.append(f"{', '.join(off)}: false is a setting of the megatron backend's kernels "
                         "(policy.megatron_cfg.enabled=true); the torch backend has none of these fusions")
+        if self.env_vars and not self.enabled:
+            errs.append("env_vars: the environment of the megatron backend's rank processes "
+                        "(policy.megatron_cfg.enabled=true); the torch backend takes the driver's environment")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")
         return errs
+
+
+# The allocator's expandable segments in the policy's rank processes (NeMo-RL's configure_expandable_segments does the
+# same on Hopper): a packed training step near the GPU's capacity (the trainer beside its sleeping engines) otherwise
+# fragments the cache into blocks too small for the next micro-batch, and each miss frees and re-maps the whole cache
+# (``num_alloc_retries``). Not for the vLLM engines: their sleep mode's allocator refuses expandable segments.
+MEGATRON_DEFAULT_ENV_VARS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def megatron_env_vars(cfg: MegatronConfig) -> dict[str, str]:
+    """The environment variables of the megatron backend's rank processes: ``MEGATRON_DEFAULT_ENV_VARS`` under
+    ``cfg.env_vars`` (the config wins), none for the torch backend (``cfg.enabled`` false)."""
+    return {**MEGATRON_DEFAULT_ENV_VARS, **cfg.env_vars} if cfg.enabled else {}
 
 
 class OptimizerConfig(StrictConfig):

@@ -207,3 +207,39 @@ def test_two_data_parallel_ranks_train_like_one(ray_cluster, tiny_cfg, tok):
         assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
     torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-5)  # same update: the replicas agree after training
     assert not torch.allclose(lp1, batch.prev_logprobs)  # and it was a real update
+
+
+def test_policy_ranks_get_the_megatron_env_vars(ray_cluster):
+    """``megatron_cfg.env_vars`` over the defaults (expandable segments) reach every rank's process, merged by Ray
+    over the job's environment (PYTHONPATH stays); the torch backend's ranks get none."""
+    import os
+
+    from nemo_fp8.policy.config import MegatronConfig, megatron_env_vars
+
+    env = megatron_env_vars(MegatronConfig(enabled=True, env_vars={"NEMO_FP8_TEST_VAR": "7"}))
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NEMO_FP8_TEST_VAR": "7"}
+    off = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert megatron_env_vars(MegatronConfig(enabled=True, env_vars=off)) == off
+    assert megatron_env_vars(MegatronConfig()) == {}
+    plan = plan_cluster(2, use_gpu=False, colocated=True)
+    pg = create_placement_group(plan)
+    group = PolicyGroup.create(pg, plan, 4, torch_threads=1, env_vars=env)
+    try:
+        seen = ray.get([w.__ray_call__.remote(lambda self: {k: os.environ.get(k) for k in (*env, "PYTHONPATH")})
+                        for w in group.workers])
+    finally:
+        for w in group.workers:
+            ray.kill(w)
+        pg.remove()
+    for s in seen:
+        assert {k: s[k] for k in env} == env
+        assert s["PYTHONPATH"]  # the job's runtime_env is kept
+
+
+def test_megatron_env_vars_need_the_megatron_backend():
+    from pydantic import ValidationError
+
+    from nemo_fp8.policy.config import MegatronConfig
+
+    with pytest.raises(ValidationError, match=r"env_vars: .*policy.megatron_cfg.enabled=true"):
+        MegatronConfig(env_vars={"X": "1"})
