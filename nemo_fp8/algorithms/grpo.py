@@ -273,7 +273,8 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
                     mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
     with timer("training"):
         train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn))
-    metrics.update({f"loss/{k}": v for k, v in train_metrics.items()})
+    # the loss's own metrics under loss/; a backend's grouped ones (memory/train_*) as they come
+    metrics.update({k if "/" in k else f"loss/{k}": v for k, v in train_metrics.items()})
     kv_scales = None
     if refitter.requires_kv_scales:
         with timer("kv_calibration"):

@@ -70,6 +70,7 @@ class ShardTrainResult:
     micro_batches: list[int] = field(default_factory=list)  # this rank's micro-batches per global batch
     real_tokens: list[int] = field(default_factory=list)  # per global batch: prompt + response tokens
     padded_tokens: list[int] = field(default_factory=list)  # per global batch: tokens the model computed
+    memory: dict[str, float] = field(default_factory=dict)  # this rank's GPU memory over the call (``gpu_memory_metrics``)
 
     def add_tokens(self, cfg: PolicyConfig, lengths: list[int], gb_rows: list[list[int]], row_multiple: int = 1) -> None:
         """Record one global batch's micro-batch count, real tokens and computed tokens: with
@@ -107,7 +108,10 @@ def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
         history.append({**acc.result(), "grad_norm": results[0].grad_norms[g],
                         **({"lr": results[0].lrs[g]} if results[0].lrs else {}),
                         **_packing_metrics(results, g)})
-    return {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
+    out = {k: sum(h[k] for h in history) / len(history) for k in history[0]} if history else {}
+    for k in sorted({k for r in results for k in r.memory}):  # the fullest rank's (the one that runs out first)
+        out[k] = max(r.memory[k] for r in results if k in r.memory)
+    return out
 
 
 def _packing_metrics(results: list[ShardTrainResult], g: int) -> dict[str, float]:

@@ -58,3 +58,39 @@ class MemoryWatch:
     def _sample_once(self) -> None:
         self._peak_anon = max(self._peak_anon, _status_kb("RssAnon"))
         self._peak_shmem = max(self._peak_shmem, _status_kb("RssShmem"))
+
+
+class CudaMemoryWindow:
+    """This process's CUDA caching-allocator figures over a window of work (one training call).
+
+    ``start()`` resets the peaks and reads the allocator's retry count; ``metrics(prefix)`` returns
+    ``{prefix}peak_allocated_gib`` and ``{prefix}peak_reserved_gib`` (``torch.cuda.max_memory_allocated`` /
+    ``max_memory_reserved``, GiB) and ``{prefix}alloc_retries``: how often an allocation found no cached
+    block, freed the whole cache and tried again (``torch.cuda.memory_stats()["num_alloc_retries"]``; each one
+    synchronizes the device: a step that retries hundreds of times is short of memory, not of compute).
+    Without CUDA both return nothing.
+    """
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self._on = self.device.type == "cuda" and torch.cuda.is_available()
+        self._retries = 0
+
+    def start(self) -> None:
+        import torch
+
+        if self._on:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        import torch
+
+        if not self._on:
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {f"{prefix}peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                f"{prefix}peak_reserved_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
+                f"{prefix}alloc_retries": float(stats.get("num_alloc_retries", 0) - self._retries)}

@@ -57,6 +57,8 @@ from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
                                            reduce_train_results, row_index, train_micro_batches)
+from nemo_fp8.utils.memory import CudaMemoryWindow
+from nemo_fp8.utils.profiling import TrainProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +181,7 @@ class MegatronPolicyBackend:
         if load_weights and self._fp8_param:
             self._load_fp8_params_and_main_params()
         self.num_updates = 0
+        self._train_calls = 0  # train_shard calls so far (the opt-in profiler's NEMO_FP8_PROFILE_TRAIN_CALL)
         self._offloaded: set[str] = set()
         self._host = HostBuffers()  # the optimizer state's host memory, reused at every colocated refit
         self._state_on_host: list[tuple[dict, str]] = []  # (optimizer state dict, key) that _move_optimizer_state moved
@@ -368,6 +371,10 @@ class MegatronPolicyBackend:
         """
         self.prepare_for_training()
         self.model.train()
+        memory = CudaMemoryWindow(self.device)
+        memory.start()
+        self._train_calls += 1
+        prof = TrainProfiler(self._train_calls, self.rank)
         result = ShardTrainResult([], [])
         if micro_batches is None:
             batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
@@ -383,6 +390,7 @@ class MegatronPolicyBackend:
                 loss, metrics = loss_fn(self._forward_logprobs(self.model, mb), mb, n_tokens, n_seqs)
                 self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
+                prof.step()
             self.model.finish_grad_sync()
             lr = float(self.optimizer.param_groups[0]["lr"])  # this update's (the scheduler steps after it)
             ok, grad_norm, _ = self.optimizer.step()
@@ -399,6 +407,8 @@ class MegatronPolicyBackend:
             result.accumulators.append(acc.cpu())
             result.grad_norms.append(grad_norm)
             result.lrs.append(lr)
+        prof.close()
+        result.memory = memory.metrics("memory/train_")
         return result
 
     # ----------------------------------------------------------------------- FP8 KV calibration

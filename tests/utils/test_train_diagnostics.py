@@ -1,0 +1,59 @@
+"""The training call's diagnostics: GPU memory figures per call (``CudaMemoryWindow``, reduced over ranks by
+``reduce_train_results``) and the opt-in ``torch.profiler`` window (``TrainProfiler``)."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_fp8.algorithms.metrics import MetricAccumulator
+from nemo_fp8.policy.torch_backend import ShardTrainResult, reduce_train_results
+from nemo_fp8.utils.memory import CudaMemoryWindow
+from nemo_fp8.utils.profiling import TrainProfiler
+
+
+def _result(loss: float, memory: dict) -> ShardTrainResult:
+    acc = MetricAccumulator({"loss": "sum"})
+    acc.add({"loss": torch.tensor(loss)})
+    return ShardTrainResult([acc], [1.0], [1e-5], memory=memory)
+
+
+def test_memory_metrics_are_the_fullest_ranks():
+    out = reduce_train_results([_result(1.0, {"memory/train_peak_reserved_gib": 70.0, "memory/train_alloc_retries": 0.0}),
+                                _result(3.0, {"memory/train_peak_reserved_gib": 78.0, "memory/train_alloc_retries": 5.0})])
+    assert out["memory/train_peak_reserved_gib"] == 78.0 and out["memory/train_alloc_retries"] == 5.0
+    assert out["loss"] == 4.0  # the loss's metrics are reduced as before (a sum over ranks)
+    assert "memory/train_peak_reserved_gib" not in reduce_train_results([_result(1.0, {})])
+
+
+def test_cuda_memory_window_reports_nothing_without_cuda():
+    window = CudaMemoryWindow("cpu")
+    window.start()
+    assert window.metrics("memory/train_") == {}
+
+
+def _steps(monkeypatch, tmp_path, call: int, env_call: str):
+    monkeypatch.setenv("NEMO_FP8_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("NEMO_FP8_PROFILE_TRAIN_CALL", env_call)
+    monkeypatch.setenv("NEMO_FP8_PROFILE_MICRO_BATCHES", "2")
+    prof = TrainProfiler(call, rank=1)
+    x = torch.randn(64, 64)
+    for _ in range(4):
+        x = torch.tanh(x @ x.T / 64)
+        prof.step()
+    prof.close()
+
+
+def test_profiler_writes_the_profiled_calls_table_only(monkeypatch, tmp_path):
+    _steps(monkeypatch, tmp_path, call=2, env_call="3")
+    assert list(tmp_path.iterdir()) == []  # not the profiled call: no profiler at all
+    _steps(monkeypatch, tmp_path, call=3, env_call="3")
+    table = (tmp_path / "train_call3_rank1.txt").read_text()
+    assert "aten::mm" in table and "aten::tanh" in table
+
+
+def test_profiler_is_off_without_its_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("NEMO_FP8_PROFILE_DIR", raising=False)
+    prof = TrainProfiler(3, rank=0)
+    prof.step()
+    prof.close()
+    assert prof._prof is None
