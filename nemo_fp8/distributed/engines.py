@@ -230,6 +230,7 @@ class GenerationGroup:
         self.rows_per_batch = rows_per_batch
         self._tokens = [0] * len(self.workers)
         self._seconds = [0.0] * len(self.workers)
+        self._warned_idle = False
 
     @classmethod
     def start(cls, placement: Optional[Placement], plan: ClusterPlan, spec: GenerationSpec,
@@ -294,6 +295,12 @@ class GenerationGroup:
         if not prompt_token_ids:
             raise ValueError("generate: no prompts")
         bins = plan_bins(prompt_token_ids, self.rows_per_batch)
+        if len(bins) < len(self.workers) and not self._warned_idle:
+            self._warned_idle = True  # once: a step's rollout and a validation pass may differ in size
+            logger.warning("generate: %d rows make %d bin(s) of policy.generation_batch_size=%d rows, so %d of the "
+                           "%d engines stay idle; a generation_batch_size of at most %d keeps them all busy",
+                           len(prompt_token_ids), len(bins), self.rows_per_batch, len(self.workers) - len(bins),
+                           len(self.workers), max(1, len(prompt_token_ids) // len(self.workers)))
         costs = [expected_tokens(prompt_token_ids, b.rows, sampling.max_new_tokens) for b in bins]
         per_engine = assign_bins(bins, costs, len(self.workers))
         refs, engines, rows = [], [], []

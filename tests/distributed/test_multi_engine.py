@@ -271,3 +271,19 @@ def test_step_metrics_sum_the_engines_over_generation_rounds():
                                           "generation/engine_0/seconds": 1.0, "generation/engine_1/tokens": 7.0,
                                           "generation/engine_1/seconds": 3.0, "generation/engine_imbalance": 1.5}
     assert group.pop_engine_metrics()["generation/engine_1/tokens"] == 0.0  # reset after each pop
+
+
+def test_too_few_bins_for_the_engines_warns_once_naming_the_key(ray_cluster, tiny_cfg, tok, caplog):
+    """4 rows in bins of 16 make one bin: engine 1 idles, which a user should hear of (once), with the key."""
+    cfg = tiny_cfg()
+    group, placement = _group(cfg, tok, 2, batch_size=16)
+    try:
+        with caplog.at_level("WARNING", logger="nemo_fp8.distributed.engines"):
+            group.generate(_prompts(tok, distinct=2, n=2), SamplingParams(max_new_tokens=2, seed=1))
+            group.generate(_prompts(tok, distinct=2, n=2), SamplingParams(max_new_tokens=2, seed=2))
+        warned = [r.getMessage() for r in caplog.records if "stay idle" in r.getMessage()]
+        assert len(warned) == 1 and "policy.generation_batch_size=16" in warned[0] and "at most 2" in warned[0]
+        assert group.pop_engine_metrics()["generation/engine_1/tokens"] == 0
+    finally:
+        group.shutdown()
+        placement.remove()

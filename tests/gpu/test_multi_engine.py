@@ -77,7 +77,9 @@ def test_refit_reaches_every_engine_and_their_rollouts_follow_it(case, tiny_cfg,
                    "policy.generation.backend=vllm", "policy.generation.vllm_cfg.precision=fp8",
                    "policy.generation.vllm_cfg.gpu_memory_utilization=0.15", "policy.device=cuda",
                    "policy.train_global_batch_size=32", "policy.train_micro_batch_size=8",
-                   "policy.weight_sync.bucket_size_mb=16", *overrides)
+                   # bins of 8 rows (plan_bins): the 32 prompts make 4 bins, one or two per engine; the tiny config's
+                   # 128 would make one bin, all of it on engine 0
+                   "policy.generation_batch_size=8", "policy.weight_sync.bucket_size_mb=16", *overrides)
     tok = load_tokenizer(str(tiny_model_dir))
     start = {n: t.clone() for n, t in TorchPolicyBackend(cfg.policy, CPU).named_weights()}
     changed_state = save_perturbed_policy(cfg.policy, tmp_path / "changed")
