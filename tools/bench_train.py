@@ -38,8 +38,10 @@ the same batch for every child), one full step each round: ``get_logprobs`` then
 step), each recipe unpacked (the 8B configs' ``train_micro_batch_size: 1``, ``logprob_batch_size: 2``: rows
 padded to the longest of their micro-batch) and packed (``policy.sequence_packing`` with the 8B configs' values:
 ``train_mb_tokens`` 4096, ``logprob_mb_tokens`` 16384, ``sequence_length_round`` 64). Columns: log-probs and
-train seconds, micro-batches and packing efficiency (real / computed tokens) of the train step, tokens/s, and
-the step-time ratios to unpacked BF16 and to packed BF16:
+train seconds, micro-batches and packing efficiency (real / computed tokens) of the train step, tokens/s, the
+step-time ratios to unpacked BF16 and to packed BF16, and (packed rows) the engine's own ceiling measured in the
+same child: ``raw f+b`` of one micro-batch of ``train_mb_tokens`` tokens and its ratio to BF16's, what an FP8
+recipe gains before our step adds log-probs, the loss, gradient sync and the optimizer:
 
     python tools/bench_train.py --workload rl --shapes dense --recipes bf16,e4m3-tensorwise,e4m3-blockwise
 
@@ -197,6 +199,15 @@ def print_profile(rows: list[dict]) -> None:
         print(f"{r['shape']:6} {r['recipe']:22}" + "".join(f" {pr[k]:9.1f}" for k in keys) + f" {pr['launches']:9.0f}")
 
 
+def raw_fb(model, ids, pos, labels):
+    """The ``raw f+b`` callable: megatron-core alone, ``GPTModel(input_ids, position_ids, labels=...)`` with its
+    own vocab-parallel cross entropy, ``.mean().backward()`` (``ids``, ``pos``, ``labels``: ``[B, T]`` on the GPU)."""
+    def f():
+        model.zero_grad_buffer()
+        model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels).float().mean().backward()
+    return f
+
+
 def run_child(a) -> dict:
     """Child: one (shape, recipe); prints one JSON line."""
     import torch
@@ -235,9 +246,7 @@ def run_child(a) -> dict:
     n_seq = torch.tensor(float(a.batch), device=dev)
     model.train()
 
-    def raw():
-        model.zero_grad_buffer()
-        model(input_ids=ids_d, position_ids=pos, attention_mask=None, labels=labels).float().mean().backward()
+    raw = raw_fb(model, ids_d, pos, labels)
 
     def ours(kernel):
         def f():
@@ -323,7 +332,15 @@ def run_rl_child(a) -> dict:
             lp_s.append(t1 - t0)
             train_s.append(time.perf_counter() - t1)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, logprobs_s=med(lp_s), train_s=med(train_s),
+    raw_ms = None
+    if a.packed:  # the engine's own ceiling on this GPU, in the same child: one micro-batch of train_mb_tokens tokens
+        t = cfg.sequence_packing.train_mb_tokens
+        ids = torch.randint(2, QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"], (1, t),
+                            generator=torch.Generator().manual_seed(1)).to(be.device)
+        be.model.train()
+        fn = raw_fb(be.model, ids, torch.arange(t, device=be.device)[None], torch.roll(ids, -1, dims=1))
+        raw_ms = timed_interleaved({"raw": fn}, a.steps, a.warmup)["raw"] * 1e3
+    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, logprobs_s=med(lp_s), train_s=med(train_s), raw_ms=raw_ms,
                step_s=med([x + y for x, y in zip(lp_s, train_s)]), micro_batches=metrics.get("micro_batches"),
                packing_efficiency=metrics.get("packing_efficiency"),
                tokens=int((batch.prompt_lengths + batch.response_lengths).sum()),
@@ -337,7 +354,8 @@ def print_rl_table(rows: list[dict]) -> None:
     key = lambda r, packed: (r["shape"], "bf16", packed)  # noqa: E731
     base = {(r["shape"], r["recipe"], r["packed"]): r for r in rows if "error" not in r}
     head = f"{'shape':6} {'recipe':22} {'packed':>6} {'logprobs s':>10} {'train s':>8} {'step s':>7} " \
-           f"{'train mbs':>9} {'pack eff':>8} {'tok/s':>8} {'vs bf16 unpacked':>16} {'vs bf16 packed':>14} {'peak GiB':>8}"
+           f"{'train mbs':>9} {'pack eff':>8} {'tok/s':>8} {'vs bf16 unpacked':>16} {'vs bf16 packed':>14} " \
+           f"{'raw f+b ms':>10} {'raw vs bf16':>11} {'peak GiB':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -345,10 +363,14 @@ def print_rl_table(rows: list[dict]) -> None:
             print(f"{r['shape']:6} {r['recipe']:22} {str(r.get('packed')):>6} failed: {r['error']}")
             continue
         ratio = lambda b: f"{b['step_s'] / r['step_s']:.3f}" if b else "-"  # noqa: E731
+        b_raw = (base.get(key(r, True)) or {}).get("raw_ms")
+        raw, raw_vs = r.get("raw_ms"), "-"
+        if raw and b_raw:
+            raw_vs = f"{b_raw / raw:.3f}"
         print(f"{r['shape']:6} {r['recipe']:22} {str(r['packed']):>6} {r['logprobs_s']:10.2f} {r['train_s']:8.2f} "
               f"{r['step_s']:7.2f} {r['micro_batches'] or 0:9.0f} {r['packing_efficiency'] or 0:8.3f} "
               f"{r['tokens'] / r['step_s']:8.0f} {ratio(base.get(key(r, False))):>16} "
-              f"{ratio(base.get(key(r, True))):>14} {r['peak_gib']:8.1f}")
+              f"{ratio(base.get(key(r, True))):>14} {f'{raw:.1f}' if raw else '-':>10} {raw_vs:>11} {r['peak_gib']:8.1f}")
 
 
 def print_table(rows: list[dict]) -> None:

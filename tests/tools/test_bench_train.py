@@ -116,8 +116,10 @@ def test_rl_workload_batch_configs_and_table(capsys):
     row = dict(shape="dense", logprobs_s=1.0, train_s=3.0, micro_batches=36.0, packing_efficiency=0.97, tokens=8000,
                peak_gib=10.0)
     bt.print_rl_table([{**row, "recipe": "bf16", "packed": False, "step_s": 8.0},
-                       {**row, "recipe": "bf16", "packed": True, "step_s": 4.0},
-                       {**row, "recipe": "e4m3-blockwise", "packed": True, "step_s": 2.0}])
+                       {**row, "recipe": "bf16", "packed": True, "step_s": 4.0, "raw_ms": 300.0},
+                       {**row, "recipe": "e4m3-blockwise", "packed": True, "step_s": 2.0, "raw_ms": 250.0}])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].split()[-3:-1] == ["4.000", "2.000"]  # vs bf16 unpacked, vs bf16 packed
-    assert lines[-2].split()[-3:-1] == ["2.000", "1.000"]
+    # vs bf16 unpacked, vs bf16 packed; then the engine's own ceiling: raw f+b of one packed micro-batch, its ratio
+    assert lines[-1].split()[-5:-1] == ["4.000", "2.000", "250.0", "1.200"]
+    assert lines[-2].split()[-5:-1] == ["2.000", "1.000", "300.0", "1.000"]
+    assert lines[-3].split()[-5:-1] == ["1.000", "0.500", "-", "-"]  # unpacked: no raw column
