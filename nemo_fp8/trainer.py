@@ -134,8 +134,8 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     ws = cfg.policy.weight_sync
     bucket_bytes = int(ws.bucket_size_mb * 2**20)
     remote = isinstance(policy, PolicyGroup) and isinstance(generation, GenerationGroup)
-    if remote and ws.method == "cuda_ipc":  # config checks: vLLM TP 1, colocated, policy TP 1, CUDA
-        # engine i runs on the GPU of policy rank i (nemo_fp8.distributed.placement), a full replica
+    if remote and ws.method == "cuda_ipc":  # config checks: vLLM TP 1, colocated, CUDA
+        # engine i runs on the GPU of policy rank i (nemo_fp8.distributed.placement); every rank exports whole tensors
         return CudaIpcWeightSync(policy.workers[:generation.num_engines], generation.workers, bucket_bytes,
                                  labels=generation.labels)
     if remote and ws.method == "nccl":  # config checks: vLLM, not colocated, CUDA

@@ -35,9 +35,10 @@ class WeightSyncConfig(StrictConfig):
         method: ``auto`` picks ``object_store`` when the backends are Ray actors and
             ``in_process`` when they live in the driver (never ``nccl``: not yet run on two GPUs).
             ``object_store``: buckets travel policy actor -> Ray object store -> engine actor, one
-            bucket in flight at a time. ``cuda_ipc``: the policy quantizes on its GPU and hands the
-            colocated vLLM engine CUDA IPC handles, bucket by bucket (one policy rank,
-            ``generation.backend: vllm``, ``generation.colocated.enabled``, a CUDA device).
+            bucket in flight at a time. ``cuda_ipc``: every policy rank quantizes on its GPU and hands the
+            one-GPU vLLM engine colocated there CUDA IPC handles, bucket by bucket (``generation.backend: vllm``,
+            ``generation.vllm_cfg.tensor_parallel_size: 1``, ``generation.colocated.enabled``, a CUDA device;
+            Megatron tensor parallel ranks each hold the full tensors, Megatron-Bridge's export gathers them).
             ``nccl``: the policy's rank 0 quantizes on its GPU and broadcasts each bucket over NCCL
             to the workers of a vLLM engine on GPUs of its own, tensor parallel or not (vLLM 0.22's
             ``NCCLWeightTransferEngine``; ``generation.backend: vllm``,

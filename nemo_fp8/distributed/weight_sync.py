@@ -20,7 +20,7 @@ Transports (``policy.weight_sync.method``), each to every engine of the run
   numpy buffer (zero-copy into Ray's shared-memory object store), a streaming generator hands
   the engines one bucket at a time (back-pressure keeps at most one more in flight), put once and
   read by every engine, which unpacks views of the shared buffer and copies them into its parameters.
-* ``cuda_ipc``: Ray actors, one-GPU vLLM engines colocated with a data-parallel policy. The policy
+* ``cuda_ipc``: Ray actors, one-GPU vLLM engines colocated with the policy, one per rank. The policy
   rank on each engine's GPU quantizes each bucket there and hands its engine CUDA IPC handles (vLLM's
   IPC weight-transfer engine, ``trainer_send_weights``); the engine's worker copies from the policy's
   memory. Nothing goes through host memory, and FP8 layers travel as FP8 + ``scale_inv`` (about
@@ -320,9 +320,11 @@ class ObjectStoreWeightSync:
 class CudaIpcWeightSync:
     """Ray actors sharing GPUs: each engine's policy rank quantizes and sends it CUDA IPC handles.
 
-    Engine ``i`` (one GPU, vLLM tensor parallel 1) runs on the GPU of policy rank ``i``, a full replica
-    (data parallel, Megatron tensor parallel 1). Every such rank drives the transfer into its engine at the same
-    time (``PolicyWorker.send_weights_cuda_ipc``): per bucket it calls its engine actor, which loads the bucket
+    Engine ``i`` (one GPU, vLLM tensor parallel 1) runs on the GPU of policy rank ``i``. Every rank drives the
+    transfer into its engine at the same time (``PolicyWorker.send_weights_cuda_ipc``); with Megatron tensor
+    parallelism the ranks of a group export together, and Megatron-Bridge's ``export_hf_weights`` gathers each
+    tensor onto every one of them ("all ranks get full tensors"), so each engine gets whole tensors from the rank
+    on its GPU and no bucket crosses GPUs or host memory. Per bucket a rank calls its engine actor, which loads the bucket
     through ``LLM.update_weights`` before the call returns, so each GPU holds at most one bucket of converted
     tensors besides the policy's weights, quantized once per bucket on that GPU.
 

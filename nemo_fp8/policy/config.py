@@ -367,15 +367,12 @@ class PolicyConfig(StrictConfig):
         if self.weight_sync.method == "cuda_ipc":
             why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
                                     ("generation.colocated.enabled: true", not self.generation.colocated.enabled),
-                                    ("policy.megatron_cfg.tensor_model_parallel_size 1 (every rank a full replica "
-                                     "that refits the engine on its own GPU; got "
-                                     f"{self.tensor_parallel_size})", self.tensor_parallel_size != 1),
                                     ("device: cuda or auto", self.device == "cpu"),
                                     ("a one-GPU engine (generation.vllm_cfg.tensor_parallel_size: 1, not "
                                      f"{engine_gpus}: the rank's handles are for its own GPU only, the engine's other "
                                      "workers would find none)", engine_gpus > 1)) if bad]
             if why:
-                errs.append(f"weight_sync.method: 'cuda_ipc' hands CUDA IPC handles from the policy's one rank to the "
+                errs.append(f"weight_sync.method: 'cuda_ipc' hands CUDA IPC handles from each policy rank to the "
                             f"vLLM engine on its GPU; it needs {', '.join(why)} (valid otherwise: 'auto', "
                             "'object_store')")
         if self.weight_sync.method == "nccl":
