@@ -309,7 +309,7 @@ class PolicyGroup:
         """``create`` then ``setup``: the ranks on their bundles with their backends built."""
         cfg = backend_kwargs["cfg"]
         group = cls.create(pg, plan, cfg.train_global_batch_size, torch_threads, tp_size,
-                           megatron_env_vars(cfg.megatron_cfg))
+                           megatron_env_vars(cfg))
         group.setup(backend_kwargs)
         return group
 
@@ -434,7 +434,7 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
     """
     cfg = policy_kwargs["cfg"]
     policy = PolicyGroup.create(placement, plan, cfg.train_global_batch_size, torch_threads, tp_size,
-                                megatron_env_vars(cfg.megatron_cfg))
+                                megatron_env_vars(cfg))
     visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
     generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
     if generation_spec.offload_when_idle:  # colocated: the engines sleep while the trainer builds on their GPUs

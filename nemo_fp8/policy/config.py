@@ -225,14 +225,25 @@ class MegatronConfig(StrictConfig):
 # The allocator's expandable segments in the policy's rank processes (NeMo-RL's configure_expandable_segments does the
 # same on Hopper): a packed training step near the GPU's capacity (the trainer beside its sleeping engines) otherwise
 # fragments the cache into blocks too small for the next micro-batch, and each miss frees and re-maps the whole cache
-# (``num_alloc_retries``). Not for the vLLM engines: their sleep mode's allocator refuses expandable segments.
+# (``num_alloc_retries``). Not for the vLLM engines: their sleep mode's allocator refuses expandable segments. Not
+# with the cuda_ipc refit either: a tensor in an expandable segment travels as a file descriptor that the engine
+# fetches with pidfd_getfd, which containers refuse ("Operation not permitted", pytorch/pytorch#165685; NeMo-RL
+# warns of it at its IPC sender).
 MEGATRON_DEFAULT_ENV_VARS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
-def megatron_env_vars(cfg: MegatronConfig) -> dict[str, str]:
-    """The environment variables of the megatron backend's rank processes: ``MEGATRON_DEFAULT_ENV_VARS`` under
-    ``cfg.env_vars`` (the config wins), none for the torch backend (``cfg.enabled`` false)."""
-    return {**MEGATRON_DEFAULT_ENV_VARS, **cfg.env_vars} if cfg.enabled else {}
+def _expandable(env: dict[str, str]) -> bool:
+    return "expandable_segments:true" in env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+
+
+def megatron_env_vars(cfg: "PolicyConfig") -> dict[str, str]:
+    """The environment variables of the megatron backend's rank processes: ``MEGATRON_DEFAULT_ENV_VARS`` (unless the
+    refit is ``cuda_ipc``) under ``megatron_cfg.env_vars`` (the config wins); none for the torch backend."""
+    m = cfg.megatron_cfg
+    if not m.enabled:
+        return {}
+    defaults = {} if cfg.weight_sync.method == "cuda_ipc" else MEGATRON_DEFAULT_ENV_VARS
+    return {**defaults, **m.env_vars}
 
 
 class OptimizerConfig(StrictConfig):
@@ -364,6 +375,11 @@ class PolicyConfig(StrictConfig):
                 self.generation.resolve_num_engines(self.world_size, use_gpu=True)
             except ValueError as e:
                 errs.append(str(e).removeprefix("policy."))
+        if self.weight_sync.method == "cuda_ipc" and _expandable(self.megatron_cfg.env_vars):
+            errs.append("megatron_cfg.env_vars: PYTORCH_CUDA_ALLOC_CONF with expandable_segments:True and "
+                        "weight_sync.method: 'cuda_ipc' cannot run together: a tensor in an expandable segment is "
+                        "shared through pidfd_getfd, which containers refuse (pytorch/pytorch#165685); drop "
+                        "expandable_segments or use weight_sync.method 'object_store'")
         if self.weight_sync.method == "cuda_ipc":
             why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
                                     ("generation.colocated.enabled: true", not self.generation.colocated.enabled),

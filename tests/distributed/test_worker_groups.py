@@ -214,13 +214,16 @@ def test_policy_ranks_get_the_megatron_env_vars(ray_cluster):
     over the job's environment (PYTHONPATH stays); the torch backend's ranks get none."""
     import os
 
-    from nemo_fp8.policy.config import MegatronConfig, megatron_env_vars
+    from nemo_fp8.config import load_config
+    from nemo_fp8.policy.config import megatron_env_vars
 
-    env = megatron_env_vars(MegatronConfig(enabled=True, env_vars={"NEMO_FP8_TEST_VAR": "7"}))
+    mcfg = lambda *o: load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml", list(o)).policy  # noqa: E731
+    env = megatron_env_vars(mcfg("policy.megatron_cfg.env_vars={NEMO_FP8_TEST_VAR: '7'}"))
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NEMO_FP8_TEST_VAR": "7"}
-    off = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-    assert megatron_env_vars(MegatronConfig(enabled=True, env_vars=off)) == off
-    assert megatron_env_vars(MegatronConfig()) == {}
+    off = "policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:False'}"
+    assert megatron_env_vars(mcfg(off)) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    assert megatron_env_vars(mcfg("policy.weight_sync.method=cuda_ipc")) == {}  # IPC cannot share those segments
+    assert megatron_env_vars(load_config("examples/configs/grpo_math_tiny.yaml").policy) == {}  # torch backend
     plan = plan_cluster(2, use_gpu=False, colocated=True)
     pg = create_placement_group(plan)
     group = PolicyGroup.create(pg, plan, 4, torch_threads=1, env_vars=env)
@@ -243,3 +246,12 @@ def test_megatron_env_vars_need_the_megatron_backend():
 
     with pytest.raises(ValidationError, match=r"env_vars: .*policy.megatron_cfg.enabled=true"):
         MegatronConfig(env_vars={"X": "1"})
+
+
+def test_expandable_segments_with_the_cuda_ipc_refit_is_a_config_error():
+    from nemo_fp8.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"megatron_cfg.env_vars: .*expandable_segments.*'cuda_ipc'.*165685"):
+        load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml", [
+            "policy.weight_sync.method=cuda_ipc",
+            "policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}"])
