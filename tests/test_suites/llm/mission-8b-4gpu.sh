@@ -12,6 +12,9 @@
 #            report and checks join whatever runs $OUT holds
 #   STEPS    GRPO steps per run (default 4); MAX_NEW  response limit (default 1024); MISSION_ARGS more overrides
 #   CHECKS=0 print the report only
+# Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
+# gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
+# a torch.profiler table of 6 micro-batches of training call 3 per rank (nemo_fp8/utils/profiling.py)
 source "$(dirname "$0")/../common.sh"
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}
 suite_init mission-8b-4gpu
@@ -28,12 +31,15 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
   esac
   mkdir -p "$OUT/$v"
   nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500 > "$OUT/gpu_mem_$v.csv" 2>/dev/null & SMI=$!
+  # per process (trainer rank or engine), every 2 s: who holds a GPU's memory while the engines sleep
+  nvidia-smi --query-compute-apps=timestamp,gpu_uuid,pid,used_memory --format=csv -lms 2000 \
+    > "$OUT/gpu_procs_$v.csv" 2>/dev/null & PROCS=$!
   # shellcheck disable=SC2086
   run_grpo "$v" "$cfg" cluster.gpus_per_node=4 policy.data_parallel_size=2 policy.model_name=models/qwen3-8b-random grpo.max_num_steps="$S" \
     grpo.val_at_end=false data.dataset=gsm8k data.train_path="$D/train.jsonl" data.val_path="$D/test.jsonl" \
     grpo.num_prompts_per_step=32 grpo.num_generations_per_prompt=16 policy.train_global_batch_size=512 \
     policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
-  kill $SMI 2>/dev/null
+  kill $SMI $PROCS 2>/dev/null
 done
 report_runs --baseline bf16
 [ "${CHECKS:-1}" = 0 ] && exit 0
