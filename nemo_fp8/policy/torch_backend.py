@@ -70,7 +70,7 @@ class ShardTrainResult:
     micro_batches: list[int] = field(default_factory=list)  # this rank's micro-batches per global batch
     real_tokens: list[int] = field(default_factory=list)  # per global batch: prompt + response tokens
     padded_tokens: list[int] = field(default_factory=list)  # per global batch: tokens the model computed
-    memory: dict[str, float] = field(default_factory=dict)  # this rank's GPU memory over the call (``gpu_memory_metrics``)
+    memory: dict[str, float] = field(default_factory=dict)  # this rank's GPU memory over the call (``CudaMemoryWindow``)
 
     def add_tokens(self, cfg: PolicyConfig, lengths: list[int], gb_rows: list[list[int]], row_multiple: int = 1) -> None:
         """Record one global batch's micro-batch count, real tokens and computed tokens: with
@@ -92,7 +92,8 @@ class ShardTrainResult:
 
 
 def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
-    """Metrics of ``train``: each global batch reduced once over ranks and micro-batches, then averaged.
+    """Metrics of ``train``: each global batch reduced once over ranks and micro-batches, then averaged; the ranks'
+    ``memory`` figures (``memory/train_*``) as the largest over ranks.
 
     Raises:
         ValueError: ranks that saw different numbers of global batches.
