@@ -233,3 +233,28 @@ def test_the_lr_warm_up_runs_update_by_update_and_continues_after_a_resume(tiny_
     assert resumed.num_updates == 4 and seen == pytest.approx([5.5e-4, 7.75e-4])  # the warm-up goes on, not over
     with pytest.raises(ConfigError, match="lr_warmup_init"):
         tiny_cfg("policy.optimizer.lr=1e-4", "policy.optimizer.lr_warmup_init=1e-3")
+
+
+def test_the_lr_decay_runs_update_by_update_and_continues_after_a_resume(tiny_cfg, tok, tmp_path):
+    from nemo_fp8.algorithms.loss import ClippedPGLossFn
+    from nemo_fp8.config import ConfigError
+
+    cfg = tiny_cfg("policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=8",
+                   "grpo.num_generations_per_prompt=1", "policy.optimizer.lr=1e-3", "policy.optimizer.min_lr=1e-4",
+                   "policy.optimizer.lr_decay_style=WSD", "policy.optimizer.lr_decay_steps=4",
+                   "policy.optimizer.wsd_decay_steps=2")
+    pol = TorchPolicyBackend(cfg.policy, CPU)
+    batch = _advantage_batch(pol, make_generation(cfg, tok, precision="bfloat16"), tok)
+    seen = _record_lrs(pol)
+    pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # two updates at lr: WSD holds it until update 2
+    assert seen == pytest.approx([1e-3, 1e-3])
+    pol.save(tmp_path / "p")
+    resumed = TorchPolicyBackend(cfg.policy, CPU)
+    resumed.load(tmp_path / "p")
+    seen = _record_lrs(resumed)
+    resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
+    assert seen == pytest.approx([1e-3, 5.5e-4])  # n=2: still lr; n=3: half-way from lr to min_lr
+    resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
+    assert seen[2:] == pytest.approx([1e-4, 1e-4])  # from lr_decay_steps on: min_lr
+    with pytest.raises(ConfigError, match="lr_decay_steps"):
+        tiny_cfg("policy.optimizer.lr_decay_style=cosine")
