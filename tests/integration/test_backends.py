@@ -51,6 +51,28 @@ def test_generation_contract_and_reproducibility(tiny_cfg, tok):
         assert bool(out.truncated[i]) == (last.item() != tok.eos_token_id)
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "fp8"])
+def test_repeated_prompts_share_one_prompt_pass(tiny_cfg, tok, precision, monkeypatch):
+    """GRPO's n responses per prompt: the prompt pass runs once per distinct prompt and its KV cache and logits are
+    copied to the repeats; every row then decodes as if its prompt had had a pass of its own."""
+    import nemo_fp8.generation.torch_backend as tb
+
+    gen = make_generation(tiny_cfg(), tok, precision=precision)
+    p = [q for q in prompts(tok, 3) for _ in range(3)]  # 3 distinct prompts x 3 rows, batch_size 8: two chunks
+    widths = []
+    hook = gen.model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True)
+    seeds = list(range(100, 109))
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+    shared = gen.generate(p, sampling, request_seeds=seeds)
+    hook.remove()
+    assert [w[0] for w in widths if w[1] > 1] == [3, 1]  # prompt passes: rows 0-7 hold 3 prompts, row 8 one
+    assert tb._distinct_rows([[1, 2], [3], [1, 2], [3], [4]]) == ([0, 1, 4], [0, 1, 0, 1, 2])
+    monkeypatch.setattr(tb, "_distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+    each = gen.generate(p, sampling, request_seeds=seeds)  # a prompt pass for every row
+    assert torch.equal(shared.token_ids, each.token_ids)
+    torch.testing.assert_close(shared.generation_logprobs, each.generation_logprobs, atol=2e-2, rtol=0)
+
+
 def test_max_total_sequence_length_caps_responses(tiny_cfg, tok):
     cfg = tiny_cfg("policy.max_total_sequence_length=22", "data.max_input_seq_length=20")
     gen = make_generation(cfg, tok, precision="bfloat16")
