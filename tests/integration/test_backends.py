@@ -279,4 +279,4 @@ def test_the_lr_decay_runs_update_by_update_and_continues_after_a_resume(tiny_cf
     resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
     assert seen[2:] == pytest.approx([1e-4, 1e-4])  # from lr_decay_steps on: min_lr
     with pytest.raises(ConfigError, match="lr_decay_steps"):
-        tiny_cfg("policy.optimizer.lr_decay_style=cosine")
+        tiny_cfg("policy.optimizer.lr_decay_style=cosine", "policy.optimizer.lr_decay_steps=null")
