@@ -86,7 +86,8 @@ def load_examples(cfg: MasterConfig) -> tuple[list[MathExample], list[MathExampl
 def prepare_prompts(cfg: MasterConfig, tokenizer) -> tuple[list[PromptSample], list[PromptSample]]:
     """Format and tokenize prompts; over-long prompts are dropped and counted."""
     d = cfg.data
-    formatter = PromptFormatter(d.prompt_template, use_chat_template=d.use_chat_template, system_prompt=d.system_prompt)
+    formatter = PromptFormatter(d.prompt_template, use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
+                                response_prefix=d.response_prefix)
     train_ex, val_ex = load_examples(cfg)
     train, dropped_t = tokenize_prompts(train_ex, tokenizer, formatter, d.max_input_seq_length)
     val, dropped_v = tokenize_prompts(val_ex, tokenizer, formatter, d.max_input_seq_length)

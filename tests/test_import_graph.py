@@ -3,7 +3,8 @@
 Layers, bottom to top (a module may import its own layer and the layers below, never a layer above):
 
 0. foundation   ``nemo_fp8.utils.*``, ``nemo_fp8.batch``: run folders, checkpoints, logging, typed batches; and
-                ``nemo_fp8.policy.packing`` where it exists (pure-torch bin packing that the policy schema reads)
+                ``nemo_fp8.policy.packing`` where it exists (pure-torch bin packing that the policy schema reads),
+                ``nemo_fp8.policy.schedule`` (the learning-rate formulas, plain math, whose checks the schema runs)
 1. schemas      every section config ``nemo_fp8.<part>.config``: pydantic classes on ``utils.config``'s
                 StrictConfig (they may compose one another: ``policy.weight_sync`` is
                 ``distributed.config.WeightSyncConfig``)
@@ -30,7 +31,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "nemo_fp8"
 
 LAYERS = [
-    ("foundation", ["nemo_fp8.utils", "nemo_fp8.batch", "nemo_fp8.policy.packing"]),
+    ("foundation", ["nemo_fp8.utils", "nemo_fp8.batch", "nemo_fp8.policy.packing", "nemo_fp8.policy.schedule"]),
     ("schemas", []),  # the section configs, matched by _layer_of
     ("numerics", ["nemo_fp8.fp8"]),
     ("components", ["nemo_fp8.algorithms", "nemo_fp8.data", "nemo_fp8.rewards", "nemo_fp8.models"]),

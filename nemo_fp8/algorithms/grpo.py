@@ -173,12 +173,16 @@ def decode_responses(output: GenerationOutput, tokenizer) -> list[str]:
 
 def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn, tokenizer,
             sampling: SamplingParams, timer: Timer) -> Rollout:
-    """Generate ``n`` responses per prompt (grouped consecutively) and score them."""
+    """Generate ``n`` responses per prompt (grouped consecutively) and score them: the reward reads each
+    prompt's ``response_prefix`` (the prefilled start of the answer, ``data.response_prefix``) followed by
+    its response."""
     with timer("generation"):
         out = generation.generate([s.prompt_token_ids for s in prompts for _ in range(n)], sampling)
     with timer("reward"):
         responses = decode_responses(out, tokenizer)
-        rewards = reward_fn(responses, [s.example.answer for s in prompts for _ in range(n)])
+        rows = [s for s in prompts for _ in range(n)]
+        rewards = reward_fn([s.response_prefix + text for s, text in zip(rows, responses)],
+                            [s.example.answer for s in rows])
     return Rollout(out, responses, torch.tensor(rewards, dtype=torch.float32), engine_metrics(generation))
 
 

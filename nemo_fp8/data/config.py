@@ -20,6 +20,10 @@ class DataConfig(StrictConfig):
     num_synthetic_val: int = Field(256, ge=1)
     synthetic_max_operand: int = Field(99, ge=1)
     prompt_template: str = "{problem}"
+    # the start of every answer, prefilled at the end of the prompt (after the template or chat template) so the
+    # model generates only the rest; the reward scores response_prefix + response. A model trained to answer
+    # "Answer: 42" gets "Answer: " here and generates 3-4 tokens instead of 11 (grpo_math_tiny.yaml)
+    response_prefix: str = ""
     use_chat_template: bool = False
     system_prompt: Optional[str] = None
     max_input_seq_length: int = Field(512, ge=1)

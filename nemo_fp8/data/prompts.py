@@ -26,22 +26,28 @@ class PromptFormatter:
     * ``[{"role": "system", ...}]`` (only if ``system_prompt``) + ``[{"role": "user",
       "content": template with the problem filled in}]``.
 
+    Either way ``response_prefix`` is appended last: the start of every answer, prefilled so the model
+    generates only the rest (an assistant-turn prefill); the reward scores ``response_prefix + response``
+    (``PromptSample.response_prefix``, ``nemo_fp8.algorithms.grpo.rollout``).
+
     Args:
         template (str): Prompt template; must contain ``{problem}``.
         use_chat_template (bool): Render with the tokenizer's chat template.
         system_prompt (str | None): Optional system message for chat mode (ignored in plain mode).
+        response_prefix (str): Text every answer starts with, written at the end of the prompt ("" for none).
 
     Raises:
         ValueError: ``template`` lacks ``{problem}``.
     """
 
     def __init__(self, template: str = PROBLEM_PLACEHOLDER, use_chat_template: bool = False,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, response_prefix: str = "") -> None:
         if PROBLEM_PLACEHOLDER not in template:
             raise ValueError(f"prompt template must contain {PROBLEM_PLACEHOLDER!r}, got {template!r}")
         self.template = template
         self.use_chat_template = use_chat_template
         self.system_prompt = system_prompt
+        self.response_prefix = response_prefix
 
     def fill_template(self, problem: str) -> str:
         """Return ``template`` with ``{problem}`` replaced by ``problem``.
@@ -82,11 +88,15 @@ class PromptFormatter:
             tokenizer (PreTrainedTokenizerBase | None): Needed in chat mode only.
 
         Returns:
-            str: The prompt text (in chat mode it ends with the assistant generation prompt).
+            str: The prompt text (in chat mode it ends with the assistant generation prompt), then
+            ``response_prefix``.
 
         Raises:
             ValueError: Chat mode with no tokenizer, or a tokenizer without a chat template.
         """
+        return self._render(example, tokenizer) + self.response_prefix
+
+    def _render(self, example: MathExample, tokenizer: Any) -> str:
         if not self.use_chat_template:
             return self.fill_template(example.problem)
         if tokenizer is None:
@@ -110,13 +120,16 @@ class PromptSample:
 
     Attributes:
         example (MathExample): The problem (its ``answer`` is the reward's ground truth).
-        prompt (str): The prompt text given to the policy.
+        prompt (str): The prompt text given to the policy (ending with ``response_prefix``).
         prompt_token_ids (list[int]): Token ids of ``prompt``.
+        response_prefix (str): The start of the answer the prompt prefills (``data.response_prefix``);
+            the reward scores it followed by the generated response.
     """
 
     example: MathExample
     prompt: str
     prompt_token_ids: list[int]
+    response_prefix: str = ""
 
 
 def tokenize_prompts(
@@ -159,5 +172,6 @@ def tokenize_prompts(
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue
-        kept.append(PromptSample(example=example, prompt=prompt, prompt_token_ids=list(ids)))
+        kept.append(PromptSample(example=example, prompt=prompt, prompt_token_ids=list(ids),
+                                 response_prefix=formatter.response_prefix))
     return kept, dropped

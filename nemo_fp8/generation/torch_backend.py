@@ -275,8 +275,17 @@ class TorchGenerationBackend:
         stop_ids = torch.tensor((self.eos_token_id, *sampling.stop_token_ids), device=dev)
 
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]  # [B, V]
+        # GRPO asks for n responses to each prompt: the prompt pass runs once per distinct prompt, and its KV cache
+        # and last logits are copied to the repeats (the work vLLM's prefix caching saves). The prompt pass is most
+        # of a short rollout's time, and the FP8 emulation's cost grows with its rows.
+        first, inverse = _distinct_rows(prompts)
+        sel = torch.tensor(first, device=dev)  # [U]
+        out = self.model(input_ids=ids[sel], attention_mask=attn[sel], position_ids=pos[sel], use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]  # [U, V]
+        if len(first) < b:
+            rows = torch.tensor(inverse, device=dev)  # [B]
+            cache.reorder_cache(rows)  # [U, ...] -> [B, ...] per layer
+            logits = logits[rows]  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
         tokens, logprobs = [], []
         done = torch.zeros(b, dtype=torch.bool, device=dev)
@@ -315,6 +324,20 @@ class TorchGenerationBackend:
             token_ids[i, n:n + r] = resp[i, :r]
             gen_lp[i, n:n + r] = resp_lp[i, :r]
         return GenerationOutput(token_ids.cpu(), plen.cpu(), resp_len.cpu(), gen_lp.cpu(), truncated.cpu())
+
+
+def _distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(first, inverse): the index of each distinct prompt's first row, in order, and for every row the position
+    in ``first`` of its prompt, so ``first[inverse[i]]`` holds the same tokens as row ``i``."""
+    seen: dict[tuple[int, ...], int] = {}
+    first, inverse = [], []
+    for i, p in enumerate(prompts):
+        key = tuple(p)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        inverse.append(seen[key])
+    return first, inverse
 
 
 def _sample(probs: Tensor, gen: torch.Generator | list[torch.Generator]) -> Tensor:

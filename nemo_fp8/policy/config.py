@@ -14,6 +14,7 @@ from pydantic import Field
 from nemo_fp8.distributed.config import WeightSyncConfig
 from nemo_fp8.generation.config import GenerationConfig, colocated_engine_error
 from nemo_fp8.policy.packing import ALGORITHMS, PackingShape, packing_shape
+from nemo_fp8.policy.schedule import schedule_errors
 from nemo_fp8.utils.config import StrictConfig
 
 
@@ -31,10 +32,9 @@ class Fp8TrainingConfig(StrictConfig):
         return ["fp8_param: true needs policy.megatron_cfg.fp8_cfg.enabled=true"]
 
 
-def _warmup_errors(lr: float, init: float) -> list[str]:
-    if init > lr:
-        return [f"lr_warmup_init={init:g} must not exceed lr={lr:g} (the warm-up rises from lr_warmup_init to lr)"]
-    return []
+def _schedule_errors(o: "OptimizerConfig | MegatronOptimizerConfig") -> list[str]:
+    return schedule_errors(o.lr, o.lr_warmup_init, o.lr_warmup_steps, o.lr_decay_style, o.lr_decay_steps, o.min_lr,
+                           o.wsd_decay_steps, o.lr_wsd_decay_style)
 
 
 class MegatronOptimizerConfig(StrictConfig):
@@ -74,9 +74,16 @@ class MegatronOptimizerConfig(StrictConfig):
     # OptimizerParamScheduler lr_warmup_steps / init_lr; NeMo-RL's scheduler.lr_warmup_iters / lr_warmup_init)
     lr_warmup_steps: int = Field(0, ge=0)
     lr_warmup_init: float = Field(0.0, ge=0)
+    # after the warm-up: constant (default) or a decay to min_lr that ends at update lr_decay_steps; "WSD" stays at
+    # lr until its last wsd_decay_steps updates, then falls with lr_wsd_decay_style (megatron-core's
+    # OptimizerParamScheduler lr_decay_style / lr_decay_steps / wsd_decay_steps / lr_wsd_decay_style)
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "constant"
+    lr_decay_steps: Optional[int] = Field(None, ge=1)
+    wsd_decay_steps: Optional[int] = Field(None, ge=1)
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
     def config_errors(self) -> list[str]:
-        errs = _warmup_errors(self.lr, self.lr_warmup_init)
+        errs = _schedule_errors(self)
         if self.optimizer_cpu_offload:
             need = [w for w, bad in (("optimizer=adam", self.optimizer != "adam"),
                                      ("use_distributed_optimizer=true", not self.use_distributed_optimizer),
@@ -248,18 +255,26 @@ def megatron_env_vars(cfg: "PolicyConfig") -> dict[str, str]:
 
 class OptimizerConfig(StrictConfig):
     """AdamW for the torch reference policy; the learning rate warms up linearly from ``lr_warmup_init``
-    over ``lr_warmup_steps`` optimizer updates, then stays at ``lr`` (``nemo_fp8.policy.schedule``, the
-    megatron backend's schedule)."""
+    over ``lr_warmup_steps`` optimizer updates, then stays at ``lr`` or decays to ``min_lr``
+    (``lr_decay_style``; ``nemo_fp8.policy.schedule.scheduled_lr``, the megatron backend's schedule)."""
 
     lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     lr_warmup_steps: int = Field(0, ge=0)
     lr_warmup_init: float = Field(0.0, ge=0)
+    # after the warm-up: constant (default) or a decay to min_lr that ends at update lr_decay_steps; "WSD" stays at
+    # lr until its last wsd_decay_steps updates, then falls with lr_wsd_decay_style (megatron-core's
+    # OptimizerParamScheduler lr_decay_style / lr_decay_steps / wsd_decay_steps / lr_wsd_decay_style)
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "constant"
+    lr_decay_steps: Optional[int] = Field(None, ge=1)
+    wsd_decay_steps: Optional[int] = Field(None, ge=1)
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
     def config_errors(self) -> list[str]:
-        return _warmup_errors(self.lr, self.lr_warmup_init)
+        return _schedule_errors(self)
 
 
 class TokenizerConfig(StrictConfig):

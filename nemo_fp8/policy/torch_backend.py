@@ -34,7 +34,7 @@ from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, token
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.packing import (PackedRows, block_causal_mask, pack_rows, packing_efficiency, plan_logprobs,
                                      plan_train, round_up, unpack)
-from nemo_fp8.policy.schedule import warmup_lr
+from nemo_fp8.policy.schedule import scheduled_lr
 
 logger = logging.getLogger(__name__)
 
@@ -483,10 +483,12 @@ class TorchPolicyBackend:
         self._set_lr()  # the config's schedule at the checkpoint's update count
 
     def _set_lr(self) -> None:
-        """The learning rate of the next update: ``policy.optimizer``'s warm-up, then ``lr`` (the megatron
-        backend's schedule, ``nemo_fp8.policy.schedule``)."""
+        """The learning rate of the next update: ``policy.optimizer``'s warm-up, then ``lr`` or its decay (the
+        megatron backend's schedule, ``nemo_fp8.policy.schedule``)."""
         opt = self.cfg.optimizer
-        lr = warmup_lr(self.num_updates, opt.lr, opt.lr_warmup_steps, opt.lr_warmup_init)
+        lr = scheduled_lr(self.num_updates, opt.lr, warmup_steps=opt.lr_warmup_steps, init_lr=opt.lr_warmup_init,
+                          decay_style=opt.lr_decay_style, decay_steps=opt.lr_decay_steps, min_lr=opt.min_lr,
+                          wsd_decay_steps=opt.wsd_decay_steps, wsd_decay_style=opt.lr_wsd_decay_style)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 

@@ -79,6 +79,18 @@ def test_tokenize_prompts_chat(char_tokenizer):
     assert tokenize_prompts([], char_tokenizer, formatter, max_prompt_tokens=5) == ([], 0)
 
 
+def test_response_prefix_ends_every_prompt_and_travels_with_the_sample(char_tokenizer):
+    plain = PromptFormatter(template="Q: {problem}\n", response_prefix="Answer: ")
+    assert plain.format(PLAIN) == "Q: What is 2 + 3?\nAnswer: "
+    chat = PromptFormatter(use_chat_template=True, response_prefix="Answer: ")
+    assert chat.format(PLAIN, char_tokenizer) == "<user>What is 2 + 3?\n<assistant>Answer: "  # after the template
+    samples, _ = tokenize_prompts([PLAIN], char_tokenizer, plain, max_prompt_tokens=100)
+    assert samples[0].response_prefix == "Answer: " and samples[0].prompt.endswith("Answer: ")
+    assert samples[0].prompt_token_ids == char_tokenizer("Q: What is 2 + 3?\nAnswer: ",
+                                                         add_special_tokens=False)["input_ids"]
+    assert tokenize_prompts([PLAIN], char_tokenizer, PromptFormatter(), 100)[0][0].response_prefix == ""
+
+
 def test_gsm8k_prompts(gsm8k_dir, char_tokenizer):
     from nemo_fp8.data import load_math_dataset
 

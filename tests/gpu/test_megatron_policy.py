@@ -337,6 +337,28 @@ def test_one_training_step_lowers_the_loss(ckpt, fp8):
         _close(be)
 
 
+def test_lr_schedule_follows_the_torch_backend_formula(ckpt):
+    """megatron-core's OptimizerParamScheduler with the config's warm-up and WSD decay gives each update the
+    learning rate ``nemo_fp8.policy.schedule.scheduled_lr`` gives the torch backend (docs/first-run.md's recipe)."""
+    from nemo_fp8.policy.schedule import scheduled_lr
+
+    opt = dict(lr_warmup_steps=1, lr_warmup_init=1e-6, lr_decay_style="WSD", lr_decay_steps=5, wsd_decay_steps=3,
+               lr_wsd_decay_style="linear")
+    cfg = _policy_cfg(ckpt, lr=3e-5, optimizer={**opt, "min_lr": 0.0})
+    batch = _batch()
+    be = _backend(cfg)
+    try:
+        _on_policy(be, batch)
+        loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
+        got = [be.train(batch, loss_fn)["lr"] for _ in range(6)]  # one update each (8 rows, global batch 8)
+    finally:
+        _close(be)
+    want = [scheduled_lr(n, 3e-5, warmup_steps=1, init_lr=1e-6, decay_style="WSD", decay_steps=5, min_lr=0.0,
+                         wsd_decay_steps=3, wsd_decay_style="linear") for n in range(6)]
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-12), (got, want)
+    assert want[1] == want[2] == pytest.approx(3e-5) and want[3] == pytest.approx(2e-5) and want[5] == 0.0
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_fp8_forward_follows_the_optimizer_step(ckpt, recipe):
     """After training steps the FP8 forward uses the updated weights: the log-probs equal those of a pass whose

@@ -51,6 +51,28 @@ def test_generation_contract_and_reproducibility(tiny_cfg, tok):
         assert bool(out.truncated[i]) == (last.item() != tok.eos_token_id)
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "fp8"])
+def test_repeated_prompts_share_one_prompt_pass(tiny_cfg, tok, precision, monkeypatch):
+    """GRPO's n responses per prompt: the prompt pass runs once per distinct prompt and its KV cache and logits are
+    copied to the repeats; every row then decodes as if its prompt had had a pass of its own."""
+    import nemo_fp8.generation.torch_backend as tb
+
+    gen = make_generation(tiny_cfg(), tok, precision=precision)
+    p = [q for q in prompts(tok, 3) for _ in range(3)]  # 3 distinct prompts x 3 rows, batch_size 8: two chunks
+    widths = []
+    hook = gen.model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True)
+    seeds = list(range(100, 109))
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+    shared = gen.generate(p, sampling, request_seeds=seeds)
+    hook.remove()
+    assert [w[0] for w in widths if w[1] > 1] == [3, 1]  # prompt passes: rows 0-7 hold 3 prompts, row 8 one
+    assert tb._distinct_rows([[1, 2], [3], [1, 2], [3], [4]]) == ([0, 1, 4], [0, 1, 0, 1, 2])
+    monkeypatch.setattr(tb, "_distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+    each = gen.generate(p, sampling, request_seeds=seeds)  # a prompt pass for every row
+    assert torch.equal(shared.token_ids, each.token_ids)
+    torch.testing.assert_close(shared.generation_logprobs, each.generation_logprobs, atol=2e-2, rtol=0)
+
+
 def test_max_total_sequence_length_caps_responses(tiny_cfg, tok):
     cfg = tiny_cfg("policy.max_total_sequence_length=22", "data.max_input_seq_length=20")
     gen = make_generation(cfg, tok, precision="bfloat16")
@@ -233,3 +255,28 @@ def test_the_lr_warm_up_runs_update_by_update_and_continues_after_a_resume(tiny_
     assert resumed.num_updates == 4 and seen == pytest.approx([5.5e-4, 7.75e-4])  # the warm-up goes on, not over
     with pytest.raises(ConfigError, match="lr_warmup_init"):
         tiny_cfg("policy.optimizer.lr=1e-4", "policy.optimizer.lr_warmup_init=1e-3")
+
+
+def test_the_lr_decay_runs_update_by_update_and_continues_after_a_resume(tiny_cfg, tok, tmp_path):
+    from nemo_fp8.algorithms.loss import ClippedPGLossFn
+    from nemo_fp8.config import ConfigError
+
+    cfg = tiny_cfg("policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=8",
+                   "grpo.num_generations_per_prompt=1", "policy.optimizer.lr=1e-3", "policy.optimizer.min_lr=1e-4",
+                   "policy.optimizer.lr_decay_style=WSD", "policy.optimizer.lr_decay_steps=4",
+                   "policy.optimizer.wsd_decay_steps=2")
+    pol = TorchPolicyBackend(cfg.policy, CPU)
+    batch = _advantage_batch(pol, make_generation(cfg, tok, precision="bfloat16"), tok)
+    seen = _record_lrs(pol)
+    pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # two updates at lr: WSD holds it until update 2
+    assert seen == pytest.approx([1e-3, 1e-3])
+    pol.save(tmp_path / "p")
+    resumed = TorchPolicyBackend(cfg.policy, CPU)
+    resumed.load(tmp_path / "p")
+    seen = _record_lrs(resumed)
+    resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
+    assert seen == pytest.approx([1e-3, 5.5e-4])  # n=2: still lr; n=3: half-way from lr to min_lr
+    resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
+    assert seen[2:] == pytest.approx([1e-4, 1e-4])  # from lr_decay_steps on: min_lr
+    with pytest.raises(ConfigError, match="lr_decay_steps"):
+        tiny_cfg("policy.optimizer.lr_decay_style=cosine", "policy.optimizer.lr_decay_steps=null")

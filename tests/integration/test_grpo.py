@@ -89,6 +89,25 @@ def test_reward_scorer_on_generated_text(tiny_cfg):
     assert 0.0 <= metrics["train/reward_mean"] <= 1.0
 
 
+def test_the_reward_reads_the_prefilled_response_prefix(tiny_cfg):
+    """data.response_prefix is written into the prompts and put back in front of each response for the reward:
+    the model generates only the rest of its answer."""
+    from nemo_fp8.algorithms.grpo import decode_responses, rollout
+    from nemo_fp8.generation.interfaces import SamplingParams
+
+    cfg = tiny_cfg(*SMALL, "data.response_prefix='Answer: '")
+    tok, loader, _, gen, _ = setup(cfg)
+    prompts = next(iter(loader))
+    assert all(p.prompt.endswith("\nAnswer: ") and p.response_prefix == "Answer: " for p in prompts)
+    seen = []
+    r = rollout(prompts, 2, gen, lambda texts, answers: seen.extend(texts) or [0.0] * len(texts), tok,
+                SamplingParams(max_new_tokens=4, temperature=1.0, seed=3), Timer())
+    assert r.responses == decode_responses(r.output, tok)  # the generated part only
+    assert seen == ["Answer: " + t for t in r.responses]
+    scorer = MathRewardScorer(num_workers=0)
+    assert scorer(["Answer: 7", "7"], ["7", "7"]) == [1.0, 0.0]  # without the prefix a bare number is no answer
+
+
 @pytest.mark.parametrize("offload,colocated,expected", [(True, True, ["before", "after"]), (False, True, ["release"]),
                                                         (False, False, [])])
 def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated, expected):

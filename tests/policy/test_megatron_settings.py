@@ -69,6 +69,12 @@ def test_gradients_are_summed_across_ranks_and_clip_defaults_to_max_grad_norm():
     warm = settings.scheduler_kwargs(_cfg(optimizer=dict(lr=3e-5, lr_warmup_steps=10, lr_warmup_init=1e-6)))
     # megatron-core asserts lr_warmup_steps < lr_decay_steps and init_lr <= max_lr
     assert (warm["init_lr"], warm["max_lr"], warm["lr_warmup_steps"]) == (1e-6, 3e-5, 10) and warm["lr_decay_steps"] > 10
+    wsd = settings.scheduler_kwargs(_cfg(optimizer=dict(lr=3e-5, min_lr=1e-6, lr_decay_style="WSD", lr_decay_steps=40,
+                                                        wsd_decay_steps=20, lr_wsd_decay_style="cosine")))
+    assert (wsd["lr_decay_style"], wsd["lr_decay_steps"], wsd["min_lr"]) == ("WSD", 40, 1e-6)
+    assert (wsd["wsd_decay_steps"], wsd["lr_wsd_decay_style"]) == (20, "cosine")
+    with pytest.raises(ValidationError, match="lr_decay_steps"):
+        _cfg(optimizer=dict(lr=3e-5, lr_decay_style="linear"))
 
 
 @pytest.mark.parametrize("recipe, tp, sp, want", [

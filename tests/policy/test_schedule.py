@@ -1,10 +1,12 @@
-"""The learning-rate warm-up both policy backends follow (``nemo_fp8.policy.schedule``)."""
+"""The learning-rate schedule both policy backends follow (``nemo_fp8.policy.schedule``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from nemo_fp8.policy.schedule import warmup_lr
+from nemo_fp8.policy.schedule import scheduled_lr, warmup_lr
 
 
 def test_linear_from_init_to_lr_then_constant():
@@ -18,3 +20,62 @@ def test_linear_from_init_to_lr_then_constant():
 def test_bad_arguments_are_refused(args):
     with pytest.raises(ValueError):
         warmup_lr(*args)
+
+
+def _meg_get_lr(n, lr, warmup, init, style, decay_steps, min_lr, wsd_steps=None, wsd_style=None):
+    """megatron-core 0.18 ``OptimizerParamScheduler.get_lr`` written out independently of ``scheduled_lr``'s code
+    paths: the reference the two backends must agree with."""
+    if warmup > 0 and n <= warmup:
+        return init + (lr - init) * n / warmup
+    if style == "constant":
+        return lr
+    if n > decay_steps:
+        return min_lr
+    r = (n - warmup) / (decay_steps - warmup)
+    if style == "linear":
+        c = 1 - r
+    elif style == "cosine":
+        c = 0.5 * (math.cos(math.pi * r) + 1)
+    else:
+        start = decay_steps - wsd_steps
+        s = max(0.0, (n - start) / wsd_steps)
+        c = {"linear": 1 - s, "cosine": 0.5 * (math.cos(math.pi * s) + 1), "exponential": 2 * 0.5**s - 1,
+             "minus_sqrt": 1 - math.sqrt(s)}[wsd_style]
+    return min_lr + c * (lr - min_lr)
+
+
+@pytest.mark.parametrize("style, wsd_style", [("linear", None), ("cosine", None), ("WSD", "linear"), ("WSD", "cosine"),
+                                              ("WSD", "exponential"), ("WSD", "minus_sqrt")])
+def test_decay_matches_megatron_core(style, wsd_style):
+    kw = dict(warmup_steps=3, init_lr=1e-6, decay_style=style, decay_steps=20, min_lr=2e-6, wsd_decay_steps=8,
+              wsd_decay_style=wsd_style or "linear")
+    got = [scheduled_lr(n, 3e-5, **kw) for n in range(25)]
+    want = [_meg_get_lr(n, 3e-5, 3, 1e-6, style, 20, 2e-6, 8, wsd_style or "linear") for n in range(25)]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got[3] == pytest.approx(3e-5) and got[20] == pytest.approx(2e-6) and got[24] == 2e-6  # peak, floor, after
+    assert all(a >= b for a, b in zip(got[3:], got[4:]))  # never rises after the warm-up
+
+
+def test_wsd_holds_lr_until_its_last_steps_then_falls_linearly():
+    lrs = [scheduled_lr(n, 4e-5, decay_style="WSD", decay_steps=40, wsd_decay_steps=20) for n in range(41)]
+    assert lrs[:21] == [4e-5] * 21
+    assert lrs[30] == pytest.approx(2e-5) and lrs[39] == pytest.approx(2e-6) and lrs[40] == 0.0
+
+
+def test_constant_is_the_warmup_schedule():
+    assert [scheduled_lr(n, 1e-4, warmup_steps=4, init_lr=1e-5) for n in range(8)] == \
+        [warmup_lr(n, 1e-4, 4, 1e-5) for n in range(8)]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(decay_style="linear"), "needs lr_decay_steps"),
+    (dict(decay_style="cosine", decay_steps=4, warmup_steps=4), "greater than lr_warmup_steps"),
+    (dict(decay_style="linear", decay_steps=10, min_lr=1e-3), "min_lr"),
+    (dict(decay_style="WSD", decay_steps=10), "wsd_decay_steps"),
+    (dict(decay_style="WSD", decay_steps=10, warmup_steps=4, wsd_decay_steps=7), "fit after the warm-up"),
+    (dict(decay_style="WSD", decay_steps=10, wsd_decay_steps=5, wsd_decay_style="step"), "lr_wsd_decay_style"),
+    (dict(decay_style="exp"), "lr_decay_style"),
+])
+def test_bad_decay_settings_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        scheduled_lr(0, 1e-4, **kw)

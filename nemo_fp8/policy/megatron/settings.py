@@ -9,7 +9,7 @@ is tested on CPU and the backend (``backend.py``) only passes them on:
   the same ``policy.generation.vllm_cfg.num_{first,last}_layers_in_bf16`` the rollout uses);
 * ``ddp_config_kwargs`` -> ``DistributedDataParallelConfig``;
 * ``optimizer_config_kwargs`` -> ``OptimizerConfig``;
-* ``scheduler_kwargs`` -> ``OptimizerParamScheduler`` (constant learning rate);
+* ``scheduler_kwargs`` -> ``OptimizerParamScheduler`` (warm-up, then constant or decaying learning rate);
 * ``sequence_pad_multiple`` -> how the micro-batch's sequence length is padded for the recipe;
 * ``block_scaling_env`` -> TransformerEngine's scale convention for the blockwise recipe.
 
@@ -135,14 +135,18 @@ def optimizer_config_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
 
 def scheduler_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     """``OptimizerParamScheduler``: a linear warm-up from ``lr_warmup_init`` over ``lr_warmup_steps`` updates (none
-    by default), then a constant learning rate and weight decay (it also applies megatron-core's
+    by default), then a constant learning rate or ``lr_decay_style``'s decay to ``min_lr`` at ``lr_decay_steps``
+    (``WSD``: over the last ``wsd_decay_steps``), and a constant weight decay (it also applies megatron-core's
     no-weight-decay groups: biases and norms). The torch backend follows the same schedule
-    (``nemo_fp8.policy.schedule.warmup_lr``)."""
+    (``nemo_fp8.policy.schedule.scheduled_lr``)."""
     o = cfg.megatron_cfg.optimizer
+    constant = o.lr_decay_style == "constant"
     return dict(init_lr=o.lr_warmup_init if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-                lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=o.lr_warmup_steps + 1,  # must exceed the warm-up
-                lr_decay_style="constant", start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1,
-                wd_incr_style="constant")
+                lr_warmup_steps=o.lr_warmup_steps,
+                lr_decay_steps=o.lr_warmup_steps + 1 if constant else o.lr_decay_steps,  # must exceed the warm-up
+                lr_decay_style=o.lr_decay_style, wsd_decay_steps=o.wsd_decay_steps,
+                lr_wsd_decay_style=o.lr_wsd_decay_style if o.lr_decay_style == "WSD" else None,
+                start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
 
 def sequence_pad_multiple(cfg: PolicyConfig) -> int:
