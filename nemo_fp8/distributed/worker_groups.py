@@ -295,13 +295,21 @@ class PolicyGroup:
 
     def setup(self, backend_kwargs: dict) -> None:
         """Build every rank's backend (``build_policy_backend``; errors surface here)."""
+        self.finish_setup(self.begin_setup(backend_kwargs))
+
+    def begin_setup(self, backend_kwargs: dict) -> list:
+        """Start building every rank's backend; returns the calls' refs for ``finish_setup``."""
         world = len(self.workers)
         cfg = backend_kwargs["cfg"]
         self.packing = cfg if cfg.sequence_packing.enabled else None
         init = ray.get(self.workers[0].rendezvous_address.remote()) if world > 1 else None
-        ray.get([w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(self.workers)])
-        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", world, self.dp_size,
-                    self.tp_size)
+        return [w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(self.workers)]
+
+    def finish_setup(self, refs: list) -> None:
+        """Wait for ``begin_setup``'s calls (a backend's construction error surfaces here)."""
+        ray.get(refs)
+        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", len(self.workers),
+                    self.dp_size, self.tp_size)
 
     @classmethod
     def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
@@ -420,7 +428,9 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
        allocates);
     4. colocated (``generation_spec.offload_when_idle``): the engines go to sleep, as after every rollout, so the
        trainer's weights, gradient buffers and optimizer state fit beside their reserved share of the GPU;
-    5. the policy backends (``PolicyGroup.setup``).
+    5. the policy backends (``PolicyGroup.setup``). Without GPUs nothing is shared, so the backends build while the
+       engines start (on a 2-core machine the two processes' imports and model builds overlap: seconds of the
+       first run).
 
     Args:
         placement: ``create_placement_group(plan)``.
@@ -436,8 +446,10 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
     policy = PolicyGroup.create(placement, plan, cfg.train_global_batch_size, torch_threads, tp_size,
                                 megatron_env_vars(cfg))
     visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
+    on_gpu = any(b.get("GPU", 0) for b in plan.bundles)
+    pending = None if on_gpu else policy.begin_setup(policy_kwargs)
     generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
     if generation_spec.offload_when_idle:  # colocated: the engines sleep while the trainer builds on their GPUs
         generation.finish_generation()
-    policy.setup(policy_kwargs)
+    policy.finish_setup(pending if pending is not None else policy.begin_setup(policy_kwargs))
     return policy, generation

@@ -85,3 +85,47 @@ def test_one_gpu_engine_keeps_the_gpu_ray_gave_it(ray_two_gpus, tiny_cfg):
             policy.shutdown()
     finally:
         pg.remove()
+
+
+@pytest.mark.parametrize("use_gpu", [True, False], ids=["gpus", "cpu"])
+def test_policy_builds_after_the_engines_sleep_on_gpus_and_beside_them_on_cpu(ray_two_gpus, tiny_cfg, monkeypatch,
+                                                                              use_gpu):
+    """On GPUs the trainer must build after the engines measured their memory and went to sleep; on the CPU
+    nothing is shared, so the policy's backend builds while the engines start (the first run's start-up)."""
+    from nemo_fp8.distributed import worker_groups as wg
+
+    order = []
+    real_begin, real_start = wg.PolicyGroup.begin_setup, wg.GenerationGroup.start
+    real_sleep = wg.GenerationGroup.finish_generation
+
+    def begin(self, kwargs):
+        order.append("policy setup")
+        return real_begin(self, kwargs)
+
+    def start(*a, **k):
+        order.append("engines start")
+        out = real_start(*a, **k)
+        order.append("engines ready")
+        return out
+
+    def sleep(self):
+        order.append("engines asleep")
+        return real_sleep(self)
+
+    monkeypatch.setattr(wg.PolicyGroup, "begin_setup", begin)
+    monkeypatch.setattr(wg.GenerationGroup, "start", staticmethod(start))
+    monkeypatch.setattr(wg.GenerationGroup, "finish_generation", sleep)
+    cfg = tiny_cfg()
+    tok = load_tokenizer(cfg.policy.model_name)
+    plan = plan_cluster(1, use_gpu=use_gpu, colocated=True)
+    pg = create_placement_group(plan)
+    try:
+        policy, generation = _start(pg, plan, cfg, tok)
+        generation.shutdown()
+        policy.shutdown()
+    finally:
+        pg.remove()
+    if use_gpu:
+        assert order == ["engines start", "engines ready", "engines asleep", "policy setup"]
+    else:
+        assert order == ["policy setup", "engines start", "engines ready", "engines asleep"]
