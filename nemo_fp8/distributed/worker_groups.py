@@ -447,9 +447,11 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
                                 megatron_env_vars(cfg))
     visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
     on_gpu = any(b.get("GPU", 0) for b in plan.bundles)
-    pending = None if on_gpu else policy.begin_setup(policy_kwargs)
+    pending = None if on_gpu else policy.begin_setup(policy_kwargs)  # CPU: nothing shared, build beside the engines
     generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
     if generation_spec.offload_when_idle:  # colocated: the engines sleep while the trainer builds on their GPUs
         generation.finish_generation()
-    policy.finish_setup(pending if pending is not None else policy.begin_setup(policy_kwargs))
+    if pending is None:
+        pending = policy.begin_setup(policy_kwargs)
+    policy.finish_setup(pending)
     return policy, generation

@@ -7,6 +7,7 @@ driver's part of a tensor-parallel vLLM engine's placement runs here; the GPU te
 """
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -43,48 +44,43 @@ def _start(pg, plan, cfg, tok):
         torch_threads=1)
 
 
-def test_colocated_two_gpu_engine_runs_on_the_gpus_of_policy_ranks_0_and_1(ray_two_gpus, tiny_cfg):
-    cfg = tiny_cfg("policy.data_parallel_size=2")
+@contextmanager
+def _started(cfg, plan):
+    """``start_groups`` on a placement group of ``plan``; yields (policy, generation, tokenizer), then shuts all down."""
     tok = load_tokenizer(cfg.policy.model_name)
-    plan = plan_cluster(2, use_gpu=True, colocated=True, engine_gpus=2)
     pg = create_placement_group(plan)
     try:
         policy, generation = _start(pg, plan, cfg, tok)
         try:
-            ranks = ray.get([w.gpu_ids.remote() for w in policy.workers])
-            assert sorted(ranks) == [["0"], ["1"]]
-            # rank 0's GPU first: the engine's cuda:0, where the refit converts, is the GPU its actor shares
-            assert ray.get(generation.worker.cuda_visible_devices.remote()) == f"{ranks[0][0]},{ranks[1][0]}"
-            assert policy.gpu_ids([1, 0]) == [ranks[1][0], ranks[0][0]]
-            prompts = [tok.encode(f"Q: What is {i} + {i}?\n", add_special_tokens=False) for i in range(2)]
-            out = generation.generate(prompts, SamplingParams(max_new_tokens=3, greedy=True))
-            batch = TrainBatch(out.token_ids, out.prompt_lengths, out.response_lengths, torch.zeros(2),
-                               out.generation_logprobs)
-            assert policy.get_logprobs(batch).shape == out.token_ids.shape  # the policy backends were built too
+            yield policy, generation, tok
         finally:
             generation.shutdown()
             policy.shutdown()
     finally:
         pg.remove()
+
+
+def test_colocated_two_gpu_engine_runs_on_the_gpus_of_policy_ranks_0_and_1(ray_two_gpus, tiny_cfg):
+    cfg = tiny_cfg("policy.data_parallel_size=2")
+    with _started(cfg, plan_cluster(2, use_gpu=True, colocated=True, engine_gpus=2)) as (policy, generation, tok):
+        ranks = ray.get([w.gpu_ids.remote() for w in policy.workers])
+        assert sorted(ranks) == [["0"], ["1"]]
+        # rank 0's GPU first: the engine's cuda:0, where the refit converts, is the GPU its actor shares
+        assert ray.get(generation.worker.cuda_visible_devices.remote()) == f"{ranks[0][0]},{ranks[1][0]}"
+        assert policy.gpu_ids([1, 0]) == [ranks[1][0], ranks[0][0]]
+        prompts = [tok.encode(f"Q: What is {i} + {i}?\n", add_special_tokens=False) for i in range(2)]
+        out = generation.generate(prompts, SamplingParams(max_new_tokens=3, greedy=True))
+        batch = TrainBatch(out.token_ids, out.prompt_lengths, out.response_lengths, torch.zeros(2),
+                           out.generation_logprobs)
+        assert policy.get_logprobs(batch).shape == out.token_ids.shape  # the policy backends were built too
 
 
 def test_one_gpu_engine_keeps_the_gpu_ray_gave_it(ray_two_gpus, tiny_cfg):
     """``engine_gpus=1``: no ids are asked for, the engine actor keeps Ray's ``CUDA_VISIBLE_DEVICES``
     (rank 0's GPU, which it shares)."""
-    cfg = tiny_cfg()
-    tok = load_tokenizer(cfg.policy.model_name)
-    plan = plan_cluster(1, use_gpu=True, colocated=True)
-    pg = create_placement_group(plan)
-    try:
-        policy, generation = _start(pg, plan, cfg, tok)
-        try:
-            (rank0,) = ray.get([w.gpu_ids.remote() for w in policy.workers])
-            assert ray.get(generation.worker.cuda_visible_devices.remote()) == rank0[0]
-        finally:
-            generation.shutdown()
-            policy.shutdown()
-    finally:
-        pg.remove()
+    with _started(tiny_cfg(), plan_cluster(1, use_gpu=True, colocated=True)) as (policy, generation, _):
+        (rank0,) = ray.get([w.gpu_ids.remote() for w in policy.workers])
+        assert ray.get(generation.worker.cuda_visible_devices.remote()) == rank0[0]
 
 
 @pytest.mark.parametrize("use_gpu", [True, False], ids=["gpus", "cpu"])
@@ -115,16 +111,8 @@ def test_policy_builds_after_the_engines_sleep_on_gpus_and_beside_them_on_cpu(ra
     monkeypatch.setattr(wg.PolicyGroup, "begin_setup", begin)
     monkeypatch.setattr(wg.GenerationGroup, "start", staticmethod(start))
     monkeypatch.setattr(wg.GenerationGroup, "finish_generation", sleep)
-    cfg = tiny_cfg()
-    tok = load_tokenizer(cfg.policy.model_name)
-    plan = plan_cluster(1, use_gpu=use_gpu, colocated=True)
-    pg = create_placement_group(plan)
-    try:
-        policy, generation = _start(pg, plan, cfg, tok)
-        generation.shutdown()
-        policy.shutdown()
-    finally:
-        pg.remove()
+    with _started(tiny_cfg(), plan_cluster(1, use_gpu=use_gpu, colocated=True)):
+        pass
     if use_gpu:
         assert order == ["engines start", "engines ready", "engines asleep", "policy setup"]
     else:
