@@ -45,6 +45,16 @@ recipe gains before our step adds log-probs, the loss, gradient sync and the opt
 
     python tools/bench_train.py --workload rl --shapes dense --recipes bf16,e4m3-tensorwise,e4m3-blockwise
 
+``--tp N`` runs each ``--workload rl`` child as N ranks (``torch.distributed.run``; one GPU each, the first N visible)
+in megatron-core tensor parallel N with sequence parallelism, the layout of the 8B configs (add
+``@activation_checkpointing=true`` to a recipe for their recompute); ``--rl-train-mb-tokens`` sets the packed
+``train_mb_tokens``, ``--rl-packing packed`` leaves the unpacked children out, and ``--profile-dir DIR`` profiles one
+more training call per child after the timed ones (``nemo_fp8.utils.profiling``: a table per rank in
+``DIR/<shape>-<recipe>-<packed|unpacked>``):
+
+    python tools/bench_train.py --workload rl --shapes dense --tp 2 --rl-packing packed --rl-train-mb-tokens 8192 \
+        --recipes bf16@activation_checkpointing=true,e4m3-blockwise@activation_checkpointing=true --profile-dir prof
+
 Recipes: ``bf16``, ``{e4m3,hybrid}-{tensorwise,blockwise}``, suffix ``+param`` for ``fp8_param``,
 then any ``@key=value``: a ``policy.megatron_cfg`` key of ours (``bf16@fuse_wgrad_accumulation=false``) or
 a ``megatron_cfg.override_transformer_config`` attribute (``e4m3-blockwise@moe_router_padding_for_quantization=true``).
@@ -278,14 +288,16 @@ RL_PACKING = dict(enabled=True, algorithm="modified_first_fit_decreasing", train
 
 
 def rl_policy_cfg(a, recipe: str, packed: bool):
-    """The ``PolicyConfig`` of one ``--workload rl`` child (validated: bad packing budgets fail here, in the parent)."""
+    """The ``PolicyConfig`` of one ``--workload rl`` child (validated: bad packing budgets fail here, in the parent):
+    ``--tp`` ranks of tensor parallelism (sequence parallel above 1), one data-parallel rank."""
     from nemo_fp8.policy.config import PolicyConfig
 
+    layout = {"tensor_model_parallel_size": a.tp, "sequence_parallel": a.tp > 1}
     return PolicyConfig(model_name=a.model or "unused", precision="bfloat16", device="cuda",
                         train_global_batch_size=a.rl_responses, train_micro_batch_size=1, logprob_batch_size=2,
                         max_total_sequence_length=a.rl_prompt + a.rl_response_max,
-                        megatron_cfg=recipe_megatron_cfg(recipe, a.logprob_kernel),
-                        sequence_packing={**RL_PACKING, "enabled": packed},
+                        megatron_cfg={**layout, **recipe_megatron_cfg(recipe, a.logprob_kernel)},
+                        sequence_packing={**RL_PACKING, "enabled": packed, "train_mb_tokens": a.rl_train_mb_tokens},
                         generation={"vllm_cfg": {"precision": "fp8"}})
 
 
@@ -315,7 +327,9 @@ def run_rl_child(a) -> dict:
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend
 
     cfg = rl_policy_cfg(a, a.recipe, a.packed)
-    be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
+    rank = int(os.environ.get("RANK", "0"))  # --tp > 1: one of torch.distributed.run's ranks, one GPU each
+    be = MegatronPolicyBackend(cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), rank=rank,
+                               world_size=a.tp, dist_init_method="env://" if a.tp > 1 else None, load_weights=False)
     batch = rl_batch(a, QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"])
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     lp_s, train_s, metrics = [], [], {}
@@ -331,6 +345,8 @@ def run_rl_child(a) -> dict:
         if r >= a.warmup:
             lp_s.append(t1 - t0)
             train_s.append(time.perf_counter() - t1)
+    if os.environ.get("NEMO_FP8_PROFILE_DIR"):  # one more call, the profiled one (NEMO_FP8_PROFILE_TRAIN_CALL)
+        be.train(batch, loss_fn)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     raw_ms = None
     if a.packed:  # the engine's own ceiling on this GPU, in the same child: one micro-batch of train_mb_tokens tokens
@@ -340,7 +356,8 @@ def run_rl_child(a) -> dict:
         be.model.train()
         fn = raw_fb(be.model, ids, torch.arange(t, device=be.device)[None], torch.roll(ids, -1, dims=1))
         raw_ms = timed_interleaved({"raw": fn}, a.steps, a.warmup)["raw"] * 1e3
-    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, logprobs_s=med(lp_s), train_s=med(train_s), raw_ms=raw_ms,
+    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, tp=a.tp, train_mb_tokens=cfg.sequence_packing.train_mb_tokens,
+               logprobs_s=med(lp_s), train_s=med(train_s), raw_ms=raw_ms,
                step_s=med([x + y for x, y in zip(lp_s, train_s)]), micro_batches=metrics.get("micro_batches"),
                packing_efficiency=metrics.get("packing_efficiency"),
                tokens=int((batch.prompt_lengths + batch.response_lengths).sum()),
@@ -418,6 +435,12 @@ def main() -> int:
     p.add_argument("--rl-prompt", type=int, default=512)
     p.add_argument("--rl-response-min", type=int, default=256)
     p.add_argument("--rl-response-max", type=int, default=3072)
+    p.add_argument("--rl-train-mb-tokens", type=int, default=RL_PACKING["train_mb_tokens"],
+                   help="packed children's policy.sequence_packing.train_mb_tokens (%(default)s)")
+    p.add_argument("--rl-packing", choices=["both", "packed"], default="both",
+                   help="rl children: unpacked and packed (both) or packed only")
+    p.add_argument("--tp", type=int, default=1, help="rl children: tensor-parallel ranks (GPUs) each, sequence parallel")
+    p.add_argument("--profile-dir", help="rl children: profile one more training call into DIR/<child>")
     p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -427,8 +450,14 @@ def main() -> int:
     if a.micro_batches < 1:
         p.error(f"--micro-batches must be >= 1, got {a.micro_batches}")
     if a.child:
-        print("RESULT " + json.dumps(run_rl_child(a) if a.workload == "rl" else run_child(a)), flush=True)
+        out = run_rl_child(a) if a.workload == "rl" else run_child(a)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(out), flush=True)
         return 0
+    if a.workload != "rl" and (a.tp != 1 or a.profile_dir):
+        p.error("--tp and --profile-dir are options of --workload rl")
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
     recipes = a.recipes.split(",")
     from nemo_fp8.policy.config import MegatronConfig
 
@@ -448,21 +477,34 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in a.shapes.split(","):
             model = write_config(shape, Path(tmp))
-            for recipe, packed in [(r, pk) for r in recipes for pk in ((False, True) if a.workload == "rl" else (False,))]:
-                cmd = [sys.executable, __file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
+            layouts = {"both": (False, True), "packed": (True,)}[a.rl_packing] if a.workload == "rl" else (False,)
+            for recipe, packed in [(r, pk) for r in recipes for pk in layouts]:
+                launch = [sys.executable] if a.tp == 1 else [  # rank 0's output only: it prints the row
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.tp}",
+                    "--local-ranks-filter=0"]
+                cmd = launch + [__file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
                        "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
                        "--warmup", str(a.warmup), "--micro-batches", str(a.micro_batches),
                        "--logprob-kernel", a.logprob_kernel, "--profile", str(a.profile), "--workload", a.workload,
                        "--rl-responses", str(a.rl_responses), "--rl-prompt", str(a.rl_prompt),
-                       "--rl-response-min", str(a.rl_response_min), "--rl-response-max", str(a.rl_response_max)]
+                       "--rl-response-min", str(a.rl_response_min), "--rl-response-max", str(a.rl_response_max),
+                       "--rl-train-mb-tokens", str(a.rl_train_mb_tokens), "--tp", str(a.tp)]
                 cmd += ["--packed"] if packed else []
+                env = os.environ.copy()
+                if a.profile_dir:
+                    name = f"{shape}-{recipe}-{'packed' if packed else 'unpacked'}".replace("@", "_").replace("=", "-")
+                    env.update(NEMO_FP8_PROFILE_DIR=str(Path(a.profile_dir) / name),
+                               NEMO_FP8_PROFILE_TRAIN_CALL=str(a.warmup + a.steps + 1))
                 try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=os.environ.copy())
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
                     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                     if line:
                         rows.append(json.loads(line[-1][7:]))
                     else:
-                        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                        lines = (proc.stderr or proc.stdout).strip().splitlines()
+                        # torch.distributed.run ends with its own summary: the rank's exception line tells more
+                        errors = [x for x in lines if ("Error: " in x or "Exception: " in x) and "ChildFailedError" not in x]
+                        tail = errors[-1:] if a.tp > 1 and errors else lines[-3:]
                         rows.append(dict(shape=shape, recipe=recipe, packed=packed, error=" | ".join(tail)[-400:]))
                 except subprocess.TimeoutExpired:
                     rows.append(dict(shape=shape, recipe=recipe, packed=packed, error=f"timeout {a.timeout}s"))
@@ -470,7 +512,9 @@ def main() -> int:
     if a.workload == "rl":
         print(f"bench_train --workload rl: {a.rl_responses} sequences of {a.rl_prompt} prompt + "
               f"{a.rl_response_min}..{a.rl_response_max} response tokens, one step = get_logprobs + train (one "
-              f"optimizer step, {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
+              f"optimizer step, {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up; "
+              f"tensor parallel {a.tp}{' + sequence parallel' if a.tp > 1 else ''}, packed train_mb_tokens "
+              f"{a.rl_train_mb_tokens}")
         print_rl_table(rows)
     else:
         print(f"bench_train: {a.batch} x {a.seq_len} tokens per micro-batch, {a.micro_batches} micro-batches per "

@@ -31,13 +31,18 @@ from tests.gpu.helpers import (decode_engine_params, fused_fp8_reference, prompt
 
 CPU = torch.device("cpu")
 LAYERS = (0, 3)
+# The first case runs the engines as the trainer does (torch.compile + CUDA graphs: the refit must write into the
+# tensors the captured graphs read); the others check their transport and layout in eager mode, which starts in
+# a fraction of the time (vLLM's compile and graph capture take most of a start)
+EAGER = "policy.generation.vllm_cfg.enforce_eager=true"
 CASES = {  # id: (overrides, engines, GPUs per engine)
     "tp1x4_object_store": (["policy.data_parallel_size=4"], 4, 1),
-    "tp1x4_cuda_ipc": (["policy.data_parallel_size=4", "policy.weight_sync.method=cuda_ipc"], 4, 1),
-    "tp2x2_object_store": (["policy.data_parallel_size=4", "policy.generation.vllm_cfg.tensor_parallel_size=2"], 2, 2),
+    "tp1x4_cuda_ipc": (["policy.data_parallel_size=4", "policy.weight_sync.method=cuda_ipc", EAGER], 4, 1),
+    "tp2x2_object_store": (["policy.data_parallel_size=4", "policy.generation.vllm_cfg.tensor_parallel_size=2", EAGER],
+                           2, 2),
     "tp1x2_nccl_own_gpus": (["policy.data_parallel_size=1", "policy.weight_sync.method=nccl",
                              "policy.generation.colocated.enabled=false",
-                             "policy.generation.colocated.resources.gpus_per_node=2"], 2, 1),
+                             "policy.generation.colocated.resources.gpus_per_node=2", EAGER], 2, 1),
 }
 
 

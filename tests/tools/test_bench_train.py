@@ -103,13 +103,19 @@ def test_rl_workload_batch_configs_and_table(capsys):
     import argparse
 
     a = argparse.Namespace(model=None, rl_responses=64, rl_prompt=512, rl_response_min=256, rl_response_max=3072,
-                           logprob_kernel="fused")
+                           logprob_kernel="fused", tp=1, rl_train_mb_tokens=4096)
     batch = bt.rl_batch(a, vocab=1000).validate()
     assert batch.size == 64 and (batch.prompt_lengths == 512).all()
     assert 256 <= int(batch.response_lengths.min()) and int(batch.response_lengths.max()) <= 3072
     packed, plain = bt.rl_policy_cfg(a, "e4m3-blockwise", True), bt.rl_policy_cfg(a, "e4m3-blockwise", False)
     assert packed.sequence_packing.enabled and not plain.sequence_packing.enabled
     assert (packed.sequence_packing.train_mb_tokens, packed.sequence_packing.logprob_mb_tokens) == (4096, 16384)
+    assert packed.megatron_cfg.tensor_model_parallel_size == 1 and not packed.megatron_cfg.sequence_parallel
+    a.tp, a.rl_train_mb_tokens = 2, 8192  # the 8B configs' layout, the budget of the command line
+    wide = bt.rl_policy_cfg(a, "e4m3-blockwise@activation_checkpointing=true", True)
+    assert wide.megatron_cfg.tensor_model_parallel_size == 2 and wide.megatron_cfg.sequence_parallel
+    assert wide.megatron_cfg.activation_checkpointing and wide.sequence_packing.train_mb_tokens == 8192
+    a.tp, a.rl_train_mb_tokens = 1, 4096
     a.rl_response_max = 5000  # a sequence no 4096-token bin holds: refused before any child
     with pytest.raises(ValueError, match="train_mb_tokens"):
         bt.rl_policy_cfg(a, "bf16", True)

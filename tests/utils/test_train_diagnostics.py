@@ -49,6 +49,21 @@ def test_profiler_writes_the_profiled_calls_table_only(monkeypatch, tmp_path):
     _steps(monkeypatch, tmp_path, call=3, env_call="3")
     table = (tmp_path / "train_call3_rank1.txt").read_text()
     assert "aten::mm" in table and "aten::tanh" in table
+    head, by_device, by_cpu = table.split("\n# by ")
+    assert head.startswith("window: 2 micro-batches, wall ") and float(head.split("wall ")[1].split(" s")[0]) >= 0
+    assert by_cpu.startswith("self_cpu_time_total") and "aten::mm" in by_cpu
+    assert not list(tmp_path.glob("*.json.gz"))  # the trace is opt-in
+
+
+def test_profiler_writes_the_chrome_trace_on_request(monkeypatch, tmp_path):
+    import gzip
+    import json
+
+    monkeypatch.setenv("NEMO_FP8_PROFILE_TRACE", "1")
+    _steps(monkeypatch, tmp_path, call=3, env_call="3")
+    trace = json.loads(gzip.open(tmp_path / "train_call3_rank1.json.gz").read())
+    assert any(ev.get("name") == "aten::tanh" for ev in trace["traceEvents"])
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["train_call3_rank1.json.gz", "train_call3_rank1.txt"]
 
 
 def test_profiler_is_off_without_its_directory(monkeypatch, tmp_path):
