@@ -116,6 +116,15 @@ def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypa
                                      {"GPU-aaa": ("args", 3), "GPU-bbb": ("args", 5)}]
     with pytest.raises(ValueError, match="not both"):
         send_weights_ipc(tensors, update, RefitPlan(set()), devices=[cpu, cpu], device=cpu)
+    # one GPU: the same updates with one handle per tensor, sent by this call itself. vLLM's own sender
+    # (IPCWeightTransferEngine.trainer_send_weights, absent from the stand-in) sends from torch.distributed's
+    # rank 0 only: with one engine per data-parallel rank, engines 1.. were never refit
+    uuids = iter(["GPU-ccc"])
+    updates.clear()
+    update_one = lambda payload: updates.append(payload["update_info"])  # noqa: E731
+    assert send_weights_ipc(tensors, update_one, RefitPlan(set()), bucket_bytes=64, device=cpu) == 3
+    assert [u["names"] for u in updates] == [["a.weight"], ["b.weight", "model.layers.0.self_attn.k_scale"]]
+    assert [list(h) for u in updates for h in u["ipc_handles"]] == [["GPU-ccc"]] * 3
 
 
 def test_bf16_engine_has_no_quantization():

@@ -16,21 +16,22 @@ checkpoint:
 * FP8 KV scales ``model.layers.{i}.self_attn.{q,k,v}_scale`` -> fp32 scalars, unchanged;
 * everything else -> bf16 (the engine's dtype).
 
-Transports (``send_weights``): CUDA IPC when trainer and engine share the GPU (vLLM 0.22
-``IPCWeightTransferEngine.trainer_send_weights`` with a callable ``send_mode`` that calls
-``LLM.update_weights``), NCCL broadcast when not (``NCCLWeightTransferEngine``: once, the trainer's
+Transports (``send_weights``): CUDA IPC when trainer and engine share the GPU (the update info of vLLM
+0.22's ``IPCWeightTransferEngine``, handed to ``LLM.update_weights`` per bucket), NCCL broadcast when not (``NCCLWeightTransferEngine``: once, the trainer's
 ``nccl_trainer_init`` and the engine's ``LLM.init_weight_transfer_engine(nccl_init_info(...))`` form one
 group, trainer rank 0 and the engine's workers ranks 1..n; then ``send_weights_nccl`` per bucket, the
 engine side told names/dtypes/shapes first). Both are bracketed by ``start_weight_update`` /
 ``finish_weight_update``, which run vLLM's layerwise reload: weights are loaded in place
 (data pointers unchanged, CUDA graphs stay valid).
 
-A tensor-parallel engine (``send_weights_ipc(..., devices=[cuda:0, ..., cuda:n-1])``, the GPUs of
-its n workers as the sending process sees them): vLLM 0.22's IPC engine gives each worker the
-handle keyed by its own GPU's UUID (``receive_weights``), and every worker loads the FULL tensor
-and keeps its shard (the model's ``load_weights``). So each converted tensor is copied to every
-device and one update carries, per tensor, a ``{uuid: rebuild args}`` dict with all n GPUs
-(``merge_ipc_handles``): what vLLM's own multi-rank trainer path builds with an all-gather.
+vLLM 0.22's IPC engine gives each worker the handle keyed by its own GPU's UUID (``receive_weights``). A
+tensor-parallel engine (``send_weights_ipc(..., devices=[cuda:0, ..., cuda:n-1])``, the GPUs of its n workers
+as the sending process sees them): every worker loads the FULL tensor and keeps its shard (the model's
+``load_weights``). So each converted tensor is copied to every device and one update carries, per tensor, a
+``{uuid: rebuild args}`` dict with all n GPUs (``merge_ipc_handles``): what vLLM's own multi-rank trainer path
+builds with an all-gather. That path (``IPCWeightTransferEngine.trainer_send_weights``) is not used, for one GPU
+either: in a process with a ``torch.distributed`` group of several ranks (every data-parallel policy rank) it
+all-gathers the handles and only rank 0 sends, so with one engine per rank only engine 0 would be refit.
 """
 
 from __future__ import annotations
@@ -290,30 +291,22 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
     ``devices`` (a tensor-parallel engine, its workers' n GPUs as this process numbers them, e.g.
     ``cuda:0 .. cuda:n-1``): each bucket is converted on ``devices[0]`` and copied to the others, and one
     update per bucket carries every copy's handle keyed by its GPU's UUID (module docstring); every copy
-    lives until ``update_fn`` returns. One device (or None) takes vLLM's
-    ``IPCWeightTransferEngine.trainer_send_weights`` as before.
+    lives until ``update_fn`` returns. Each call sends on its own, whatever ``torch.distributed`` group this
+    process is in (each data-parallel rank refits its own engine; module docstring).
 
     Raises:
         ValueError: both ``device`` and ``devices``; ``devices`` naming one GPU twice (``merge_ipc_handles``).
     """
     if devices is not None and device is not None:
         raise ValueError("send_weights_ipc: pass device (one-GPU engine) or devices (tensor-parallel), not both")
-    if devices is not None and len(devices) > 1:
-        return _send_weights_ipc_tp(named_tensors, update_fn, plan, bucket_bytes, list(devices))
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-
-    device = device or (devices[0] if devices else torch.device("cuda", torch.cuda.current_device()))
-    n = 0
-    for bucket in _buckets(plan.convert_all(named_tensors, device), bucket_bytes):
-        IPCWeightTransferEngine.trainer_send_weights(
-            iter(bucket), {"send_mode": lambda info: update_fn({"update_info": asdict(info)})})
-        n += len(bucket)
-    return n
+    if not devices:
+        devices = [device or torch.device("cuda", torch.cuda.current_device())]
+    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices))
 
 
-def _send_weights_ipc_tp(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
-                         plan: RefitPlan, bucket_bytes: int, devices: list[torch.device]) -> int:
-    """``send_weights_ipc`` into a tensor-parallel engine: every bucket on every device (see there)."""
+def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
+                              plan: RefitPlan, bucket_bytes: int, devices: list[torch.device]) -> int:
+    """``send_weights_ipc`` into an engine of ``len(devices)`` GPUs: every bucket on every device (see there)."""
     from torch.multiprocessing.reductions import reduce_tensor
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
