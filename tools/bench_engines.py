@@ -64,8 +64,12 @@ def step_prompts(num_prompts: int, samples: int, input_len: int, vocab: int, see
     return [p for p in distinct for _ in range(samples)]
 
 
-def bench(a, model: Path, num_engines: int) -> dict:
-    """One engine count: start, warm up, time one rollout, shut down; the row."""
+def bench(a, model: Path, num_engines: int, shares: tuple[int, ...] = ()) -> dict:
+    """One engine count: start, warm up, time one rollout, shut down; the row.
+
+    ``shares`` (one engine): also time the engine on ``1/n`` of the step's prompts for each ``n``, the load each
+    of ``n`` engines gets: ``share_tokens_per_s[n]``. ``n`` times that is what ``n`` engines reach if each runs
+    as fast as one engine on its share (the engine's own ceiling at that batch, measured in the same run)."""
     import torch
 
     from nemo_fp8.distributed.engines import GenerationGroup
@@ -95,6 +99,13 @@ def bench(a, model: Path, num_engines: int) -> dict:
             out = group.generate(prompts, SamplingParams(max_new_tokens=a.output_len, temperature=1.0, seed=7))
             seconds = time.perf_counter() - t0
             m = group.pop_engine_metrics()
+            share_tps = {}
+            for n in shares:  # the first prompts / n prompts: the same requests, a smaller batch
+                part = prompts[:len(prompts) // n]
+                t1 = time.perf_counter()
+                o = group.generate(part, SamplingParams(max_new_tokens=a.output_len, temperature=1.0, seed=7))
+                share_tps[n] = round(int(o.response_lengths.sum()) / (time.perf_counter() - t1), 1)
+            group.pop_engine_metrics()
         finally:
             group.shutdown()
     finally:
@@ -105,15 +116,25 @@ def bench(a, model: Path, num_engines: int) -> dict:
             "engine_start_s": round(start_s, 1),
             "engine_tokens": [int(m[f"generation/engine_{e}/tokens"]) for e in range(num_engines)],
             "engine_seconds": [round(m[f"generation/engine_{e}/seconds"], 3) for e in range(num_engines)],
-            "imbalance": round(m.get("generation/engine_imbalance", 1.0), 3)}
+            "imbalance": round(m.get("generation/engine_imbalance", 1.0), 3),
+            **({"share_tokens_per_s": share_tps} if share_tps else {})}
 
 
 def table(rows: list[dict]) -> str:
-    """The result table; ``x1`` is each row's tokens/s over the one-engine row's (or the first row's)."""
-    base = next((r for r in rows if r["engines"] == 1), rows[0])["tokens_per_s"]
-    lines = ["engines  tp  responses   tokens  seconds  tokens/s     x1  imbalance",
-             *[f"{r['engines']:>7} {r['tp']:>3} {r['responses']:>10} {r['tokens']:>8} {r['seconds']:>8.2f} "
-               f"{r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>6.2f} {r['imbalance']:>10.2f}" for r in rows]]
+    """The result table; ``x1`` is each row's tokens/s over the one-engine row's (or the first row's).
+
+    ``ceiling``: n engines' tokens/s if each ran as fast as the one engine did on its share of the step
+    (``n x share_tokens_per_s[n]`` over the one-engine row's, same run); ``of ceiling``: x1 / ceiling."""
+    one = next((r for r in rows if r["engines"] == 1), rows[0])
+    base, shares = one["tokens_per_s"], one.get("share_tokens_per_s", {})
+    lines = ["engines  tp  responses   tokens  seconds  tokens/s     x1  imbalance  ceiling  of ceiling"]
+    for r in rows:
+        share = shares.get(r["engines"]) or shares.get(str(r["engines"]))  # JSON keys are strings
+        ceiling = r["engines"] * share / base if share else None
+        lines.append(f"{r['engines']:>7} {r['tp']:>3} {r['responses']:>10} {r['tokens']:>8} {r['seconds']:>8.2f} "
+                     f"{r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / base:>6.2f} {r['imbalance']:>10.2f} "
+                     + (f"{ceiling:>8.2f} {r['tokens_per_s'] / base / ceiling:>11.2f}" if ceiling else
+                        f"{'-':>8} {'-':>11}"))
     return "\n".join(lines)
 
 
@@ -149,10 +170,11 @@ def main(argv=None) -> list[dict]:
     init_ray(None, None)
     rows = []
     try:
-        for i, n in enumerate(int(x) for x in a.engines.split(",")):
+        counts = [int(x) for x in a.engines.split(",")]
+        for i, n in enumerate(counts):
             if i and a.backend == "vllm":
                 time.sleep(10)  # the previous engines' processes end: their GPU memory returns before vLLM measures
-            rows.append(bench(a, model, n))
+            rows.append(bench(a, model, n, tuple(c for c in counts if c > 1) if n == 1 else ()))
             print(json.dumps(rows[-1]), flush=True)
             if a.out:
                 Path(a.out).write_text(json.dumps(rows, indent=1))

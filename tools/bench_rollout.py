@@ -241,6 +241,12 @@ def run_engine(a) -> dict:
         outs = llm.generate(reqs, sps, use_tqdm=False)
         dt = time.perf_counter() - t0
         res["rl_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+        if a.rl_unseeded:  # the same requests without their own seeds (vllm_cfg.seed_each_request: false)
+            for sp in sps:
+                sp.seed = None
+            t0 = time.perf_counter()
+            outs = llm.generate(reqs, sps, use_tqdm=False)
+            res["rl_unseeded_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
     if a.refit and p.fp8:
         res.update(bench_refit(llm, spec, a.model))
     return res
@@ -327,6 +333,9 @@ def parse_args(argv=None):
     ap.add_argument("--rl-prompts", type=int, default=64,
                     help="0: no RL-like workload (default: grpo_math_8B_megatron*.yaml's 64 prompts x 32 samples)")
     ap.add_argument("--rl-samples", type=int, default=32)
+    ap.add_argument("--rl-unseeded", action="store_true",
+                    help="also time the RL-like workload without per-request seeds (vllm_cfg.seed_each_request: "
+                         "false): vLLM's sampler draws seeded requests' noise one request at a time")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization of every engine")
     ap.add_argument("--gpu-mem-gib", type=float, default=None,
@@ -390,6 +399,8 @@ def run_child(a, model: Path, prec: str, timeout: int, refit: bool) -> dict:
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if refit:
         cmd.append("--refit")
+    if a.rl_unseeded:
+        cmd.append("--rl-unseeded")
     return child_result(cmd, prec, timeout)
 
 
@@ -444,6 +455,14 @@ def print_table(rows, a):
               f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "
               f"{r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}  {attn}")
+    unseeded = [r for r in rows if r.get("rl_unseeded_tok_s")]
+    if unseeded:
+        print("\nRL-like without per-request seeds (policy.generation.vllm_cfg.seed_each_request: false)")
+        print(f"{'model':6} {'precision':21} {'RL tok/s':>9} {'x seeded':>9} {'x bf16':>7}")
+        for r in unseeded:
+            b = ok.get((r["model"], "bf16"), {}).get("rl_unseeded_tok_s")
+            print(f"{r['model']:6} {r['precision']:21} {r['rl_unseeded_tok_s']:9.0f} "
+                  f"{r['rl_unseeded_tok_s'] / r['rl_tok_s']:9.3f} {r['rl_unseeded_tok_s'] / b if b else float('nan'):7.3f}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ class VllmConfig(StrictConfig):
         "n consecutive policy ranks when colocated, else GPUs of its own (nemo_fp8/distributed/placement.py)")
     max_model_len: Optional[int] = Field(None, ge=1)
     enforce_eager: bool = False
+    seed_each_request: bool = Field(
+        True, description="each sampled request carries its own seed (SamplingParams.seed, request_seed), so a "
+        "prompt's samples do not depend on which engine or batch serves it; vLLM 0.22's sampler then draws each "
+        "seeded request's noise in a Python loop, one kernel per request per decode step. false: the engine's seeded "
+        "generator draws the batch's noise at once (NeMo-RL's and verl's rollouts), reproducible for the same "
+        "engines and batches only")
 
     def config_errors(self) -> list[str]:
         errs = []

@@ -273,3 +273,32 @@ def test_trainer_builds_an_nccl_engine_for_weight_sync_nccl(backend, tmp_path):
     assert ipc.weight_transfer == "ipc"
     torch_engine = load_config("examples/configs/grpo_math_tiny_fp8.yaml", base)  # the torch engine takes no such key
     assert generation_spec(torch_engine, tok, None).weight_transfer is None
+
+
+def test_sampled_requests_carry_seeds_unless_seed_each_request_is_off(backend):
+    """``vllm_cfg.seed_each_request`` (default): every sampled request has its own seed (``request_seed``), so a
+    prompt's samples do not depend on the engine or batch; off: no request has one (vLLM draws the batch's noise
+    at once from the engine's generator); greedy requests never have one."""
+    from nemo_fp8.generation.interfaces import request_seed
+
+    def seeds(be, sampling, **kw):
+        sent = []
+
+        def record(prompts, params, use_tqdm=False):
+            sent.extend(params)
+            raise _Generated()
+
+        be.llm.generate = record
+        with pytest.raises(_Generated):
+            be.generate([[5, 6, 7], [8, 9]], sampling, **kw)
+        return [p["seed"] for p in sent]
+
+    sampled = SamplingParams(max_new_tokens=4, seed=11)
+    be = backend()
+    _refit(be, 0, scales=False)
+    assert seeds(be, sampled) == [request_seed(11, 0), request_seed(11, 1)]
+    assert seeds(be, sampled, request_seeds=[3, 4]) == [3, 4]  # the group's seeds for the prompts it sent here
+    assert seeds(be, SamplingParams(max_new_tokens=4, greedy=True)) == [None, None]
+    batch_seeded = backend(seed_each_request=False)
+    _refit(batch_seeded, 0, scales=False)
+    assert seeds(batch_seeded, sampled, request_seeds=[3, 4]) == [None, None]

@@ -72,3 +72,17 @@ def test_table_ratios_and_live_activation_scales(capsys):
     assert lines["fp8-deepgemm-fused"].split()[2:4] == ["12000", "1.200"] and "act=mixed" in lines["fp8-deepgemm-fused"]
     kv = lines["fp8-deepgemm-kv"].split()
     assert kv[2:5] == ["16100", "1.610", "1.400"] and kv[8:11] == ["1680000", "2.100", "2.000"]  # x bf16, x fp8-deepgemm
+
+
+def test_unseeded_rl_table_gives_the_cost_of_per_request_seeds(capsys):
+    """``--rl-unseeded``: the RL-like workload again without per-request seeds, its ratio to the seeded run of the
+    same engine and to BF16's unseeded run."""
+    a = SimpleNamespace(num_prompts=512, input_len=256, output_len=2048, rl_prompts=32, rl_samples=32, num_layers={})
+    base = {"model": "dense", "kv_tokens": 800000, "weight_gib": 15.3, "start_s": 60.0, "fixed_tok_s": 10000.0}
+    rows = [{**base, "precision": "bf16", "rl_tok_s": 8000.0, "rl_unseeded_tok_s": 10000.0, "engine": _engine("none")},
+            {**base, "precision": "fp8-deepgemm", "rl_tok_s": 8800.0, "rl_unseeded_tok_s": 12000.0,
+             "engine": _engine("pow2")}]
+    br.print_table(rows, a)
+    out = capsys.readouterr().out.split("RL-like without per-request seeds")[1]
+    unseeded = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
+    assert unseeded == {"bf16": ["10000", "1.250", "1.000"], "fp8-deepgemm": ["12000", "1.364", "1.200"]}

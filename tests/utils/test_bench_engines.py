@@ -21,5 +21,19 @@ def test_engine_counts_roll_out_the_same_tokens_and_report_each_engine(tiny_mode
     assert rows[0]["tokens"] == rows[1]["tokens"] > 0 and rows[0]["responses"] == 4  # same seeds: same rollout
     assert sum(rows[1]["engine_tokens"]) == rows[1]["tokens"] and min(rows[1]["engine_tokens"]) > 0
     assert "engines  tp  responses" in capsys.readouterr().out and out.is_file()
+    # the one engine also ran the 2-engine share (half the prompts): the ceiling column of the 2-engine row
+    assert list(rows[0]["share_tokens_per_s"]) == [2] and rows[0]["share_tokens_per_s"][2] > 0
+    assert "share_tokens_per_s" not in rows[1]
+
+
+def test_table_ceiling_is_n_engines_at_one_engines_share_speed():
+    rows = [dict(engines=1, tp=1, responses=512, tokens=512000, seconds=32.0, tokens_per_s=16000.0, imbalance=1.0,
+                 share_tokens_per_s={"2": 15000.0, "4": 14000.0}),  # read back from JSON: string keys
+            dict(engines=2, tp=1, responses=512, tokens=512000, seconds=16.0, tokens_per_s=32000.0, imbalance=1.0),
+            dict(engines=4, tp=1, responses=512, tokens=512000, seconds=9.4, tokens_per_s=54400.0, imbalance=1.04)]
+    last = be.table(rows).splitlines()[1:]
+    assert last[0].split()[-2:] == ["-", "-"]
+    assert last[1].split()[-3:] == ["1.00", "1.88", "1.07"]  # x1 2.00 of a 1.88 ceiling (the engine at half load)
+    assert last[2].split()[-3:] == ["1.04", "3.50", "0.97"]  # x1 3.40 of 4 x 14000 / 16000
     plan = be.engines_only_plan(4, 2, use_gpu=True)
     assert plan.required() == {"CPU": 4.0, "GPU": 8.0} and plan.num_engines == 4 and plan.policy_slots == []

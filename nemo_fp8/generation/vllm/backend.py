@@ -283,7 +283,9 @@ class VllmGenerationBackend:
         """One response per prompt (greedy or seeded sampling); returns a right-padded ``GenerationOutput``.
 
         ``request_seeds``: each request's ``SamplingParams.seed`` (default ``request_seed(sampling.seed, i)``, the
-        same seeds a one-engine call gets); ``chunk_sizes`` is ignored (vLLM schedules its own batches).
+        same seeds a one-engine call gets), unless ``vllm_cfg.seed_each_request`` is false: then no request has
+        a seed and vLLM samples the batch from its engine-seeded generator. ``chunk_sizes`` is ignored (vLLM
+        schedules its own batches).
 
         Raises:
             RuntimeError: a refit in progress or refused; ``kv_cache_dtype='fp8'`` and no KV
@@ -308,6 +310,7 @@ class VllmGenerationBackend:
             raise ValueError("generate: no prompts")
         from vllm import SamplingParams as VSP
 
+        seeded = not sampling.greedy and self.vllm_cfg.seed_each_request
         params = []
         for i, p in enumerate(prompt_token_ids):
             if not p or len(p) >= self.max_total_sequence_length:
@@ -316,8 +319,8 @@ class VllmGenerationBackend:
             params.append(VSP(
                 n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0, top_k=0,
                 max_tokens=min(sampling.max_new_tokens, self.max_total_sequence_length - len(p)),
-                seed=None if sampling.greedy else (int(request_seeds[i]) if request_seeds is not None
-                                                   else request_seed(sampling.seed, i)),
+                seed=None if not seeded else (int(request_seeds[i]) if request_seeds is not None
+                                              else request_seed(sampling.seed, i)),
                 logprobs=0, detokenize=False,
                 stop_token_ids=[self.eos_token_id, *sampling.stop_token_ids]))
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
