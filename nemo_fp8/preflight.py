@@ -214,18 +214,18 @@ def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None, host_b
     optimizer state in host memory against this machine's (``nemo_fp8.policy.megatron.memory``).
     Skipped without the megatron backend, a local safetensors checkpoint at ``policy.model_name`` or a
     GPU (``gpu_bytes`` None: ``gpu_total_bytes``; ``host_bytes`` None: ``host_total_bytes``)."""
-    from nemo_fp8.policy.megatron.memory import count_checkpoint_parameters, trainer_memory_errors
+    from nemo_fp8.policy.megatron.memory import checkpoint_parameter_counts, trainer_memory_errors
 
     if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
         return []
     try:
-        n = count_checkpoint_parameters(cfg.policy.model_name)
+        n, matrices = checkpoint_parameter_counts(cfg.policy.model_name)
     except FileNotFoundError:  # no local safetensors checkpoint (yet): nothing to estimate from
         return []
     except ValueError as e:
         return [f"policy.model_name: {e}"]
     gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
-    return trainer_memory_errors(cfg.policy, gpu_bytes, n, host_bytes) if gpu_bytes else []
+    return trainer_memory_errors(cfg.policy, gpu_bytes, n, host_bytes, matrices) if gpu_bytes else []
 
 
 def preflight(cfg: MasterConfig) -> None:

@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from nemo_fp8.config import load_config
-from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, count_checkpoint_parameters,
-                                             estimate_trainer_memory, trainer_memory_errors)
+from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, checkpoint_parameter_counts,
+                                             count_checkpoint_parameters, estimate_trainer_memory,
+                                             trainer_memory_errors)
 from nemo_fp8.preflight import check_trainer_memory
 
 QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint on the H200 (untied embeddings)
@@ -93,6 +94,46 @@ def test_count_checkpoint_parameters_reads_headers_of_every_shard(tmp_path):
         count_checkpoint_parameters(tmp_path)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         count_checkpoint_parameters(tmp_path / "nothing")
+
+
+QWEN3_8B_MATRICES = 36 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096)  # q, o, k, v, gate, up, down
+H100 = int(79.6 * GiB)  # torch's total_memory of one H100 80GB HBM3
+CONFIG_8B_FP8 = "examples/configs/grpo_math_8B_megatron_fp8.yaml"
+
+
+def test_fp8_weight_copies_count_and_refuse_tensor_parallel_1_of_8b_on_an_h100():
+    """TransformerEngine's rowwise + columnwise FP8 weights: 2 B per decoder-matrix parameter over tensor
+    parallelism. The mission layout (TP 2 x DP 2) fits an H100; TP 1 x DP 4 passes without the copies and is
+    refused with them (it would run out of memory in its first step), naming fp8_param. GPU memory only: the
+    4-GPU host's memory is not this test's (host_bytes 0)."""
+    four = ["cluster.gpus_per_node=4", "policy.data_parallel_size=2"]
+    tp2 = load_config(CONFIG_8B_FP8, four).policy
+    est = estimate_trainer_memory(QWEN3_8B, tp2, QWEN3_8B_MATRICES)
+    assert est.parts["fp8_weight_copies"] == QWEN3_8B_MATRICES  # 2 B / 2 ranks
+    assert (est.per_gpu - est.parts["fp8_weight_copies"]) / GiB == pytest.approx(45.8, abs=0.05)
+    assert est.per_gpu / GiB == pytest.approx(52.2, abs=0.05)  # the mission's FP8 trainer allocated 55.7 GiB
+    assert trainer_memory_errors(tp2, H100, QWEN3_8B, 0, QWEN3_8B_MATRICES) == []
+    tp1 = load_config(CONFIG_8B_FP8, [*four, "policy.megatron_cfg.tensor_model_parallel_size=1",
+                                      "policy.data_parallel_size=4"]).policy
+    assert trainer_memory_errors(tp1, H100, QWEN3_8B, 0) == []  # the state alone: 68.6 GiB + 7.8
+    (err,) = trainer_memory_errors(tp1, H100, QWEN3_8B, 0, QWEN3_8B_MATRICES)
+    assert "fp8_weight_copies 1.69" in err and "fp8_param=true" in err and "12.9 GiB per GPU" in err
+    assert trainer_memory_errors(tp1, H200, QWEN3_8B, 0, QWEN3_8B_MATRICES) == []
+    # no copies: BF16 training, or fp8_param (the weights themselves are FP8)
+    assert "fp8_weight_copies" not in estimate_trainer_memory(QWEN3_8B, _policy(), QWEN3_8B_MATRICES).parts
+    param = load_config(CONFIG_8B_FP8, [*four, "policy.megatron_cfg.fp8_cfg.fp8_param=true"]).policy
+    assert "fp8_weight_copies" not in estimate_trainer_memory(QWEN3_8B, param, QWEN3_8B_MATRICES).parts
+
+
+def test_checkpoint_counts_the_decoder_matrices_apart(tmp_path):
+    """The FP8-trained matrices: decoder layers' 2-D weights, not norms, MoE routers or embeddings."""
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4), "lm_head.weight": torch.zeros(10, 4),
+               "model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4),
+               "model.layers.0.self_attn.q_norm.weight": torch.zeros(4),
+               "model.layers.0.input_layernorm.weight": torch.zeros(4),
+               "model.layers.0.mlp.gate.weight": torch.zeros(2, 4),
+               "model.layers.0.mlp.experts.0.down_proj.weight": torch.zeros(4, 8)}, str(tmp_path / "m.safetensors"))
+    assert checkpoint_parameter_counts(tmp_path) == (40 + 40 + 16 + 4 + 4 + 8 + 32, 16 + 32)
 
 
 def test_preflight_refuses_a_trainer_bigger_than_the_gpu(tmp_path):

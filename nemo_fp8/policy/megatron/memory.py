@@ -27,6 +27,15 @@ Bytes per parameter, megatron-core 0.18's distributed optimizer with Transformer
   main params, fp32 moments and a pinned fp32 gradient copy in host memory (16 bytes each on the host),
   the rest fp32 main params + moments on the GPU (12) plus an fp32 copy of a 16-bit gradient (4).
 
+TransformerEngine's FP8 weight copies (FP8 training without ``fp8_param``): each FP8 linear keeps its weight
+quantized for the forward (rowwise) and for the backward's data gradient (columnwise) between micro-batches,
+2 bytes per parameter of the decoder layers' weight matrices (``checkpoint_parameter_counts``; embeddings, output
+layer, norms and MoE routers stay BF16), divided by tensor parallelism. On the 8B mission layout (tensor parallel
+2) the FP8 trainer's peak allocation was 55.7 GiB against this module's 45.8 GiB of state without them
+(``docs/results/2026-11-26-mission-8b-4gpu-fp8-profile/``); with them, 52.2 GiB, and the rest is activations. At
+tensor parallel 1 they are 12.9 GiB for Qwen3-8B: the layout that would otherwise pass on an 80 GB H100 and run out
+of memory in its first step.
+
 Host memory (``TrainerMemory.host``): the optimizer CPU offload's part, plus, when the engine is
 colocated, what the backend moves out of the GPU around every generation: the weights (megatron-core's
 pinned ``param_data_cpu``, ``offload_after_refit``; the gradient buffer is freed, not copied) and,
@@ -82,13 +91,16 @@ class TrainerMemory:
         return f"{total:g} B/param ({terms}) -> {self.per_gpu / GiB:.1f} GiB per GPU{host}"
 
 
-def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMemory:
+def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_params: int = 0) -> TrainerMemory:
     """Bytes per GPU of the megatron trainer's weights, gradients and optimizer state at the optimizer step.
 
     Args:
         num_parameters: the model's parameter count (``count_checkpoint_parameters``).
         cfg: the policy config (``megatron_cfg``: optimizer, DDP, ``fp8_param``, tensor parallel size;
             ``data_parallel_size``).
+        fp8_weight_params: parameters of the decoder layers' weight matrices (``checkpoint_parameter_counts``):
+            with FP8 training and no ``fp8_param``, TransformerEngine's FP8 copies of them count 2 bytes each
+            (``fp8_weight_copies``, module docstring); 0 leaves them out.
 
     Returns:
         TrainerMemory: per GPU; tensor parallelism divides everything, data parallelism the optimizer
@@ -121,6 +133,10 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig) -> TrainerMe
     shard = dp if o.use_distributed_optimizer else 1
     parts = {k: num_parameters / tp * v for k, v in per_param.items()}
     parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
+    copies = 2 * fp8_weight_params if m.fp8_cfg.enabled and not m.fp8_cfg.fp8_param else 0
+    if copies:  # rowwise + columnwise FP8 weights of every TE linear, kept between micro-batches
+        parts["fp8_weight_copies"] = copies / tp
+        per_param["fp8_weight_copies"] = copies / num_parameters
     moved = cfg.generation.colocated.moves_trainer_state  # to host around each generation (module docstring)
     arena = opt["moments"] if moved and not o.optimizer_cpu_offload else 0
     weights_out = per_param["weights"] if moved else 0
@@ -135,10 +151,27 @@ def count_checkpoint_parameters(model_dir: str | Path) -> int:
         FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
         ValueError: a file whose header is not safetensors (names the file).
     """
+    return checkpoint_parameter_counts(model_dir)[0]
+
+
+def _is_decoder_matrix(name: str, shape: list[int]) -> bool:
+    """A decoder layer's 2-D weight that TransformerEngine trains in FP8: not a norm, not an MoE router."""
+    return ".layers." in name and len(shape) == 2 and "norm" not in name and not name.endswith("mlp.gate.weight")
+
+
+def checkpoint_parameter_counts(model_dir: str | Path) -> tuple[int, int]:
+    """(all parameters, those of the decoder layers' weight matrices) of an HF checkpoint folder, from its
+    safetensors headers (no tensor is read). The second count is what FP8 training quantizes (the
+    ``fp8_weight_params`` of ``estimate_trainer_memory``).
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
+        ValueError: a file whose header is not safetensors (names the file).
+    """
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors file")
-    total = 0
+    total = matrices = 0
     for f in files:
         with open(f, "rb") as fh:
             raw = fh.read(8)
@@ -153,7 +186,8 @@ def count_checkpoint_parameters(model_dir: str | Path) -> int:
                 for d in meta["shape"]:
                     count *= d
                 total += count
-    return total
+                matrices += count if _is_decoder_matrix(name, meta["shape"]) else 0
+    return total, matrices
 
 
 # Share of the machine's memory the trainer's state in host memory may take: the rest is for Ray's object store,
@@ -172,7 +206,7 @@ def host_total_bytes() -> int:
 
 
 def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int,
-                          host_bytes: int | None = None) -> list[str]:
+                          host_bytes: int | None = None, fp8_weight_params: int = 0) -> list[str]:
     """One line when the trainer's state at the optimizer step plus ``NON_TORCH_BYTES`` exceeds ``gpu_bytes``,
     and one when its host part (``TrainerMemory.host``, all local ranks: the optimizer CPU offload and what
     leaves the GPU around a colocated generation) exceeds ``HOST_OFFLOAD_SHARE`` of ``host_bytes`` (None:
@@ -184,7 +218,7 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     vLLM engine wakes beside the trainer's whole state: its ``gpu_memory_utilization`` share of the GPU is
     counted too.
     """
-    est = estimate_trainer_memory(num_parameters, cfg)
+    est = estimate_trainer_memory(num_parameters, cfg, fp8_weight_params)
     errs = []
     host_bytes = host_total_bytes() if host_bytes is None else host_bytes
     host_need = est.host * cfg.world_size
@@ -215,6 +249,9 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     if est.bytes_per_param.get("unscaled_moments"):
         hints.append("16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) save memory between steps but TransformerEngine's "
                      "FusedAdam unscales them all to fp32 during the step")
+    if est.parts.get("fp8_weight_copies"):
+        hints.append(f"fp8_cfg.fp8_param=true keeps the weights in FP8 instead of BF16 weights plus TransformerEngine's "
+                     f"FP8 copies ({est.parts['fp8_weight_copies'] / GiB:.1f} GiB per GPU)")
     if not m.optimizer.optimizer_cpu_offload or m.optimizer.optimizer_offload_fraction < 1:
         hints.append("optimizer.optimizer_cpu_offload=true with a larger optimizer_offload_fraction (and "
                      "use_precision_aware_optimizer=true) moves Adam's state to host memory")
