@@ -460,9 +460,9 @@ def print_table(rows, a):
         print("\nRL-like without per-request seeds (policy.generation.vllm_cfg.seed_each_request: false)")
         print(f"{'model':6} {'precision':21} {'RL tok/s':>9} {'x seeded':>9} {'x bf16':>7}")
         for r in unseeded:
-            b = ok.get((r["model"], "bf16"), {}).get("rl_unseeded_tok_s")
-            print(f"{r['model']:6} {r['precision']:21} {r['rl_unseeded_tok_s']:9.0f} "
-                  f"{r['rl_unseeded_tok_s'] / r['rl_tok_s']:9.3f} {r['rl_unseeded_tok_s'] / b if b else float('nan'):7.3f}")
+            tps, b = r["rl_unseeded_tok_s"], ok.get((r["model"], "bf16"), {}).get("rl_unseeded_tok_s")
+            print(f"{r['model']:6} {r['precision']:21} {tps:9.0f} {tps / r['rl_tok_s']:9.3f} "
+                  f"{tps / b if b else float('nan'):7.3f}")
 
 
 if __name__ == "__main__":

@@ -356,8 +356,9 @@ def run_rl_child(a) -> dict:
         be.model.train()
         fn = raw_fb(be.model, ids, torch.arange(t, device=be.device)[None], torch.roll(ids, -1, dims=1))
         raw_ms = timed_interleaved({"raw": fn}, a.steps, a.warmup)["raw"] * 1e3
-    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, tp=a.tp, train_mb_tokens=cfg.sequence_packing.train_mb_tokens,
-               logprobs_s=med(lp_s), train_s=med(train_s), raw_ms=raw_ms,
+    out = dict(shape=a.shape, recipe=a.recipe, packed=a.packed, tp=a.tp,
+               train_mb_tokens=cfg.sequence_packing.train_mb_tokens, logprobs_s=med(lp_s), train_s=med(train_s),
+               raw_ms=raw_ms,
                step_s=med([x + y for x, y in zip(lp_s, train_s)]), micro_batches=metrics.get("micro_batches"),
                packing_efficiency=metrics.get("packing_efficiency"),
                tokens=int((batch.prompt_lengths + batch.response_lengths).sum()),
@@ -439,7 +440,8 @@ def main() -> int:
                    help="packed children's policy.sequence_packing.train_mb_tokens (%(default)s)")
     p.add_argument("--rl-packing", choices=["both", "packed"], default="both",
                    help="rl children: unpacked and packed (both) or packed only")
-    p.add_argument("--tp", type=int, default=1, help="rl children: tensor-parallel ranks (GPUs) each, sequence parallel")
+    p.add_argument("--tp", type=int, default=1,
+                   help="rl children: tensor-parallel ranks (GPUs) each, with sequence parallelism")
     p.add_argument("--profile-dir", help="rl children: profile one more training call into DIR/<child>")
     p.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -503,7 +505,8 @@ def main() -> int:
                     else:
                         lines = (proc.stderr or proc.stdout).strip().splitlines()
                         # torch.distributed.run ends with its own summary: the rank's exception line tells more
-                        errors = [x for x in lines if ("Error: " in x or "Exception: " in x) and "ChildFailedError" not in x]
+                        errors = [x for x in lines
+                                  if ("Error: " in x or "Exception: " in x) and "ChildFailedError" not in x]
                         tail = errors[-1:] if a.tp > 1 and errors else lines[-3:]
                         rows.append(dict(shape=shape, recipe=recipe, packed=packed, error=" | ".join(tail)[-400:]))
                 except subprocess.TimeoutExpired:

@@ -51,7 +51,8 @@ class TrainProfiler:
 
         events = prof.key_averages()
         # kernels only: torch's table total leaves out GPU-side annotations (``ProfilerStep*``, ``nccl:coalesced``)
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        kernels = [e for e in events
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6
         nccl_s = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
         head = (f"window: {self._recorded} micro-batches, wall {self._wall:.3f} s, GPU kernels {gpu_s:.3f} s "

@@ -17,12 +17,12 @@ checkpoint:
 * everything else -> bf16 (the engine's dtype).
 
 Transports (``send_weights``): CUDA IPC when trainer and engine share the GPU (the update info of vLLM
-0.22's ``IPCWeightTransferEngine``, handed to ``LLM.update_weights`` per bucket), NCCL broadcast when not (``NCCLWeightTransferEngine``: once, the trainer's
-``nccl_trainer_init`` and the engine's ``LLM.init_weight_transfer_engine(nccl_init_info(...))`` form one
-group, trainer rank 0 and the engine's workers ranks 1..n; then ``send_weights_nccl`` per bucket, the
-engine side told names/dtypes/shapes first). Both are bracketed by ``start_weight_update`` /
-``finish_weight_update``, which run vLLM's layerwise reload: weights are loaded in place
-(data pointers unchanged, CUDA graphs stay valid).
+0.22's ``IPCWeightTransferEngine``, handed to ``LLM.update_weights`` per bucket), NCCL broadcast when not
+(``NCCLWeightTransferEngine``: once, the trainer's ``nccl_trainer_init`` and the engine's
+``LLM.init_weight_transfer_engine(nccl_init_info(...))`` form one group, trainer rank 0 and the engine's
+workers ranks 1..n; then ``send_weights_nccl`` per bucket, the engine side told names/dtypes/shapes first).
+Both are bracketed by ``start_weight_update`` / ``finish_weight_update``, which run vLLM's layerwise reload:
+weights are loaded in place (data pointers unchanged, CUDA graphs stay valid).
 
 vLLM 0.22's IPC engine gives each worker the handle keyed by its own GPU's UUID (``receive_weights``). A
 tensor-parallel engine (``send_weights_ipc(..., devices=[cuda:0, ..., cuda:n-1])``, the GPUs of its n workers

@@ -250,8 +250,8 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
         hints.append("16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) save memory between steps but TransformerEngine's "
                      "FusedAdam unscales them all to fp32 during the step")
     if est.parts.get("fp8_weight_copies"):
-        hints.append(f"fp8_cfg.fp8_param=true keeps the weights in FP8 instead of BF16 weights plus TransformerEngine's "
-                     f"FP8 copies ({est.parts['fp8_weight_copies'] / GiB:.1f} GiB per GPU)")
+        hints.append(f"fp8_cfg.fp8_param=true keeps the weights in FP8 instead of BF16 weights plus "
+                     f"TransformerEngine's FP8 copies ({est.parts['fp8_weight_copies'] / GiB:.1f} GiB per GPU)")
     if not m.optimizer.optimizer_cpu_offload or m.optimizer.optimizer_offload_fraction < 1:
         hints.append("optimizer.optimizer_cpu_offload=true with a larger optimizer_offload_fraction (and "
                      "use_precision_aware_optimizer=true) moves Adam's state to host memory")
