@@ -11,6 +11,7 @@
 #   RUNS     which runs, in order (default "bf16 fp8 fp8kv"); one call per run where calls are time-limited: the
 #            report and checks join whatever runs $OUT holds
 #   STEPS    GRPO steps per run (default 4); MAX_NEW  response limit (default 1024); MISSION_ARGS more overrides
+#            for every run; MISSION_FP8_ARGS for the FP8 runs only (e.g. policy.megatron_cfg.fp8_cfg.fp8_param=true)
 #   CHECKS=0 print the report only
 # Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
 # gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
@@ -24,9 +25,11 @@ D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-4}
 for v in ${RUNS:-bf16 fp8 fp8kv}; do
   case $v in
     bf16) cfg=examples/configs/grpo_math_8B_megatron.yaml; extra="" ;;
-    fp8) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="" ;;
-    fp8kv) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8" ;;
-    fp8tw) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise" ;;
+    fp8) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml; extra="${MISSION_FP8_ARGS:-}" ;;
+    fp8kv) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
+      extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8 ${MISSION_FP8_ARGS:-}" ;;
+    fp8tw) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
+      extra="policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise ${MISSION_FP8_ARGS:-}" ;;
     *) echo "unknown run $v (bf16, fp8, fp8kv, fp8tw)"; exit 2 ;;
   esac
   mkdir -p "$OUT/$v"
