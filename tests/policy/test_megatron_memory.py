@@ -8,8 +8,7 @@ from safetensors.torch import save_file
 
 from nemo_fp8.config import load_config
 from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, checkpoint_parameter_counts,
-                                             count_checkpoint_parameters, estimate_trainer_memory,
-                                             trainer_memory_errors)
+                                             estimate_trainer_memory, trainer_memory_errors)
 from nemo_fp8.preflight import check_trainer_memory
 
 QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint on the H200 (untied embeddings)
@@ -85,15 +84,15 @@ def test_fp8_params_and_fp16_training_change_weights_and_main_params():
     assert fp16.bytes_per_param["main_params"] == 4  # remainders only complete bf16 weights
 
 
-def test_count_checkpoint_parameters_reads_headers_of_every_shard(tmp_path):
+def test_checkpoint_parameter_counts_read_headers_of_every_shard(tmp_path):
     save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, str(tmp_path / "m-1.safetensors"))
     save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "m-2.safetensors"))
-    assert count_checkpoint_parameters(tmp_path) == 15 + 7 + 8
+    assert checkpoint_parameter_counts(tmp_path)[0] == 15 + 7 + 8
     (tmp_path / "m-3.safetensors").write_bytes(b"\x01")
     with pytest.raises(ValueError, match="m-3.safetensors: not a safetensors file"):
-        count_checkpoint_parameters(tmp_path)
+        checkpoint_parameter_counts(tmp_path)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        count_checkpoint_parameters(tmp_path / "nothing")
+        checkpoint_parameter_counts(tmp_path / "nothing")
 
 
 QWEN3_8B_MATRICES = 36 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096)  # q, o, k, v, gate, up, down

@@ -95,7 +95,7 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
     """Bytes per GPU of the megatron trainer's weights, gradients and optimizer state at the optimizer step.
 
     Args:
-        num_parameters: the model's parameter count (``count_checkpoint_parameters``).
+        num_parameters: the model's parameter count (``checkpoint_parameter_counts``).
         cfg: the policy config (``megatron_cfg``: optimizer, DDP, ``fp8_param``, tensor parallel size;
             ``data_parallel_size``).
         fp8_weight_params: parameters of the decoder layers' weight matrices (``checkpoint_parameter_counts``):
@@ -142,16 +142,6 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
     weights_out = per_param["weights"] if moved else 0
     return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
                          host=num_parameters / tp / shard * (host_per_param + arena) + num_parameters / tp * weights_out)
-
-
-def count_checkpoint_parameters(model_dir: str | Path) -> int:
-    """Parameter count of an HF checkpoint folder from its safetensors headers (no tensor is read).
-
-    Raises:
-        FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
-        ValueError: a file whose header is not safetensors (names the file).
-    """
-    return checkpoint_parameter_counts(model_dir)[0]
 
 
 def _is_decoder_matrix(name: str, shape: list[int]) -> bool:
