@@ -32,9 +32,9 @@ quantized for the forward (rowwise) and for the backward's data gradient (column
 2 bytes per parameter of the decoder layers' weight matrices (``checkpoint_parameter_counts``; embeddings, output
 layer, norms and MoE routers stay BF16), divided by tensor parallelism. On the 8B mission layout (tensor parallel
 2) the FP8 trainer's peak allocation was 55.7 GiB against this module's 45.8 GiB of state without them
-(``docs/results/2026-11-26-mission-8b-4gpu-fp8-profile/``); with them, 52.2 GiB, and the rest is activations. At
-tensor parallel 1 they are 12.9 GiB for Qwen3-8B: the layout that would otherwise pass on an 80 GB H100 and run out
-of memory in its first step.
+(``docs/performance.md``, the 4-GPU mission); with them, 52.2 GiB, and the rest is activations. At tensor
+parallel 1 they are 12.9 GiB for Qwen3-8B: a layout that would otherwise pass on an 80 GB GPU and run out of
+memory in its first step.
 
 Host memory (``TrainerMemory.host``): the optimizer CPU offload's part, plus, when the engine is
 colocated, what the backend moves out of the GPU around every generation: the weights (megatron-core's
