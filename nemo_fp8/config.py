@@ -76,6 +76,12 @@ def cross_field_errors(cfg: MasterConfig) -> list[str]:
         errs.append("loss_fn.use_importance_sampling_correction: FP8 rollout (policy.generation.vllm_cfg.precision='fp8') "
                     "needs true, to correct the rollout/trainer mismatch; set "
                     "loss_fn.allow_fp8_rollout_without_is_correction=true to run uncorrected on purpose")
+    dp = cfg.policy.data_parallel_size
+    if vllm_cfg.kv_cache_dtype == "fp8" and vllm_cfg.kv_calibration_max_samples is not None \
+            and vllm_cfg.kv_calibration_max_samples < dp:
+        errs.append(f"policy.generation.vllm_cfg.kv_calibration_max_samples: {vllm_cfg.kv_calibration_max_samples} "
+                    f"leaves some of policy.data_parallel_size={dp} ranks without a sequence to calibrate on "
+                    f"(valid: >= {dp}, or null for the whole batch)")
     rollout = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     gbs = cfg.policy.train_global_batch_size
     if rollout % gbs != 0:

@@ -30,7 +30,7 @@ from nemo_fp8.algorithms.metrics import mismatch_metrics
 from nemo_fp8.batch import GenerationOutput, TrainBatch, concat_padded
 from nemo_fp8.config import MasterConfig
 from nemo_fp8.data import PromptSample
-from nemo_fp8.fp8.kv_scales import KvScales
+from nemo_fp8.fp8.kv_scales import KvScales, calibration_rows
 from nemo_fp8.generation.interfaces import SamplingParams
 from nemo_fp8.utils.timer import Timer
 
@@ -281,9 +281,12 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
     metrics.update({k if "/" in k else f"loss/{k}": v for k, v in train_metrics.items()})
     kv_scales = None
     if refitter.requires_kv_scales:
+        vllm_cfg = cfg.policy.generation.vllm_cfg
+        rows = calibration_rows(batch.size, vllm_cfg.kv_calibration_max_samples)
         with timer("kv_calibration"):
-            kv_scales = policy.calibrate_kv_scales(batch, step, cfg.policy.generation.vllm_cfg.kv_scale_margin)
+            kv_scales = policy.calibrate_kv_scales(batch.select(rows), step, vllm_cfg.kv_scale_margin)
         metrics.update(kv_scales.metrics())
+        metrics["kv_scales/calibration_samples"] = float(rows.numel())
     refitter.mark_stale(step, kv_scales)
     return metrics
 

@@ -72,6 +72,33 @@ def parse_kv_scale_name(name: str) -> tuple[int, str]:
     return int(m.group(1)), m.group(2)
 
 
+def calibration_rows(num_rows: int, max_samples: int | None) -> Tensor:
+    """The rows of a step's batch that the KV calibration forward reads.
+
+    All of them when ``max_samples`` is None or not smaller than ``num_rows``; else ``max_samples`` rows
+    evenly spaced over the batch (row ``floor(i * num_rows / max_samples)``), so a batch laid out prompt
+    group by prompt group keeps members of every group while ``max_samples`` >= the number of groups.
+    NeMo-RL caps its calibration the same way (``calibrate_qkv_fp8_scales(max_calib_samples=256)``):
+    a per-layer amax settles on far fewer tokens than a training batch holds.
+
+    Args:
+        num_rows: rows in the batch (>= 0).
+        max_samples: the cap (>= 1), or None.
+
+    Returns:
+        [n] int64 row indices, strictly increasing, n = min(num_rows, max_samples).
+
+    Raises:
+        ValueError: ``max_samples`` < 1 or ``num_rows`` < 0.
+    """
+    if num_rows < 0 or (max_samples is not None and max_samples < 1):
+        raise ValueError(f"calibration_rows: num_rows must be >= 0 and max_samples >= 1 or None, got {num_rows}, "
+                         f"{max_samples}")
+    if max_samples is None or max_samples >= num_rows:
+        return torch.arange(num_rows)
+    return torch.div(torch.arange(max_samples) * num_rows, max_samples, rounding_mode="floor")
+
+
 @dataclass(frozen=True)
 class KvScales:
     """Per-layer e4m3 scales of q, k and v for one policy version.

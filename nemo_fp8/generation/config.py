@@ -54,6 +54,11 @@ class VllmConfig(StrictConfig):
     weight_block_size: list[int] = Field(default_factory=lambda: list(SUPPORTED_WEIGHT_BLOCK_SIZE))
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     kv_scale_margin: float = Field(1.0, ge=1.0, description="FP8 KV scale = amax * margin / 448 (head-room >= 1)")
+    kv_calibration_max_samples: Optional[int] = Field(
+        256, ge=1, description="sequences of the step's batch the FP8 KV calibration forward reads, evenly spaced "
+        "(every prompt's group keeps members while it is >= grpo.num_prompts_per_step); null: all of them. "
+        "NeMo-RL's max_calib_samples (default 256): the per-layer amax settles on far fewer sequences than a "
+        "training batch, and the forward over all of them costs nearly a log-prob pass per step")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     kv_cache_memory_bytes: Optional[int] = Field(
         None, ge=1, description="vLLM's kv_cache_memory_bytes: a fixed KV cache size per GPU that skips vLLM's "

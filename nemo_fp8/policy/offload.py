@@ -32,11 +32,30 @@ class HostBuffers:
         self._arena: Optional[Tensor] = None
         self._layout: list[tuple[Hashable, tuple[int, ...], torch.dtype, int]] = []
 
+    @staticmethod
+    def arena_bytes(tensor_bytes: Sequence[int]) -> int:
+        """Host bytes that tensors of these sizes (bytes each) take in an arena, in any order: each rounded up
+        to the 64-byte alignment of a view's start."""
+        return sum(-(-int(n) // _ALIGN) * _ALIGN for n in tensor_bytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate the arena now, before the first :meth:`offload` (page-locking tens of GiB of host memory
+        takes seconds: at start-up rather than inside the first step that offloads). The first offload whose
+        state fits in it keeps it; one that does not allocates anew. No-op once an arena exists.
+
+        Args:
+            nbytes: bytes to allocate (``arena_bytes`` of the state to come); 0 or less: nothing.
+        """
+        if nbytes > 0 and self._arena is None:
+            self._arena = torch.empty(int(nbytes), dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            self._layout = []
+
     def offload(self, items: Sequence[tuple[Hashable, Tensor]]) -> list[Tensor]:
         """Copy each ``(slot, tensor)`` (any shape and dtype) into the arena; returns the host views, in order.
 
-        The arena is reallocated only when the list of slots, shapes or dtypes changes, so the same state
-        offloaded step after step lands in the same host memory. From CUDA tensors the copies are
+        The arena is reallocated only when the list of slots, shapes or dtypes changes (or, after
+        :meth:`reserve`, when the first state does not fit), so the same state offloaded step after step lands in
+        the same host memory. From CUDA tensors the copies are
         asynchronous: call :meth:`synchronize` before reading the views or freeing the GPU tensors' memory.
         The views stay valid until the next ``offload``, which overwrites them.
         """
@@ -45,9 +64,10 @@ class HostBuffers:
             offset = -(-offset // _ALIGN) * _ALIGN
             layout.append((slot, tuple(t.shape), t.dtype, offset))
             offset += t.numel() * t.element_size()
-        if self._arena is None or layout != self._layout:
+        reserved = self._arena is not None and not self._layout and offset <= self._arena.numel()
+        if not reserved and (self._arena is None or layout != self._layout):
             self._arena = torch.empty(max(offset, 1), dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-            self._layout = layout
+        self._layout = layout
         views = []
         for (_, shape, dtype, start), (_, t) in zip(layout, items):
             n = t.numel() * t.element_size()

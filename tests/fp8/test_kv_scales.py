@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_fp8.fp8.kv_scales import KvScales, parse_kv_scale_name
+from nemo_fp8.fp8.kv_scales import KvScales, calibration_rows, parse_kv_scale_name
 
 
 def test_from_amax_and_named_tensors_round_trip():
@@ -32,3 +32,16 @@ def test_metrics_hold_every_layers_scales_and_their_range():
     assert m["kv_scales/v_scale_max"] == max(m[f"kv_scales/layer_{i}/v_scale"] for i in range(5))
     assert m["kv_scales/k_scale_min"] == min(m[f"kv_scales/layer_{i}/k_scale"] for i in range(5))
     assert all(isinstance(val, float) for val in m.values())
+
+
+def test_calibration_rows_spread_over_the_batch():
+    assert calibration_rows(512, None).tolist() == list(range(512))
+    assert calibration_rows(100, 256).tolist() == list(range(100))  # a cap above the batch: every row
+    rows = calibration_rows(512, 256)
+    assert rows.numel() == 256 and rows[0] == 0 and torch.all(rows[1:] > rows[:-1]) and rows[-1] < 512
+    # 32 prompts x 16 samples, laid out group by group: a cap of 32 keeps one member of every group
+    assert sorted(set((calibration_rows(512, 32) // 16).tolist())) == list(range(32))
+    assert calibration_rows(10, 3).tolist() == [0, 3, 6]
+    assert calibration_rows(0, 4).numel() == 0
+    with pytest.raises(ValueError, match="max_samples >= 1"):
+        calibration_rows(8, 0)

@@ -58,6 +58,15 @@ def test_fp8_kv_cache_needs_fp8_precision():
     assert "policy.generation.vllm_cfg.kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8'" in msg
 
 
+def test_fp8_kv_calibration_cap_leaves_no_rank_without_rows():
+    msg = _error("policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+                 "loss_fn.use_importance_sampling_correction=true", "policy.data_parallel_size=2",
+                 "policy.generation.vllm_cfg.kv_calibration_max_samples=1")
+    assert "policy.generation.vllm_cfg.kv_calibration_max_samples: 1 leaves some of policy.data_parallel_size=2" in msg
+    assert "valid: >= 2, or null for the whole batch" in msg
+    assert "kv_calibration_max_samples" in _error("policy.generation.vllm_cfg.kv_calibration_max_samples=0")
+
+
 def test_tensor_parallel_vllm_engine_needs_enough_policy_gpus_when_colocated():
     """A colocated engine of n GPUs runs on those of policy ranks 0..n-1: refused at config time, before any GPU
     work, when the policy has fewer ranks; an engine on GPUs of its own, or enough ranks, is fine."""

@@ -170,6 +170,7 @@ def test_fp8_kv_cache_scales_follow_every_step(tiny_cfg):
     reward = lambda r, a: [float(len(x) % 2 == 0) for x in r]  # noqa: E731
     m1 = grpo_step(1, batches, policy, gen, reward, tok, cfg, Timer(), refitter)
     assert {"kv_scales/q_scale_max", "kv_scales/k_scale_min", "kv_scales/v_scale_max"} <= m1.keys()
+    assert m1["kv_scales/calibration_samples"] == 16  # 4 x 4 rows, under the default cap of 256
     assert gen.weight_version().kv_scales == 0 and refitter.kv_scales.step == 1
     step1_scales = refitter.kv_scales
     for i in range(step1_scales.num_layers):  # the step logs every layer's scales, exactly those the refit sends
@@ -182,3 +183,32 @@ def test_fp8_kv_cache_scales_follow_every_step(tiny_cfg):
     refitter.mark_stale(3)  # weights changed, no scales measured on them: refused, never stale scales
     with pytest.raises(RuntimeError, match="needs scales measured on these weights"):
         refitter.refit_if_stale(Timer())
+
+
+def test_fp8_kv_calibration_reads_at_most_its_cap(tiny_cfg):
+    """kv_calibration_max_samples: the calibration forward reads that many rows, spread over the prompt groups,
+    and its scales are those of exactly these rows."""
+    from nemo_fp8.algorithms.grpo import prompts_batch
+    from nemo_fp8.fp8.kv_scales import calibration_rows
+
+    cfg = tiny_cfg(*SMALL, "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+                   "policy.generation.vllm_cfg.kv_calibration_max_samples=4")
+    tok, loader, policy, gen, _ = setup(cfg)
+    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, 2**20), requires_kv_scales=True)
+    first = next(iter(PromptDataloader(prepare_prompts(cfg, tok)[0], 4, seed=0)))
+    refitter.mark_stale(0, policy.calibrate_kv_scales(prompts_batch(first, tok.pad_token_id), step=0))
+    seen = []
+    calibrate = policy.calibrate_kv_scales
+
+    def recording(batch, step, margin=1.0):  # the real calibration; the rows it got are kept to check below
+        seen.append(batch)
+        return calibrate(batch, step, margin)
+
+    policy.calibrate_kv_scales = recording
+    m = grpo_step(1, iter(loader), policy, gen, lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, Timer(),
+                  refitter)
+    assert m["kv_scales/calibration_samples"] == 4 and len(seen) == 1 and seen[0].size == 4
+    assert calibration_rows(16, 4).tolist() == [0, 4, 8, 12]  # one response of each of the 4 prompts
+    again = calibrate(seen[0], 1)
+    torch.testing.assert_close(refitter.kv_scales.k_scale, again.k_scale)
+    torch.testing.assert_close(refitter.kv_scales.v_scale, again.v_scale)

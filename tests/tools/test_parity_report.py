@@ -56,6 +56,7 @@ def test_summarize_run_hand_computed():
     assert s["generation_s"] == pytest.approx(2.0) and s["refit_s"] == pytest.approx(0.2 / 3)
     assert s["logprobs_s"] == pytest.approx(0.5) and s["training_s"] == pytest.approx(1.5)
     assert s["step_s"] == pytest.approx(2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1)  # validation left out
+    assert s["other_s"] == pytest.approx(0.1)  # the reward: the step's time outside the four phases
     assert s["tokens_per_s"] == pytest.approx(500.0)
     with pytest.raises(ValueError, match="no training-step rows"):
         summarize_run([{"step": 0, "val/accuracy": 0.5}])
@@ -402,11 +403,13 @@ def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
     # steps 2-4: gen 2.0 vs 4.0 s, refit every other step (0.2 at step 3: mean 0.067), tokens/s 500 vs 250
     fp8_row = next(line for line in md.splitlines() if line.startswith("| fp8 |"))
     cells = [c.strip() for c in fp8_row.strip("|").split("|")]
-    assert cells[:4] == ["fp8", "4", "2.00", "0.07"] and cells[7] == "500" and cells[8] == "0: 60.0, 1: 30.0"
+    # other s (cell 6): the reward's 0.1 s, the step outside the four phases
+    assert cells[:4] == ["fp8", "4", "2.00", "0.07"] and cells[6] == "0.10" and cells[8] == "500"
+    assert cells[9] == "0: 60.0, 1: 30.0"
     step_ratio = (2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1) / (4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1)
-    assert cells[9] == f"{step_ratio:.2f}" and cells[10] == "2.00"
+    assert cells[10] == f"{step_ratio:.2f}" and cells[11] == "2.00"
     bf16_row = next(line for line in md.splitlines() if line.startswith("| bf16 |"))
-    assert bf16_row.split("|")[9].strip() == "-"  # no memory log given
+    assert bf16_row.split("|")[10].strip() == "-"  # no memory log given
     assert mission_tool().main([f"x={tmp_path / 'none'}"]) == 2
 
 

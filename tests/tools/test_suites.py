@@ -52,11 +52,14 @@ def test_report_runs_writes_the_side_by_side_table(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(
             {"step": s, "train/reward_mean": 0.5, "timing/step": step_s, "timing/generation": 1.0,
-             "perf/rollout_tokens_per_s": 1000.0}) for s in (1, 2, 3)))
+             "timing/kv_calibration": 0.25, "perf/rollout_tokens_per_s": 1000.0}) for s in (1, 2, 3)))
     res = _suite_shell(tmp_path, "report_runs")
     assert res.returncode == 0, res.stdout + res.stderr
     table = (tmp_path / "report.md").read_text()
     assert "| fp8 | 3 | 1.00 |" in table and "| 0.75 |" in table  # fp8's step / bf16's
+    # other s: the step outside generation, refit, log-probs and training (here all of it but generation)
+    assert "| fp8 | 3 | 1.00 | 0.00 | 0.00 | 0.00 | 2.00 | 3.00 |" in table
+    assert "| 2 | 1.00 | 0.00 | 0.00 | 0.00 | 3.00 | 4.00 |" in table  # bf16's step row
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _suite_shell(empty, "report_runs").returncode == 1

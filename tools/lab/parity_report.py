@@ -39,7 +39,8 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
         last)} from ``val/accuracy/<data_source>``, empty when the run logged none); ``reward_mean``;
         ``gen_kl_error`` / ``token_mult_prob_error`` (means over steps); ``<phase>_s`` for generation, refit, logprobs, training (seconds per step: sum
         over the timed steps / their count, 0 for a phase a step did not run); ``step_s`` (the
-        step minus its validation and checkpoint time); ``tokens_per_s`` (mean rollout tokens/s).
+        step minus its validation and checkpoint time); ``other_s`` (``step_s`` minus those four phases: the FP8 KV
+        calibration, rewards, advantages, the driver's own work); ``tokens_per_s`` (mean rollout tokens/s).
 
     Raises:
         ValueError: no training-step rows (none with ``train/reward_mean``).
@@ -70,6 +71,7 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
         out[f"{phase}_s"] = sum(r.get(f"timing/{phase}", 0.0) for r in timed) / len(timed)
     out["step_s"] = sum(r.get("timing/step", 0.0) - r.get("timing/validation", 0.0) - r.get("timing/checkpoint", 0.0)
                         for r in timed) / len(timed)
+    out["other_s"] = out["step_s"] - sum(out[f"{phase}_s"] for phase in PHASES)
     return out
 
 
@@ -231,11 +233,14 @@ def peak_gpu_memory(csv_path: str | Path) -> dict[int, float]:
 
 
 def step_table(rows: list[dict]) -> str:
-    """Markdown table of one run's training steps: seconds per phase, the step, rollout tokens/s."""
-    head = ["step", "gen s", "refit s", "logprobs s", "train s", "step s", "rollout tok/s"]
+    """Markdown table of one run's training steps: seconds per phase, the rest of the step (``other s``: FP8 KV
+    calibration, rewards, the driver; validation and checkpoints left out), the step, rollout tokens/s."""
+    head = ["step", "gen s", "refit s", "logprobs s", "train s", "other s", "step s", "rollout tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted((r for r in rows if _num(r.get("train/reward_mean"))), key=lambda r: r["step"]):
-        cells = [str(r["step"])] + [f"{r.get(f'timing/{p}', 0.0):.2f}" for p in PHASES]
+        phases = [r.get(f"timing/{p}", 0.0) for p in PHASES]
+        step = r.get("timing/step", 0.0) - r.get("timing/validation", 0.0) - r.get("timing/checkpoint", 0.0)
+        cells = [str(r["step"])] + [f"{t:.2f}" for t in phases] + [f"{step - sum(phases):.2f}"]
         cells += [f"{r.get('timing/step', 0.0):.2f}", f"{r.get('perf/rollout_tokens_per_s', float('nan')):,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -246,12 +251,12 @@ def side_by_side_table(summaries: dict[str, dict], peaks: dict[str, dict[int, fl
     """Markdown table, a row per run: :func:`summarize_run` times (first step left out), rollout tokens/s,
     peak GiB per GPU (``peaks``: run -> {GPU index: GiB}) and the ratios to ``baseline``."""
     base = summaries.get(baseline)
-    head = ["run", "steps", "gen s", "refit s", "logprobs s", "train s", "step s", "rollout tok/s", "peak GiB per GPU",
+    head = ["run", "steps", "gen s", "refit s", "logprobs s", "train s", "other s", "step s", "rollout tok/s", "peak GiB per GPU",
             f"step / {baseline}", f"tok/s / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
         mem = ", ".join(f"{i}: {g:.1f}" for i, g in sorted(peaks.get(name, {}).items())) or "-"
-        cells = [name, str(s["steps"])] + [f"{s[f'{p}_s']:.2f}" for p in PHASES]
+        cells = [name, str(s["steps"])] + [f"{s[f'{p}_s']:.2f}" for p in PHASES + ("other",)]
         cells += [f"{s['step_s']:.2f}", f"{s['tokens_per_s']:,.0f}", mem, _ratio(s["step_s"], base and base["step_s"]),
                   _ratio(s["tokens_per_s"], base and base["tokens_per_s"])]
         lines.append("| " + " | ".join(cells) + " |")

@@ -184,6 +184,8 @@ class MegatronPolicyBackend:
         self._train_calls = 0  # train_shard calls so far (the opt-in profiler's NEMO_FP8_PROFILE_TRAIN_CALL)
         self._offloaded: set[str] = set()
         self._host = HostBuffers()  # the optimizer state's host memory, reused at every colocated refit
+        if cfg.generation.colocated.moves_trainer_state and not m.optimizer.optimizer_cpu_offload:
+            self._host.reserve(self._adam_moment_bytes())  # pinned now, not inside the first refit after training
         self._state_on_host: list[tuple[dict, str]] = []  # (optimizer state dict, key) that _move_optimizer_state moved
         logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
                     rank, world_size, self.tp_rank, self.dp_rank,
@@ -481,6 +483,16 @@ class MegatronPolicyBackend:
                     buf.offload_to_cpu(move_params=params, move_grads=grads)
                 else:
                     buf.reload_from_cpu(move_params=params, move_grads=grads)
+
+    def _adam_moment_bytes(self) -> int:
+        """Host arena bytes for Adam's ``exp_avg`` and ``exp_avg_sq`` of every main parameter this rank's optimizer
+        updates (its distributed-optimizer shard), in ``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``: what the
+        first colocated refit after a training step moves (the state exists only after the first update)."""
+        o = self.cfg.megatron_cfg.optimizer
+        sizes = [torch.empty((), dtype=getattr(torch, d)).element_size() for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype)]
+        numels = [p.numel() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                  for group in getattr(getattr(opt, "optimizer", None), "param_groups", []) for p in group["params"]]
+        return HostBuffers.arena_bytes([n * b for n in numels for b in sizes])
 
     def _move_optimizer_state(self, device: str) -> None:
         """Adam moments (and any other per-parameter state) on the GPU to host memory (``device="cpu"``: into

@@ -1,8 +1,12 @@
 #!/bin/bash
-# The mission command at 8B on one 4-GPU node, the layout a user runs there (docs/performance.md):
-#   training: Megatron tensor parallel 2 (the configs') x data parallel 2, sequence packing on (the configs');
-#   rollout:  four vLLM engines of tensor parallel 1, one per GPU, colocated with the trainer;
-#   refit:    the Ray object store (each bucket put once, read by all four engines).
+# The mission command at 8B on one 4-GPU node, the layout a user runs there (docs/performance.md), by GPU memory
+# (MISSION_LAYOUT=auto, the default; or tp1 / tp2):
+#   tp1 (GPUs of 100 GiB or more, e.g. H200): Megatron tensor parallel 1 x data parallel 4, 16,384-token packed
+#        micro-batches, CUDA IPC refit (each rank to the engine on its GPU). The 8B FP8 trainer's state does not fit
+#        an 80 GB GPU at tensor parallel 1 (the preflight refuses it);
+#   tp2 (80 GB GPUs): tensor parallel 2 (the configs') x data parallel 2, 4,096-token micro-batches (the configs'),
+#        refit over the Ray object store (each bucket put once, read by all four engines).
+#   Both: sequence packing on, four vLLM engines of tensor parallel 1, one per GPU, colocated with the trainer.
 # RL-shaped step: 32 GSM8K prompts x 16 responses of up to 1,024 tokens (random weights run to the limit), one
 # optimizer step of 512 sequences. Runs side by side: bf16, fp8 (W8A8 blockwise rollout with DeepGEMM + TE
 # blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); then the report and the checks of the targets:
@@ -22,6 +26,18 @@ suite_init mission-8b-4gpu
 [ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
   ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
 D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-4}
+layout=${MISSION_LAYOUT:-auto}
+if [ "$layout" = auto ]; then
+  min_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1)
+  layout=tp2; [ "${min_mib:-0}" -ge 102400 ] && layout=tp1
+fi
+case $layout in
+  tp1) layout_args="policy.megatron_cfg.tensor_model_parallel_size=1 policy.data_parallel_size=4
+        policy.sequence_packing.train_mb_tokens=16384 policy.weight_sync.method=cuda_ipc" ;;
+  tp2) layout_args="policy.data_parallel_size=2" ;;
+  *) echo "MISSION_LAYOUT=$layout: valid are auto, tp1, tp2"; exit 2 ;;
+esac
+echo "layout: $layout ($(echo $layout_args))"
 for v in ${RUNS:-bf16 fp8 fp8kv}; do
   case $v in
     bf16) cfg=examples/configs/grpo_math_8B_megatron.yaml; extra="" ;;
@@ -38,7 +54,7 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
   nvidia-smi --query-compute-apps=timestamp,gpu_uuid,pid,used_memory --format=csv -lms 2000 \
     > "$OUT/gpu_procs_$v.csv" 2>/dev/null & PROCS=$!
   # shellcheck disable=SC2086
-  run_grpo "$v" "$cfg" cluster.gpus_per_node=4 policy.data_parallel_size=2 policy.model_name=models/qwen3-8b-random grpo.max_num_steps="$S" \
+  run_grpo "$v" "$cfg" cluster.gpus_per_node=4 $layout_args policy.model_name=models/qwen3-8b-random grpo.max_num_steps="$S" \
     grpo.val_at_end=false data.dataset=gsm8k data.train_path="$D/train.jsonl" data.val_path="$D/test.jsonl" \
     grpo.num_prompts_per_step=32 grpo.num_generations_per_prompt=16 policy.train_global_batch_size=512 \
     policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
