@@ -9,7 +9,7 @@ and FP8 KV's smaller cache entries show up as KV capacity and throughput, nothin
 
     python tools/bench_rollout.py [--models dense,moe] [--precisions bf16,fp8-cutlass,fp8-kv,...]
         [--num-layers N|dense=N,moe=M] [--num-prompts 512] [--input-len 256] [--output-len 2048]
-        [--rl-prompts 32] [--rl-samples 16] [--max-num-seqs 512]
+        [--rl-prompts 32] [--rl-samples 16] [--fixed-seeded] [--max-num-seqs 512]
         [--gpu-mem 0.9 | --gpu-mem-gib GIB] [--refit] [--timeout 900] [--budget-s S] [--out rows.json]
 
     python tools/bench_rollout.py --engines 1,2,4 [...]   # data-parallel engines: tools/bench_engines.py
@@ -230,6 +230,12 @@ def run_engine(a) -> dict:
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     res["fixed_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+    if a.fixed_seeded:  # the same prompts with a seed each, as the GRPO rollout sends them by default
+        sps = [SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+               for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        res["fixed_seeded_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
     if a.rl_prompts:
         lens = rl_lengths(a.rl_prompts * a.rl_samples, a.output_len)
         lo = min(64, a.input_len)
@@ -336,6 +342,9 @@ def parse_args(argv=None):
     ap.add_argument("--rl-unseeded", action="store_true",
                     help="also time the RL-like workload without per-request seeds (vllm_cfg.seed_each_request: "
                          "false): vLLM's sampler draws seeded requests' noise one request at a time")
+    ap.add_argument("--fixed-seeded", action="store_true",
+                    help="also time the fixed workload with a seed per request (vllm_cfg.seed_each_request: true, "
+                         "the GRPO rollout's default); the mission suite's rollout ceiling reads it")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization of every engine")
     ap.add_argument("--gpu-mem-gib", type=float, default=None,
@@ -401,6 +410,8 @@ def run_child(a, model: Path, prec: str, timeout: int, refit: bool) -> dict:
         cmd.append("--refit")
     if a.rl_unseeded:
         cmd.append("--rl-unseeded")
+    if a.fixed_seeded:
+        cmd.append("--fixed-seeded")
     return child_result(cmd, prec, timeout)
 
 
@@ -455,6 +466,14 @@ def print_table(rows, a):
               f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "
               f"{r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}  {attn}")
+    seeded = [r for r in rows if r.get("fixed_seeded_tok_s")]
+    if seeded:
+        print("\nfixed workload with a seed per request (policy.generation.vllm_cfg.seed_each_request: true)")
+        print(f"{'model':6} {'precision':21} {'tok/s':>9} {'x unseeded':>10} {'x bf16':>7}")
+        for r in seeded:
+            tps, b = r["fixed_seeded_tok_s"], ok.get((r["model"], "bf16"), {}).get("fixed_seeded_tok_s")
+            print(f"{r['model']:6} {r['precision']:21} {tps:9.0f} {tps / r['fixed_tok_s']:10.3f} "
+                  f"{tps / b if b else float('nan'):7.3f}")
     unseeded = [r for r in rows if r.get("rl_unseeded_tok_s")]
     if unseeded:
         print("\nRL-like without per-request seeds (policy.generation.vllm_cfg.seed_each_request: false)")

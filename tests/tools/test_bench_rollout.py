@@ -86,3 +86,18 @@ def test_unseeded_rl_table_gives_the_cost_of_per_request_seeds(capsys):
     out = capsys.readouterr().out.split("RL-like without per-request seeds")[1]
     unseeded = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
     assert unseeded == {"bf16": ["10000", "1.250", "1.000"], "fp8-deepgemm": ["12000", "1.364", "1.200"]}
+
+
+def test_seeded_fixed_table_gives_the_cost_of_per_request_seeds(capsys):
+    """``--fixed-seeded``: the fixed workload again with a seed per request (the GRPO rollout's default), its ratio
+    to the unseeded run of the same engine and to BF16's seeded run."""
+    a = SimpleNamespace(num_prompts=128, input_len=160, output_len=1024, rl_prompts=0, rl_samples=16, num_layers={})
+    base = {"model": "dense", "kv_tokens": 800000, "weight_gib": 15.3, "start_s": 60.0}
+    rows = [{**base, "precision": "bf16", "fixed_tok_s": 12000.0, "fixed_seeded_tok_s": 10000.0,
+             "engine": _engine("none")},
+            {**base, "precision": "fp8-deepgemm", "fixed_tok_s": 15000.0, "fixed_seeded_tok_s": 11000.0,
+             "engine": _engine("pow2")}]
+    br.print_table(rows, a)
+    out = capsys.readouterr().out.split("fixed workload with a seed per request")[1]
+    seeded = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
+    assert seeded == {"bf16": ["10000", "0.833", "1.000"], "fp8-deepgemm": ["11000", "0.733", "1.100"]}

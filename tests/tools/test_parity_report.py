@@ -413,6 +413,42 @@ def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
     assert mission_tool().main([f"x={tmp_path / 'none'}"]) == 2
 
 
+def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
+    """--ceiling: the step an FP8 run would take at the engine's own FP8 gain (its other phases as measured), beside
+    its target; the seeded rate when both engine rows have it (the GRPO rollout seeds each request)."""
+    tool = mission_tool()
+    fp8 = _write_run(tmp_path / "fp8", fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]))
+    bf16 = _write_run(tmp_path / "bf16", fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
+    engines = [{"model": "dense", "precision": "bf16", "fixed_tok_s": 1000.0, "fixed_seeded_tok_s": 800.0},
+               {"model": "dense", "precision": "fp8-deepgemm", "fixed_tok_s": 1300.0, "fixed_seeded_tok_s": 1000.0},
+               {"model": "dense", "precision": "fp8-deepgemm-kv", "error": "skipped"}]
+    (tmp_path / "ceiling.json").write_text(json.dumps(engines))
+    out = tmp_path / "mission.md"
+    assert tool.main([f"fp8={fp8}", f"bf16={bf16}", "--ceiling", str(tmp_path / "ceiling.json"),
+                      "--targets", "fp8=0.80,fp8kv=0.72", "--out", str(out)]) == 0
+    md = out.read_text().split("### rollout ceiling")[1]
+    row = next(line for line in md.splitlines() if line.startswith("| fp8 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    step_fp8, step_bf16 = 2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1, 4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1
+    bound = (step_fp8 - 2.0 + 4.0 / 1.25) / step_bf16  # seeded gain 1000 / 800
+    assert cells == ["fp8", "fp8-deepgemm (seeded)", "1.250", "2.000", f"{step_fp8 / step_bf16:.3f}", f"{bound:.3f}",
+                     "0.80", f"no: {bound:.2f} > 0.80"]
+    s_fp8 = {"step_s": step_fp8, "generation_s": 2.0}
+    s_bf16 = {"step_s": step_bf16, "generation_s": 4.0}
+    assert tool.rollout_bound(s_fp8, s_bf16, 4.0 / 2.0) == pytest.approx(step_fp8 / step_bf16)  # the run's own gain
+    # without seeded rates on both rows, the unseeded ones; no target: no verdict
+    for r in engines:
+        r.pop("fixed_seeded_tok_s", None)
+    summaries = {"bf16": {**s_bf16, "tokens_per_s": 250.0}, "fp8": {**s_fp8, "tokens_per_s": 500.0}}
+    table = tool.ceiling_table(summaries, engines, "bf16", {})
+    assert "| fp8 | fp8-deepgemm (unseeded) | 1.300 |" in table and table.rstrip().endswith("| - | - |")
+    with pytest.raises(ValueError, match="needs a bf16 engine row"):
+        tool.ceiling_table(summaries, engines[1:], "bf16", {})
+    with pytest.raises(ValueError, match="expected run=number"):
+        tool.parse_targets("fp8:0.8")
+    assert tool.main([f"fp8={fp8}", f"bf16={bf16}", "--ceiling", str(tmp_path / "none.json")]) == 2
+
+
 def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):
     """Two comparisons with different --out-dir (a sweep beside the parity run) must not share a checkpoint folder:
     the run lock of one stopped the other."""

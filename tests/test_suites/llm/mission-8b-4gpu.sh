@@ -17,6 +17,11 @@
 #   STEPS    GRPO steps per run (default 4); MAX_NEW  response limit (default 1024); MISSION_ARGS more overrides
 #            for every run; MISSION_FP8_ARGS for the FP8 runs only (e.g. policy.megatron_cfg.fp8_cfg.fp8_param=true)
 #   CHECKS=0 print the report only
+#   CEILING=1 (default) first measures the rollout ceiling: each engine of tools/bench_rollout.py alone on one GPU
+#            (bf16 on GPU 0; fp8-deepgemm, then fp8-deepgemm-kv on GPU 1, which also fills DeepGEMM's kernel cache),
+#            at the runs' per-engine batch (128 responses of MAX_NEW tokens, seeded per request as the rollout is);
+#            the report then gives each FP8 run's step at the engine's own gain beside its target. Once per $OUT
+#            (ceiling.json); CEILING=0 skips it
 # Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
 # gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
 # a torch.profiler table of 6 micro-batches of training call 3 per rank (nemo_fp8/utils/profiling.py)
@@ -38,6 +43,17 @@ case $layout in
   *) echo "MISSION_LAYOUT=$layout: valid are auto, tp1, tp2"; exit 2 ;;
 esac
 echo "layout: $layout ($(echo $layout_args))"
+if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
+  bench=(tools/bench_rollout.py --models dense --num-prompts 128 --input-len 160 --output-len "${MAX_NEW:-1024}"
+         --rl-prompts 0 --fixed-seeded --gpu-mem 0.6 --timeout 900)
+  CUDA_VISIBLE_DEVICES=0 "$PYTHON" "${bench[@]}" --precisions bf16 --out "$OUT/ceiling_bf16.json" \
+    > "$OUT/ceiling_bf16.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 "$PYTHON" "${bench[@]}" --precisions fp8-deepgemm,fp8-deepgemm-kv \
+    --out "$OUT/ceiling_fp8.json" > "$OUT/ceiling_fp8.log" 2>&1
+  wait
+  "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
+    "$OUT/ceiling_bf16.json" "$OUT/ceiling_fp8.json" > "$OUT/ceiling.json" && tail -4 "$OUT/ceiling_fp8.log"
+fi
 for v in ${RUNS:-bf16 fp8 fp8kv}; do
   case $v in
     bf16) cfg=examples/configs/grpo_math_8B_megatron.yaml; extra="" ;;
@@ -60,7 +76,8 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
     policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
   kill $SMI $PROCS 2>/dev/null
 done
-report_runs --baseline bf16
+ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80)
+report_runs --baseline bf16 "${ceiling[@]}"
 [ "${CHECKS:-1}" = 0 ] && exit 0
 checks=()
 for v in fp8 fp8kv fp8tw; do
