@@ -28,8 +28,9 @@
 source "$(dirname "$0")/../common.sh"
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}
 suite_init mission-8b-4gpu
-[ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
-  ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
+# the checkpoint (host work) is written while the rollout ceiling below uses the GPUs
+[ -f models/qwen3-8b-random/config.json ] || { "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
+  ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2 & }
 D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-4}
 layout=${MISSION_LAYOUT:-auto}
 if [ "$layout" = auto ]; then
@@ -54,6 +55,7 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
   "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
     "$OUT/ceiling_bf16.json" "$OUT/ceiling_fp8.json" > "$OUT/ceiling.json" && tail -4 "$OUT/ceiling_fp8.log"
 fi
+wait  # the checkpoint
 for v in ${RUNS:-bf16 fp8 fp8kv}; do
   case $v in
     bf16) cfg=examples/configs/grpo_math_8B_megatron.yaml; extra="" ;;
