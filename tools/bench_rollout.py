@@ -466,23 +466,23 @@ def print_table(rows, a):
               f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "
               f"{r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}  {attn}")
-    seeded = [r for r in rows if r.get("fixed_seeded_tok_s")]
-    if seeded:
-        print("\nfixed workload with a seed per request (policy.generation.vllm_cfg.seed_each_request: true)")
-        print(f"{'model':6} {'precision':21} {'tok/s':>9} {'x unseeded':>10} {'x bf16':>7}")
-        for r in seeded:
-            tps, b = r["fixed_seeded_tok_s"], ok.get((r["model"], "bf16"), {}).get("fixed_seeded_tok_s")
-            print(f"{r['model']:6} {r['precision']:21} {tps:9.0f} {tps / r['fixed_tok_s']:10.3f} "
-                  f"{tps / b if b else float('nan'):7.3f}")
-    unseeded = [r for r in rows if r.get("rl_unseeded_tok_s")]
-    if unseeded:
-        print("\nRL-like without per-request seeds (policy.generation.vllm_cfg.seed_each_request: false)")
-        print(f"{'model':6} {'precision':21} {'RL tok/s':>9} {'x seeded':>9} {'x bf16':>7}")
-        for r in unseeded:
-            tps, b = r["rl_unseeded_tok_s"], ok.get((r["model"], "bf16"), {}).get("rl_unseeded_tok_s")
-            print(f"{r['model']:6} {r['precision']:21} {tps:9.0f} {tps / r['rl_tok_s']:9.3f} "
-                  f"{tps / b if b else float('nan'):7.3f}")
+    print_seeding_table(rows, ok, "fixed_seeded_tok_s", "fixed_tok_s", "tok/s", "x unseeded",
+                        "fixed workload with a seed per request (policy.generation.vllm_cfg.seed_each_request: true)")
+    print_seeding_table(rows, ok, "rl_unseeded_tok_s", "rl_tok_s", "RL tok/s", "x seeded",
+                        "RL-like without per-request seeds (policy.generation.vllm_cfg.seed_each_request: false)")
 
+
+def print_seeding_table(rows, ok, key: str, other: str, head: str, other_head: str, title: str) -> None:
+    """The per-request-seed A/B: each engine's ``key`` tokens/s, its ratio to the same engine's ``other`` run (the
+    same requests, seeded the other way) and to BF16's ``key``. Nothing when no row has ``key``."""
+    picked = [r for r in rows if r.get(key)]
+    if not picked:
+        return
+    print(f"\n{title}")
+    print(f"{'model':6} {'precision':21} {head:>9} {other_head:>10} {'x bf16':>7}")
+    for r in picked:
+        tps, b = r[key], ok.get((r["model"], "bf16"), {}).get(key)
+        print(f"{r['model']:6} {r['precision']:21} {tps:9.0f} {tps / r[other]:10.3f} {tps / b if b else float('nan'):7.3f}")
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "bench_rollout.py"
 _spec = importlib.util.spec_from_file_location("bench_rollout", _PATH)
 br = importlib.util.module_from_spec(_spec)
@@ -74,30 +76,22 @@ def test_table_ratios_and_live_activation_scales(capsys):
     assert kv[2:5] == ["16100", "1.610", "1.400"] and kv[8:11] == ["1680000", "2.100", "2.000"]  # x bf16, x fp8-deepgemm
 
 
-def test_unseeded_rl_table_gives_the_cost_of_per_request_seeds(capsys):
-    """``--rl-unseeded``: the RL-like workload again without per-request seeds, its ratio to the seeded run of the
-    same engine and to BF16's unseeded run."""
+@pytest.mark.parametrize("key, other, title, expected", [
+    # --rl-unseeded: the RL-like workload again without per-request seeds
+    ("rl_unseeded_tok_s", "rl_tok_s", "RL-like without per-request seeds",
+     {"bf16": ["10000", "1.250", "1.000"], "fp8-deepgemm": ["12000", "1.364", "1.200"]}),
+    # --fixed-seeded: the fixed workload again with a seed per request (the GRPO rollout's default)
+    ("fixed_seeded_tok_s", "fixed_tok_s", "fixed workload with a seed per request",
+     {"bf16": ["10000", "1.250", "1.000"], "fp8-deepgemm": ["12000", "1.364", "1.200"]}),
+], ids=["rl_unseeded", "fixed_seeded"])
+def test_seeding_table_gives_the_cost_of_per_request_seeds(capsys, key, other, title, expected):
+    """The per-request-seed A/B: each engine's rate, its ratio to the same engine's other run (the same requests,
+    seeded the other way) and to BF16's rate of the same kind."""
     a = SimpleNamespace(num_prompts=512, input_len=256, output_len=2048, rl_prompts=32, rl_samples=32, num_layers={})
     base = {"model": "dense", "kv_tokens": 800000, "weight_gib": 15.3, "start_s": 60.0, "fixed_tok_s": 10000.0}
-    rows = [{**base, "precision": "bf16", "rl_tok_s": 8000.0, "rl_unseeded_tok_s": 10000.0, "engine": _engine("none")},
-            {**base, "precision": "fp8-deepgemm", "rl_tok_s": 8800.0, "rl_unseeded_tok_s": 12000.0,
-             "engine": _engine("pow2")}]
+    rows = [{**base, "precision": "bf16", other: 8000.0, key: 10000.0, "engine": _engine("none")},
+            {**base, "precision": "fp8-deepgemm", other: 8800.0, key: 12000.0, "engine": _engine("pow2")}]
     br.print_table(rows, a)
-    out = capsys.readouterr().out.split("RL-like without per-request seeds")[1]
-    unseeded = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
-    assert unseeded == {"bf16": ["10000", "1.250", "1.000"], "fp8-deepgemm": ["12000", "1.364", "1.200"]}
-
-
-def test_seeded_fixed_table_gives_the_cost_of_per_request_seeds(capsys):
-    """``--fixed-seeded``: the fixed workload again with a seed per request (the GRPO rollout's default), its ratio
-    to the unseeded run of the same engine and to BF16's seeded run."""
-    a = SimpleNamespace(num_prompts=128, input_len=160, output_len=1024, rl_prompts=0, rl_samples=16, num_layers={})
-    base = {"model": "dense", "kv_tokens": 800000, "weight_gib": 15.3, "start_s": 60.0}
-    rows = [{**base, "precision": "bf16", "fixed_tok_s": 12000.0, "fixed_seeded_tok_s": 10000.0,
-             "engine": _engine("none")},
-            {**base, "precision": "fp8-deepgemm", "fixed_tok_s": 15000.0, "fixed_seeded_tok_s": 11000.0,
-             "engine": _engine("pow2")}]
-    br.print_table(rows, a)
-    out = capsys.readouterr().out.split("fixed workload with a seed per request")[1]
-    seeded = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
-    assert seeded == {"bf16": ["10000", "0.833", "1.000"], "fp8-deepgemm": ["11000", "0.733", "1.100"]}
+    out = capsys.readouterr().out.split(title)[1]
+    table = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
+    assert table == expected
