@@ -117,8 +117,8 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
     (a ``bench_rollout.py --out`` file) when given.
 
     Raises:
-        ValueError: a bad spec, a run without training steps, a CSV that is not nvidia-smi's, or a ceiling file
-            without a bf16 row.
+        ValueError: a bad spec, a run without training steps, or a CSV that is not nvidia-smi's (a ceiling file
+            that cannot give the table, e.g. without a bf16 row, says so in its section instead).
         FileNotFoundError: a run without ``metrics.jsonl``, a missing CSV or ceiling file.
     """
     parts, summaries, peaks = [], {}, {}
@@ -139,8 +139,11 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
         path = Path(ceiling)
         if not path.is_file():
             raise FileNotFoundError(f"--ceiling: no {path}")
-        parts.append("### rollout ceiling (the engine alone, one GPU; the run's other phases as measured)\n\n"
-                     + ceiling_table(summaries, json.loads(path.read_text()), baseline, targets or {}))
+        try:  # a failed engine leaves the runs' report whole: the ceiling section says why it is missing
+            table = ceiling_table(summaries, json.loads(path.read_text()), baseline, targets or {})
+        except (ValueError, KeyError) as e:
+            table = f"not computed: {e!r} ({path})\n"
+        parts.append("### rollout ceiling (the engine alone, one GPU; the run's other phases as measured)\n\n" + table)
     return "\n".join(parts)
 
 

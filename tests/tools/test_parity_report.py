@@ -447,6 +447,9 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     with pytest.raises(ValueError, match="expected run=number"):
         tool.parse_targets("fp8:0.8")
     assert tool.main([f"fp8={fp8}", f"bf16={bf16}", "--ceiling", str(tmp_path / "none.json")]) == 2
+    (tmp_path / "failed.json").write_text(json.dumps([{"precision": "bf16", "error": "engine died"}]))
+    md = tool.report([f"fp8={fp8}", f"bf16={bf16}"], "bf16", tmp_path / "failed.json")
+    assert "### side by side" in md and "not computed" in md and "needs a bf16 engine row" in md
 
 
 def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):
