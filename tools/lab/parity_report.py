@@ -25,6 +25,11 @@ def _ratio(a: float, b: float | None) -> str:
 
 
 
+def _step_seconds(row: dict) -> float:
+    """A training step's seconds without its validation and checkpoint (they run only some steps)."""
+    return row.get("timing/step", 0.0) - row.get("timing/validation", 0.0) - row.get("timing/checkpoint", 0.0)
+
+
 def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     """Summary of one run.
 
@@ -69,8 +74,7 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
            "tokens_per_s": mean("perf/rollout_tokens_per_s", timed)}
     for phase in PHASES:
         out[f"{phase}_s"] = sum(r.get(f"timing/{phase}", 0.0) for r in timed) / len(timed)
-    out["step_s"] = sum(r.get("timing/step", 0.0) - r.get("timing/validation", 0.0) - r.get("timing/checkpoint", 0.0)
-                        for r in timed) / len(timed)
+    out["step_s"] = sum(_step_seconds(r) for r in timed) / len(timed)
     out["other_s"] = out["step_s"] - sum(out[f"{phase}_s"] for phase in PHASES)
     return out
 
@@ -239,8 +243,7 @@ def step_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted((r for r in rows if _num(r.get("train/reward_mean"))), key=lambda r: r["step"]):
         phases = [r.get(f"timing/{p}", 0.0) for p in PHASES]
-        step = r.get("timing/step", 0.0) - r.get("timing/validation", 0.0) - r.get("timing/checkpoint", 0.0)
-        cells = [str(r["step"])] + [f"{t:.2f}" for t in phases] + [f"{step - sum(phases):.2f}"]
+        cells = [str(r["step"])] + [f"{t:.2f}" for t in phases] + [f"{_step_seconds(r) - sum(phases):.2f}"]
         cells += [f"{r.get('timing/step', 0.0):.2f}", f"{r.get('perf/rollout_tokens_per_s', float('nan')):,.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

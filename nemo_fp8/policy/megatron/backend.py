@@ -52,6 +52,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
+from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.megatron.support import check_recipe_supported
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
@@ -489,7 +490,7 @@ class MegatronPolicyBackend:
         updates (its distributed-optimizer shard), in ``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``: what the
         first colocated refit after a training step moves (the state exists only after the first update)."""
         o = self.cfg.megatron_cfg.optimizer
-        sizes = [torch.empty((), dtype=getattr(torch, d)).element_size() for d in (o.exp_avg_dtype, o.exp_avg_sq_dtype)]
+        sizes = [DTYPE_BYTES[o.exp_avg_dtype], DTYPE_BYTES[o.exp_avg_sq_dtype]]
         numels = [p.numel() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
                   for group in getattr(getattr(opt, "optimizer", None), "param_groups", []) for p in group["params"]]
         return HostBuffers.arena_bytes([n * b for n in numels for b in sizes])

@@ -62,7 +62,7 @@ from nemo_fp8.policy.config import PolicyConfig
 GiB = 2**30
 # The trainer process's GPU memory outside PyTorch's allocator, 8B model (see the module docstring).
 NON_TORCH_BYTES = int(7.8 * GiB)
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # optimizer.exp_avg_dtype / exp_avg_sq_dtype names
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
     grad = 4 if m.distributed_data_parallel_config.grad_reduce_in_fp32 else 2
     per_param = {"weights": 1 if m.fp8_cfg.fp8_param else 2, "grads": grad}
     grad_copy = 4 if grad != 4 else 0
-    moments = ([_DTYPE_BYTES[o.exp_avg_dtype], _DTYPE_BYTES[o.exp_avg_sq_dtype]]
+    moments = ([DTYPE_BYTES[o.exp_avg_dtype], DTYPE_BYTES[o.exp_avg_sq_dtype]]
                if o.use_precision_aware_optimizer else [4, 4])
     unscaled = sum(4 for b in moments if b < 4)
     host_per_param = 0.0
