@@ -99,6 +99,19 @@ def _validate_common(token_ids: Tensor, prompt_lengths: Tensor, response_lengths
         raise ValueError(f"prompt_lengths + response_lengths exceed token_ids width {t}")
 
 
+def to_device(t: Tensor, device: torch.device | str, non_blocking: bool = False) -> Tensor:
+    """``t`` on ``device``. ``non_blocking`` and a CPU tensor bound for a GPU: copied through page-locked
+    memory (torch's caching host allocator) with ``non_blocking=True``, the DataLoader's ``pin_memory``
+    pattern. A plain ``.to("cuda")`` of pageable memory is a ``cudaMemcpyAsync`` then a stream
+    synchronize: the host waits until the GPU has run everything queued before it, and the GPU then
+    idles until the host has queued the next kernels. The pinned copy is ordered on the current stream
+    and kept alive by the allocator until it completes, so ``t`` may change afterwards."""
+    device = torch.device(device)
+    if non_blocking and device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class TrainBatch:
     """One GRPO training batch: the rollout plus what the loss needs (module convention).
@@ -143,9 +156,10 @@ class TrainBatch:
         return replace(self, **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
                                 for f in fields(self)})
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
-        """Every tensor field on ``device``."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TrainBatch":
+        """Every tensor field on ``device``; ``non_blocking``: host -> GPU through pinned memory
+        (``to_device``), so that moving a micro-batch does not wait for the GPU's queue."""
+        return replace(self, **{f.name: to_device(getattr(self, f.name), device, non_blocking) for f in fields(self)
                                 if getattr(self, f.name) is not None})
 
     def trimmed(self, width: Optional[int] = None) -> "TrainBatch":

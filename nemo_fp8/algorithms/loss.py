@@ -102,7 +102,8 @@ def _masked_min_max(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         return zero, zero.clone()
     x = x.detach().float()
-    inf = torch.tensor(math.inf, dtype=torch.float32, device=x.device)
+    # a fill kernel; torch.tensor(math.inf, device=...) would copy from the host and wait for the GPU
+    inf = torch.full((), math.inf, dtype=torch.float32, device=x.device)
     zero = torch.zeros((), dtype=torch.float32, device=x.device)
     any_valid = valid.any()
     lo = torch.where(any_valid, torch.where(valid, x, inf).amin(), zero)

@@ -44,6 +44,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from nemo_fp8.batch import to_device
+
 ALGORITHMS = ("modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle")
 
 # Token multiple of TransformerEngine's FP8 GEMMs per recipe (see the module docstring)
@@ -318,7 +320,9 @@ class PackedRows:
         cu_seqlens: [n + 1] int32, cumulative real lengths (0 first).
         cu_seqlens_padded: [n + 1] int32, cumulative padded lengths; the last is ``T_total``.
         max_seqlen: longest padded segment (megatron-core's ``max_seqlen_q/kv``).
-        lengths: [n] int64 real lengths.
+        lengths: [n] int64 real lengths (CPU).
+        offsets: ``cu_seqlens_padded`` on the host, so that ``unpack`` and ``real_token_mask`` never
+            read the device tensor back (a host sync per micro-batch).
     """
 
     token_ids: Tensor
@@ -327,23 +331,29 @@ class PackedRows:
     cu_seqlens_padded: Tensor
     max_seqlen: int
     lengths: Tensor
+    offsets: tuple[int, ...]
 
     @property
     def real_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return int(self.lengths.sum())
 
     @property
     def total_tokens(self) -> int:
         return self.token_ids.shape[1]
 
 
-def pack_rows(token_ids: Tensor, lengths: Tensor, seq_multiple: int = 1, total_multiple: int = 1,
+def pack_rows(token_ids: Tensor, lengths: Tensor | Sequence[int], seq_multiple: int = 1, total_multiple: int = 1,
               pad_token_id: int = 0) -> PackedRows:
     """Right-padded rows -> one packed row (see ``PackedRows`` and the module docstring).
 
+    The layout is computed on the host from ``lengths``; on a GPU the token copies are kernels on the
+    current stream and the offsets go up through pinned memory (``to_device``), so packing a
+    micro-batch whose ``lengths`` are host values never waits for the GPU.
+
     Args:
         token_ids: [B, T] int64, row ``i``'s first ``lengths[i]`` tokens are real.
-        lengths: [B] int64 (CPU or the ids' device; read on the host once).
+        lengths: [B] ints: a list, or an int64 tensor (read on the host once: pass host values to
+            avoid a device read).
         seq_multiple: each sequence padded to a multiple of it.
         total_multiple: the packed row padded to a multiple of it (the last segment grows).
         pad_token_id: the id of padding tokens.
@@ -351,10 +361,10 @@ def pack_rows(token_ids: Tensor, lengths: Tensor, seq_multiple: int = 1, total_m
     Raises:
         ValueError: shapes that do not match, or a length outside ``[1, T]``.
     """
-    if token_ids.dim() != 2 or lengths.shape != (token_ids.shape[0],):
+    lens = [int(x) for x in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
+    if token_ids.dim() != 2 or len(lens) != token_ids.shape[0]:
         raise ValueError(f"pack_rows: token_ids must be [B, T] and lengths [B]; got {tuple(token_ids.shape)}, "
-                         f"{tuple(lengths.shape)}")
-    lens = [int(x) for x in lengths.tolist()]
+                         f"{len(lens)} lengths")
     if any(x < 1 or x > token_ids.shape[1] for x in lens):
         raise ValueError(f"pack_rows: lengths {lens} must lie in [1, {token_ids.shape[1]}]")
     padded = [round_up(x, seq_multiple) for x in lens]
@@ -365,13 +375,13 @@ def pack_rows(token_ids: Tensor, lengths: Tensor, seq_multiple: int = 1, total_m
     for p in padded:
         starts.append(starts[-1] + p)
     ids = torch.full((total,), pad_token_id, dtype=token_ids.dtype, device=dev)
-    pos = torch.empty(total, dtype=torch.long, device=dev)
-    for i, (x, p) in enumerate(zip(lens, padded)):
+    for i, x in enumerate(lens):
         ids[starts[i]:starts[i] + x] = token_ids[i, :x]
-        pos[starts[i]:starts[i] + p] = torch.arange(p, device=dev)
-    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
-    return PackedRows(ids[None], pos[None], cu, torch.tensor(starts, dtype=torch.int32, device=dev),
-                      max(padded), torch.tensor(lens, dtype=torch.long))
+    pos = to_device(torch.cat([torch.arange(p) for p in padded]), dev, non_blocking=True)
+    cu = to_device(torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32), dev, non_blocking=True)
+    cu_padded = to_device(torch.tensor(starts, dtype=torch.int32), dev, non_blocking=True)
+    return PackedRows(ids[None], pos[None], cu, cu_padded, max(padded), torch.tensor(lens, dtype=torch.long),
+                      tuple(starts))
 
 
 def _cumsum(xs: Sequence[int]):
@@ -395,16 +405,15 @@ def unpack(values: Tensor, packed: PackedRows, width: int) -> Tensor:
     """
     if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == packed.total_tokens:
         values = values[0]
-    starts = packed.cu_seqlens_padded.tolist()
     rows = [torch.nn.functional.pad(values[s:s + int(n)], (0, 0) * (values.dim() - 1) + (0, width - int(n)))
-            for s, n in zip(starts, packed.lengths.tolist())]
+            for s, n in zip(packed.offsets, packed.lengths.tolist())]
     return torch.stack(rows)
 
 
 def real_token_mask(packed: PackedRows) -> Tensor:
     """[T_total] bool on the packed row's device: True on the sequences' real tokens, False on padding."""
     mask = torch.zeros(packed.total_tokens, dtype=torch.bool, device=packed.token_ids.device)
-    for s, n in zip(packed.cu_seqlens_padded.tolist(), packed.lengths.tolist()):
+    for s, n in zip(packed.offsets, packed.lengths.tolist()):
         mask[s:s + int(n)] = True
     return mask
 

@@ -20,12 +20,12 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from nemo_fp8.batch import TrainBatch
+from nemo_fp8.batch import TrainBatch, to_device
 from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_precision
@@ -143,16 +143,19 @@ def logprob_micro_batches(cfg: PolicyConfig, batch: TrainBatch) -> list[list[int
 
 
 def batched_logprobs(score, batch: TrainBatch, micro_batches: list[list[int]], device: torch.device) -> Tensor:
-    """[B, T] float32 on the CPU: ``score(micro_batch) -> [b, t]`` over ``micro_batches`` (row indices,
-    ``logprob_micro_batches``), each trimmed to its longest row and moved to ``device``; 0 past each
-    micro-batch's width."""
-    out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
+    """[B, T] float32 on the CPU: ``score(micro_batch, lengths) -> [b, t]`` over ``micro_batches`` (row
+    indices, ``logprob_micro_batches``), each trimmed to its longest row and moved to ``device``,
+    ``lengths`` its rows' prompt + response lengths as host ints; 0 past each micro-batch's width.
+
+    The results gather on ``device`` and come back to the host once: no host sync per micro-batch."""
+    out = torch.zeros(batch.token_ids.shape, dtype=torch.float32, device=device)
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
     for rows in micro_batches:
         idx = row_index(rows)
         width = max(lengths[i] for i in rows)
-        out[idx, :width] = score(batch.select(idx).trimmed(width).to(device)).float().cpu()
-    return out
+        lp = score(batch.select(idx).trimmed(width).to(device, non_blocking=True), [lengths[i] for i in rows])
+        out[idx if isinstance(idx, slice) else to_device(idx, device, non_blocking=True), :width] = lp.float()
+    return out.cpu()
 
 
 def row_micro_batches(size: int, global_batch_size: int, micro_batch_size: int) -> list[list[list[int]]]:
@@ -205,12 +208,12 @@ def global_batches(batch: TrainBatch, micro_batches: list[list[list[int]]], devi
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()  # CPU lengths, read once
     for gb_rows in micro_batches:
         mask = batch.select(row_index([i for mb in gb_rows for i in mb])).token_mask
-        counts = torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]).to(device)  # [tokens, seqs]
+        counts = to_device(torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]), device, non_blocking=True)
         if dp_size > 1:
             torch.distributed.all_reduce(counts, group=dp_group)
         n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
         yield n_tokens, n_seqs, (batch.select(row_index(mb)).trimmed(max(lengths[i] for i in mb))
-                                 .to(device) for mb in gb_rows)
+                                 .to(device, non_blocking=True) for mb in gb_rows)
 
 
 class TorchPolicyBackend:
@@ -247,29 +250,31 @@ class TorchPolicyBackend:
         self._offloaded: set[str] = set()  # "optimizer", "model": what offload_* moved to host memory
 
     # ----------------------------------------------------------------------- log-probs
-    def _pack(self, mb: TrainBatch) -> PackedRows:
-        """``mb``'s rows as one THD row, padded as the megatron backend pads them (``PolicyConfig.packing_shape``)."""
+    def _pack(self, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
+        """``mb``'s rows as one THD row, padded as the megatron backend pads them (``PolicyConfig.packing_shape``);
+        ``lengths``: the rows' prompt + response lengths as host ints (None: read from ``mb``)."""
         shape = self.cfg.packing_shape("train")
-        return pack_rows(mb.token_ids, (mb.prompt_lengths + mb.response_lengths).cpu(), shape.seq_multiple,
-                         shape.total_multiple)
+        if lengths is None:
+            lengths = (mb.prompt_lengths + mb.response_lengths).tolist()
+        return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
 
-    def _forward_logprobs(self, model: nn.Module, mb: TrainBatch) -> Tensor:
+    def _forward_logprobs(self, model: nn.Module, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """[b, t] float32 log-probs of ``mb``'s responses (on the device), 0 elsewhere; with sequence packing
-        the rows run as one packed row (``_forward_packed``)."""
+        the rows run as one packed row (``_forward_packed``; ``lengths`` as in ``_pack``)."""
         if self.cfg.sequence_packing.enabled:
-            return self._forward_packed(model, mb)
+            return self._forward_packed(model, mb, lengths)
         ids = mb.token_ids.to(self.device)
         attn = attention_mask_for(mb.prompt_lengths, mb.response_lengths, ids.shape[1]).to(self.device)
         logits = model(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
         lp = token_logprobs(logits, ids, self.temperature)  # [B, T]
         return lp * mb.token_mask.to(self.device)
 
-    def _forward_packed(self, model: nn.Module, mb: TrainBatch) -> Tensor:
+    def _forward_packed(self, model: nn.Module, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """The packed forward: ``[1, T_total]`` tokens with positions restarting per sequence and a
         block-diagonal causal mask (``packing.block_causal_mask``, the HF model's 4-D attention mask), the
         CPU twin of the megatron backend's THD forward; log-probs unpacked to ``mb``'s ``[b, t]`` layout.
         A segment's first log-prob (scored from the previous segment) falls on a prompt token: masked."""
-        packed = self._pack(mb)
+        packed = self._pack(mb, lengths)
         ids = packed.token_ids.to(self.device)
         mask = block_causal_mask(packed.cu_seqlens_padded.to(self.device), packed.total_tokens)
         logits = model(input_ids=ids, attention_mask=mask[None, None], position_ids=packed.position_ids.to(self.device)
@@ -290,7 +295,7 @@ class TorchPolicyBackend:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         was_training = model.training
         model.eval()
-        out = batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch,
+        out = batched_logprobs(lambda mb, lengths: self._forward_logprobs(model, mb, lengths), batch,
                                logprob_micro_batches(self.cfg, batch), self.device)
         model.train(was_training)
         return out
@@ -332,8 +337,8 @@ class TorchPolicyBackend:
             result.add_tokens(self.cfg, lengths, gb_rows)
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for mb in mbs:  # on the device: moved once, used twice
-                logprobs = self._forward_logprobs(self.model, mb)
+            for rows, mb in zip(gb_rows, mbs):  # on the device: moved once, used twice
+                logprobs = self._forward_logprobs(self.model, mb, [lengths[i] for i in rows])
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 loss.backward()
                 acc.add(metrics)

@@ -80,6 +80,9 @@ def test_pack_rows_layout_and_round_trip():
     assert packed.token_ids.tolist() == [[5, 6, 7, 0, 8, 9, 1, 2, 3] + [0] * 7]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3] + list(range(12))]
     assert packed.max_seqlen == 12 and packed.real_tokens == 8 and packed.total_tokens == 16
+    assert packed.offsets == (0, 4, 16)  # the host copy unpack reads (no device read per micro-batch)
+    same = pack_rows(ids, [3, 5], seq_multiple=4, total_multiple=16, pad_token_id=0)  # host lengths as a list
+    assert same.token_ids.equal(packed.token_ids) and same.cu_seqlens.equal(packed.cu_seqlens)
     back = unpack(packed.token_ids[0], packed, 5)
     assert back.tolist() == [[5, 6, 7, 0, 0], [8, 9, 1, 2, 3]]
     mask = block_causal_mask(packed.cu_seqlens_padded, 16)

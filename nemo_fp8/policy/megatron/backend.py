@@ -39,7 +39,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -286,12 +286,15 @@ class MegatronPolicyBackend:
         pos = torch.arange(padded, device=ids.device).expand(b, padded)
         return model(input_ids=ids_p, position_ids=pos, attention_mask=None), ids_p
 
-    def _pack(self, mb: TrainBatch) -> PackedRows:
+    def _pack(self, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
         """``mb``'s rows as one THD row: each sequence padded to ``sequence_length_round`` (and the parallel
-        layout's multiple), the row to the FP8 recipe's token multiple (``PolicyConfig.packing_shape``)."""
+        layout's multiple), the row to the FP8 recipe's token multiple (``PolicyConfig.packing_shape``).
+        ``lengths``: the rows' prompt + response lengths as host ints; None reads them from the device (a
+        host sync: the callers of the micro-batch loops pass them)."""
         shape = self.cfg.packing_shape("train")
-        return pack_rows(mb.token_ids, (mb.prompt_lengths + mb.response_lengths).cpu(), shape.seq_multiple,
-                         shape.total_multiple)
+        if lengths is None:
+            lengths = (mb.prompt_lengths + mb.response_lengths).tolist()
+        return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
 
     def _packed_forward(self, model, packed: PackedRows) -> Tensor:
         """Logits ``[1, T_total, V / tp]`` of one packed row in THD layout.
@@ -324,12 +327,12 @@ class MegatronPolicyBackend:
                                              group=self.tp_group, chunk_size=DEFAULT_CHUNK_SIZE,
                                              fused=self.cfg.megatron_cfg.logprob_kernel == "fused")
 
-    def _forward_logprobs(self, model, mb: TrainBatch) -> Tensor:
+    def _forward_logprobs(self, model, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses; with sequence packing the
         rows run as one THD row and the log-probs are unpacked to ``mb``'s layout (a segment's first log-prob,
-        scored from the previous segment, falls on a prompt token: masked)."""
+        scored from the previous segment, falls on a prompt token: masked). ``lengths`` as in ``_pack``."""
         if self.cfg.sequence_packing.enabled:
-            packed = self._pack(mb)
+            packed = self._pack(mb, lengths)
             lp = self._token_logprobs(self._packed_forward(model, packed), packed.token_ids)  # [1, T_total]
             return unpack(lp[0], packed, mb.token_ids.shape[1]) * mb.token_mask
         logits, ids_p = self._padded_forward(model, mb.token_ids)
@@ -348,7 +351,7 @@ class MegatronPolicyBackend:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         model.eval()
         _requantize_fp8_weights(model)
-        return batched_logprobs(lambda mb: self._forward_logprobs(model, mb), batch,
+        return batched_logprobs(lambda mb, lengths: self._forward_logprobs(model, mb, lengths), batch,
                                 logprob_micro_batches(self.cfg, batch), self.device)
 
     # ----------------------------------------------------------------------- training
@@ -389,8 +392,9 @@ class MegatronPolicyBackend:
             self.optimizer.zero_grad()
             _requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for mb in mbs:
-                loss, metrics = loss_fn(self._forward_logprobs(self.model, mb), mb, n_tokens, n_seqs)
+            for rows, mb in zip(gb_rows, mbs):
+                logprobs = self._forward_logprobs(self.model, mb, [lengths[i] for i in rows])
+                loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
                 prof.step()
@@ -446,16 +450,18 @@ class MegatronPolicyBackend:
         self.model.eval()
         _requantize_fp8_weights(self.model)
         try:
+            all_lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
             for rows in logprob_micro_batches(self.cfg, batch):
-                mb = batch.select(row_index(rows)).trimmed().to(self.device)
+                lengths = [all_lengths[i] for i in rows]
+                mb = batch.select(row_index(rows)).trimmed(max(lengths)).to(self.device, non_blocking=True)
                 if self.cfg.sequence_packing.enabled:
-                    packed = self._pack(mb)
+                    packed = self._pack(mb, lengths)
                     valid["mask"] = real_token_mask(packed)  # [T_total]
                     self._packed_forward(self.model, packed)
                     continue
                 padded = self._padded_len(mb.token_ids.shape[1])
-                lengths = mb.prompt_lengths + mb.response_lengths
-                valid["mask"] = torch.arange(padded, device=self.device)[:, None] < lengths[None, :]  # [S, B]
+                seq_lens = mb.prompt_lengths + mb.response_lengths
+                valid["mask"] = torch.arange(padded, device=self.device)[:, None] < seq_lens[None, :]  # [S, B]
                 self._padded_forward(self.model, mb.token_ids)
         finally:
             for h in handles:
