@@ -100,15 +100,18 @@ def _validate_common(token_ids: Tensor, prompt_lengths: Tensor, response_lengths
 
 
 def to_device(t: Tensor, device: torch.device | str, non_blocking: bool = False) -> Tensor:
-    """``t`` on ``device``. ``non_blocking`` and a CPU tensor bound for a GPU: copied through page-locked
-    memory (torch's caching host allocator) with ``non_blocking=True``, the DataLoader's ``pin_memory``
-    pattern. A plain ``.to("cuda")`` of pageable memory is a ``cudaMemcpyAsync`` then a stream
-    synchronize: the host waits until the GPU has run everything queued before it, and the GPU then
-    idles until the host has queued the next kernels. The pinned copy is ordered on the current stream
-    and kept alive by the allocator until it completes, so ``t`` may change afterwards."""
+    """``t`` on ``device``. ``non_blocking`` and a CPU tensor bound for a GPU: copied into contiguous
+    page-locked memory (torch's caching host allocator), then up with ``non_blocking=True``, the
+    DataLoader's ``pin_memory`` pattern. A plain ``.to("cuda")`` of pageable memory is a
+    ``cudaMemcpyAsync`` then a stream synchronize: the host waits until the GPU has run everything queued
+    before it, and the GPU then idles until the host has queued the next kernels. Contiguous, because
+    torch copies a strided source (a trimmed micro-batch is a view) into pageable memory first. The pinned
+    buffer is ordered on the current stream and kept alive by the allocator until the copy completes, so
+    ``t`` may change afterwards."""
     device = torch.device(device)
     if non_blocking and device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return pinned.copy_(t).to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -26,17 +26,19 @@ def _batch() -> tuple[TrainBatch, list[int]]:
     prompt = torch.tensor([8, 5, 12, 3])
     resp = torch.tensor([32, 59, 5, 30])
     width = int((prompt + resp).max())
-    ids = torch.randint(2, 1000, (4, width), generator=g)
-    ids[torch.arange(width)[None] >= (prompt + resp)[:, None]] = 0
-    lp = -torch.rand(4, width, generator=g)
+    ids = torch.randint(2, 1000, (4, width + 16), generator=g)  # 16 padding columns past the longest row
+    ids[torch.arange(width + 16)[None] >= (prompt + resp)[:, None]] = 0
+    lp = -torch.rand(4, width + 16, generator=g)
     batch = TrainBatch(token_ids=ids, prompt_lengths=prompt, response_lengths=resp,
                        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), generation_logprobs=lp, prev_logprobs=lp.clone())
     return batch, (prompt + resp).tolist()
 
 
 def _micro_batch_step(batch: TrainBatch, lengths: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """What a packed training micro-batch does outside the model: (loss, grad of the packed values, real mask)."""
-    mb = batch.to(device, non_blocking=True)
+    """What a packed training micro-batch does outside the model: (loss, grad of the packed values, real mask).
+    The micro-batch is rows of a wider batch trimmed to their longest row, as ``global_batches`` makes it: its
+    per-token tensors are strided views."""
+    mb = batch.trimmed(max(lengths)).to(device, non_blocking=True)
     packed = pack_rows(mb.token_ids, lengths, seq_multiple=16, total_multiple=128)
     mask = real_token_mask(packed)
     values = (packed.token_ids[0].float() / 1000.0 - 1.0).requires_grad_(True)  # stands in for the model's log-probs
