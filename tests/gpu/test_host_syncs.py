@@ -5,7 +5,8 @@ tensor) empties the GPU's queue: the GPU then idles while the host launches the 
 the GPU work is shortest, FP8's. CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode("error")``) raises on any
 synchronizing call, so this test fails on the first one in what our code does per micro-batch: move the micro-batch
 (``TrainBatch.to(non_blocking=True)``), pack it (``pack_rows`` with host lengths), unpack the per-token values,
-mask the real tokens, and the GRPO loss with its backward. The results must equal the same steps on the CPU.
+mask the real tokens, the GRPO loss with its backward, and its metrics into the accumulator. The results must equal
+the same steps on the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from nemo_fp8.algorithms.config import ClippedPGLossConfig
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
+from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.batch import TrainBatch, to_device
 from nemo_fp8.policy.packing import pack_rows, real_token_mask, unpack
 
@@ -44,8 +46,10 @@ def _micro_batch_step(batch: TrainBatch, lengths: list[int], device: torch.devic
     values = (packed.token_ids[0].float() / 1000.0 - 1.0).requires_grad_(True)  # stands in for the model's log-probs
     logprobs = unpack(values, packed, mb.token_ids.shape[1]) * mb.token_mask
     counts = to_device(torch.tensor([float(mb.token_ids.shape[0] * 10), 4.0]), device, non_blocking=True)
-    loss, _ = ClippedPGLossFn(ClippedPGLossConfig())(logprobs, mb, counts[0], counts[1])
+    loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
+    loss, metrics = loss_fn(logprobs, mb, counts[0], counts[1])
     loss.backward()
+    MetricAccumulator(loss_fn.metric_reductions).add(metrics)  # the train loop's per-micro-batch metrics
     return loss.detach(), values.grad, mask
 
 
