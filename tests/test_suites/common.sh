@@ -28,7 +28,10 @@ suite_init() {
   OUT=${OUT:-logs/suites/$SUITE}; mkdir -p "$OUT"
   SUITE_TIMEOUT=${SUITE_TIMEOUT:-560}
   echo "=== suite $SUITE -> $OUT ($(date -u +%FT%TZ))"
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi: no GPU here"
+  # the cards of the run, for its tables; clocks and power limit because hosts of one kind differ in FP8 gain
+  if nvidia-smi --query-gpu=index,name,memory.used,memory.total,driver_version,clocks.max.sm,power.limit \
+      --format=csv > "$OUT/gpus.csv" 2>/dev/null; then cat "$OUT/gpus.csv"
+  else rm -f "$OUT/gpus.csv"; echo "no nvidia-smi: no GPU here"; fi
 }
 
 run_grpo() {
