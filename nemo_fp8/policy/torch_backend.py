@@ -142,19 +142,27 @@ def logprob_micro_batches(cfg: PolicyConfig, batch: TrainBatch) -> list[list[int
     return [[plan.rows[i] for i in mb] for mb in plan.micro_batches[0]]
 
 
+def micro_batches_on(batch: TrainBatch, micro_batches: list[list[int]], device: torch.device,
+                     lengths: Sequence[int]) -> Iterator[tuple[TrainBatch, list[int]]]:
+    """Each micro-batch (row indices into ``batch``) trimmed to its longest row and sent to ``device`` through
+    pinned memory (``TrainBatch.to(non_blocking=True)``), with its rows' prompt + response lengths as host ints
+    (``lengths``: the whole batch's, read from the host once by the caller)."""
+    for rows in micro_batches:
+        lens = [lengths[i] for i in rows]
+        yield batch.select(row_index(rows)).trimmed(max(lens)).to(device, non_blocking=True), lens
+
+
 def batched_logprobs(score, batch: TrainBatch, micro_batches: list[list[int]], device: torch.device) -> Tensor:
     """[B, T] float32 on the CPU: ``score(micro_batch, lengths) -> [b, t]`` over ``micro_batches`` (row
-    indices, ``logprob_micro_batches``), each trimmed to its longest row and moved to ``device``,
-    ``lengths`` its rows' prompt + response lengths as host ints; 0 past each micro-batch's width.
+    indices, ``logprob_micro_batches``) as ``micro_batches_on`` gives them; 0 past each micro-batch's width.
 
     The results gather on ``device`` and come back to the host once: no host sync per micro-batch."""
     out = torch.zeros(batch.token_ids.shape, dtype=torch.float32, device=device)
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
-    for rows in micro_batches:
+    for rows, (mb, lens) in zip(micro_batches, micro_batches_on(batch, micro_batches, device, lengths)):
         idx = row_index(rows)
-        width = max(lengths[i] for i in rows)
-        lp = score(batch.select(idx).trimmed(width).to(device, non_blocking=True), [lengths[i] for i in rows])
-        out[idx if isinstance(idx, slice) else to_device(idx, device, non_blocking=True), :width] = lp.float()
+        out[idx if isinstance(idx, slice) else to_device(idx, device, non_blocking=True), :max(lens)] = \
+            score(mb, lens).float()
     return out.cpu()
 
 
@@ -187,10 +195,11 @@ def train_micro_batches(cfg: PolicyConfig, batch: TrainBatch, dp_size: int) -> t
 
 
 def global_batches(batch: TrainBatch, micro_batches: list[list[list[int]]], device: torch.device,
-                   dp_size: int = 1, dp_group=None) -> Iterator[tuple[Tensor, Tensor, Iterator[TrainBatch]]]:
+                   dp_size: int = 1, dp_group=None
+                   ) -> Iterator[tuple[Tensor, Tensor, Iterator[tuple[TrainBatch, list[int]]]]]:
     """Split one rank's shard into global batches: per global batch, its valid token and sequence
     counts summed over the data-parallel ranks (0-dim tensors on ``device``, at least 1) and its
-    micro-batches (trimmed to their longest row, on ``device``). Shared by both policy backends.
+    micro-batches with their rows' lengths (``micro_batches_on``). Shared by both policy backends.
 
     Args:
         batch: this rank's rows of every global batch.
@@ -212,8 +221,7 @@ def global_batches(batch: TrainBatch, micro_batches: list[list[list[int]]], devi
         if dp_size > 1:
             torch.distributed.all_reduce(counts, group=dp_group)
         n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
-        yield n_tokens, n_seqs, (batch.select(row_index(mb)).trimmed(max(lengths[i] for i in mb))
-                                 .to(device, non_blocking=True) for mb in gb_rows)
+        yield n_tokens, n_seqs, micro_batches_on(batch, gb_rows, device, lengths)
 
 
 class TorchPolicyBackend:
@@ -337,8 +345,8 @@ class TorchPolicyBackend:
             result.add_tokens(self.cfg, lengths, gb_rows)
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for rows, mb in zip(gb_rows, mbs):  # on the device: moved once, used twice
-                logprobs = self._forward_logprobs(self.model, mb, [lengths[i] for i in rows])
+            for mb, mb_lengths in mbs:  # on the device: moved once, used twice
+                logprobs = self._forward_logprobs(self.model, mb, mb_lengths)
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 loss.backward()
                 acc.add(metrics)

@@ -38,7 +38,7 @@ def _batch() -> tuple[TrainBatch, list[int]]:
 
 def _micro_batch_step(batch: TrainBatch, lengths: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
     """What a packed training micro-batch does outside the model: (loss, grad of the packed values, real mask).
-    The micro-batch is rows of a wider batch trimmed to their longest row, as ``global_batches`` makes it: its
+    The micro-batch is rows of a wider batch trimmed to their longest row, as ``micro_batches_on`` makes it: its
     per-token tensors are strided views."""
     mb = batch.trimmed(max(lengths)).to(device, non_blocking=True)
     packed = pack_rows(mb.token_ids, lengths, seq_multiple=16, total_multiple=128)

@@ -57,7 +57,7 @@ from nemo_fp8.policy.megatron.support import check_recipe_supported
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
-                                           reduce_train_results, row_index, train_micro_batches)
+                                           micro_batches_on, reduce_train_results, train_micro_batches)
 from nemo_fp8.utils.memory import CudaMemoryWindow
 from nemo_fp8.utils.profiling import TrainProfiler
 
@@ -392,8 +392,8 @@ class MegatronPolicyBackend:
             self.optimizer.zero_grad()
             _requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for rows, mb in zip(gb_rows, mbs):
-                logprobs = self._forward_logprobs(self.model, mb, [lengths[i] for i in rows])
+            for mb, mb_lengths in mbs:
+                logprobs = self._forward_logprobs(self.model, mb, mb_lengths)
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
                 self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
@@ -450,10 +450,8 @@ class MegatronPolicyBackend:
         self.model.eval()
         _requantize_fp8_weights(self.model)
         try:
-            all_lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
-            for rows in logprob_micro_batches(self.cfg, batch):
-                lengths = [all_lengths[i] for i in rows]
-                mb = batch.select(row_index(rows)).trimmed(max(lengths)).to(self.device, non_blocking=True)
+            for mb, lengths in micro_batches_on(batch, logprob_micro_batches(self.cfg, batch), self.device,
+                                                (batch.prompt_lengths + batch.response_lengths).tolist()):
                 if self.cfg.sequence_packing.enabled:
                     packed = self._pack(mb, lengths)
                     valid["mask"] = real_token_mask(packed)  # [T_total]
