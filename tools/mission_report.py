@@ -49,13 +49,13 @@ def parse_targets(spec: str | None) -> dict[str, float]:
     """
     out = {}
     for item in filter(None, (spec or "").split(",")):
-        name, sep, value = item.partition("=")
+        name, _, value = item.partition("=")  # no "=": value "" is no number either
         try:
+            if not name:
+                raise ValueError
             out[name] = float(value)
         except ValueError:
-            sep = ""
-        if not sep or not name:
-            raise ValueError(f"--targets item {item!r}: expected run=number, e.g. fp8=0.80")
+            raise ValueError(f"--targets item {item!r}: expected run=number, e.g. fp8=0.80") from None
     return out
 
 
