@@ -39,6 +39,10 @@ Precisions (``PRECISIONS``):
                      vLLM 0.22 turns the CUDA op on for block FP8 because the compiled torch quantizer alone
                      was slower on H100 (vllm-project/vllm#25094); fused with its producer it is not measured.
     fp8-deepgemm-inductor-kv  the same + FP8 KV cache. Its linear-only baseline: fp8-deepgemm-inductor.
+    bf16-v1, fp8-deepgemm-v2, fp8-deepgemm-kv-v2  bf16 / fp8-deepgemm / fp8-deepgemm-kv with vLLM's GPU model
+                     runner pinned (``vllm_cfg.model_runner``). vLLM 0.22 runs its V2 runner only for unquantized
+                     models of its list (Qwen3ForCausalLM), so by default BF16 engines run V2 and FP8 ones V1; these
+                     rows compare FP8 and BF16 on one runner. The runner table gives each against its default.
 
 The last column names each engine's attention and its live activation scale format
 (``act=pow2|fp32|mixed``, ``engine_args.live_activation_scales``).
@@ -100,6 +104,7 @@ class Precision:
     vllm_act_quant_fusion: bool = False  # keep vLLM's fp32-scale fused act/norm-quant kernels (plain vLLM)
     fp8_router: bool = False  # MoE routers (mlp.gate) FP8 too, as a plain vLLM block-FP8 config without ignored_layers
     inductor_act_quant: bool = False  # vLLM's group quantizer as torch code (custom_ops "-quant_fp8"), Inductor-fused
+    model_runner: str = "auto"  # vllm_cfg.model_runner: vLLM's choice, or its V1 / V2 GPU model runner pinned
 
 
 PRECISIONS = {
@@ -113,6 +118,9 @@ PRECISIONS = {
     "fp8-cutlass-fp8router": Precision(True, False, "auto", fp8_router=True),
     "fp8-deepgemm-inductor": Precision(True, True, "auto", inductor_act_quant=True),
     "fp8-deepgemm-inductor-kv": Precision(True, True, "fp8", "fp8-deepgemm-inductor", inductor_act_quant=True),
+    "bf16-v1": Precision(False, False, "auto", model_runner="v1"),
+    "fp8-deepgemm-v2": Precision(True, True, "auto", model_runner="v2"),
+    "fp8-deepgemm-kv-v2": Precision(True, True, "fp8", "fp8-deepgemm-v2", model_runner="v2"),
 }
 # engine settings that must be equal across the engines of one model for the ratios to mean anything
 LIKE_FOR_LIKE = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -148,6 +156,7 @@ def engine_settings(llm) -> dict:
     out.update(attn_impl=first.get("impl"), fa_version=first.get("fa_version"), fp8_query=first.get("query_quant"))
     conv = llm.collective_rpc("nemo_fp8_scale_convention")[0]
     out["linear_kernels"], out["act_scales"] = conv["linear_kernels"], conv.get("act_scales")
+    out["model_runner"] = conv.get("model_runner")  # the worker's own, not the config's wish
     return out
 
 
@@ -158,7 +167,8 @@ def engine_config(precision: str, gpu_mem: float, max_model_len: int):
     p = PRECISIONS[precision]
     return VllmConfig(precision="fp8" if p.fp8 else "bfloat16", use_deep_gemm=p.deep_gemm,
                       pow2_weight_scaling_factors=p.deep_gemm, pow2_activation_scaling_factors=p.deep_gemm,
-                      kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=gpu_mem, max_model_len=max_model_len)
+                      kv_cache_dtype=p.kv_cache_dtype, gpu_memory_utilization=gpu_mem, max_model_len=max_model_len,
+                      model_runner=p.model_runner)
 
 
 def engine_spec(precision: str, cfg, model_dir, extra: dict):
@@ -460,16 +470,34 @@ def print_table(rows, a):
 
         e = r.get("engine", {})
         attn = (f"{e.get('kv_cache_dtype')} / {e.get('attn_impl')} FA{e.get('fa_version')} fp8-q={e.get('fp8_query')}"
-                f" act={e.get('act_scales')}")
+                f" act={e.get('act_scales')} runner={e.get('model_runner')}")
         print(f"{r['model']:6} {r['precision']:21} {r['fixed_tok_s']:11.0f} {ratio('fixed_tok_s', b):>7} "
               f"{ratio('fixed_tok_s', f8):>6} {r.get('rl_tok_s', 0):9.0f} {ratio('rl_tok_s', b):>7} "
               f"{ratio('rl_tok_s', f8):>6} {r['kv_tokens']:10d} {ratio('kv_tokens', b):>7} {ratio('kv_tokens', f8):>6} "
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "
               f"{r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}  {attn}")
+    print_runner_table(rows, ok)
     print_seeding_table(rows, ok, "fixed_seeded_tok_s", "fixed_tok_s", "tok/s", "x unseeded",
                         "fixed workload with a seed per request (policy.generation.vllm_cfg.seed_each_request: true)")
     print_seeding_table(rows, ok, "rl_unseeded_tok_s", "rl_tok_s", "RL tok/s", "x seeded",
                         "RL-like without per-request seeds (policy.generation.vllm_cfg.seed_each_request: false)")
+
+
+def print_runner_table(rows, ok) -> None:
+    """The model-runner A/B: each row of a pinned runner (``-v1`` / ``-v2``) against the same engine on vLLM's own
+    choice (the name without the suffix), fixed and seeded tokens/s. Nothing when no such pair ran."""
+    pairs = [(r, ok.get((r["model"], r["precision"].rsplit("-", 1)[0]))) for r in rows
+             if "error" not in r and PRECISIONS[r["precision"]].model_runner != "auto"]
+    pairs = [(r, base) for r, base in pairs if base]
+    if not pairs:
+        return
+    print("\nmodel runner (vLLM 0.22's own choice: V2 for unquantized Qwen3, V1 for quantized models)")
+    print(f"{'model':6} {'precision':21} {'runner':>6} {'vs':21} {'runner':>6} {'x fixed':>8} {'x seeded':>9}")
+    for r, base in pairs:
+        def x(k):
+            return f"{r[k] / base[k]:.3f}" if r.get(k) and base.get(k) else "-"
+        print(f"{r['model']:6} {r['precision']:21} {r['engine'].get('model_runner', '?'):>6} {base['precision']:21} "
+              f"{base['engine'].get('model_runner', '?'):>6} {x('fixed_tok_s'):>8} {x('fixed_seeded_tok_s'):>9}")
 
 
 def print_seeding_table(rows, ok, key: str, other: str, head: str, other_head: str, title: str) -> None:

@@ -38,7 +38,8 @@ def parse_run(spec: str) -> tuple[str, Path, Path | None]:
 
 
 # the bench_rollout engine whose FP8 gain bounds each run's rollout
-ENGINE_OF_RUN = {"fp8": "fp8-deepgemm", "fp8kv": "fp8-deepgemm-kv", "fp8tw": "fp8-deepgemm"}
+ENGINE_OF_RUN = {"fp8": "fp8-deepgemm", "fp8kv": "fp8-deepgemm-kv", "fp8tw": "fp8-deepgemm",
+                 "fp8v2": "fp8-deepgemm-v2", "fp8kvv2": "fp8-deepgemm-kv-v2"}
 
 
 def parse_targets(spec: str | None) -> dict[str, float]:

@@ -70,10 +70,16 @@ class VllmConfig(StrictConfig):
     enforce_eager: bool = False
     seed_each_request: bool = Field(
         True, description="each sampled request carries its own seed (SamplingParams.seed, request_seed), so a "
-        "prompt's samples do not depend on which engine or batch serves it; vLLM 0.22's sampler then draws each "
-        "seeded request's noise in a Python loop, one kernel per request per decode step. false: the engine's seeded "
-        "generator draws the batch's noise at once (NeMo-RL's and verl's rollouts), reproducible for the same "
+        "prompt's samples do not depend on which engine or batch serves it. vLLM 0.22's V2 model runner draws every "
+        "request's Gumbel noise from its seed in one kernel (no cost); its V1 runner draws each seeded request's "
+        "noise in a Python loop, one kernel per request per decode step (see model_runner). false: the engine's "
+        "seeded generator draws the batch's noise at once (NeMo-RL's and verl's rollouts), reproducible for the same "
         "engines and batches only")
+    model_runner: Literal["auto", "v1", "v2"] = Field(
+        "auto", description="vLLM's GPU model runner (VLLM_USE_V2_MODEL_RUNNER). auto: vLLM's choice; vLLM 0.22 "
+        "picks V2 only for unquantized dense models of its list (Qwen3ForCausalLM), so a BF16 Qwen3 engine runs V2 "
+        "and an FP8 one V1 (vllm/config/vllm.py, use_v2_model_runner). v1 / v2: that runner for every precision, "
+        "so FP8 and BF16 engines compare like for like")
 
     def config_errors(self) -> list[str]:
         errs = []

@@ -132,6 +132,15 @@ def test_bf16_engine_has_no_quantization():
     assert "hf_overrides" not in spec.engine_kwargs and spec.fp8_modules == [] and spec.ignored_layers == []
 
 
+def test_model_runner_sets_vllms_switch_only_when_asked():
+    """auto leaves vLLM's per-model choice (no variable); v1 / v2 pin the runner for every precision."""
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_env(VllmConfig(precision="fp8"))
+    assert build_engine_spec(VllmConfig(precision="fp8", model_runner="v2"), DENSE).env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert engine_env(VllmConfig(model_runner="v1"))["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    with pytest.raises(ValueError, match="model_runner"):
+        VllmConfig(model_runner="v3")
+
+
 def test_scale_convention_env_and_refusal():
     assert engine_env(VllmConfig(precision="fp8"))["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
     env = engine_env(VllmConfig(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True,

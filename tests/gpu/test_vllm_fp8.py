@@ -117,11 +117,17 @@ def test_vllm_fp8_matches_torch_reference_fp8(dense_engine, dense_dir):
     measured here the same way (the earlier bound, half of FP8's own effect, sat below it; the engine's
     0.146 then was within it). ``test_one_fp8_linear_matches_the_torch_reference`` checks the kernels tightly.
     """
+    _assert_matches_torch_reference_fp8(dense_engine, dense_dir)
+
+
+def _assert_matches_torch_reference_fp8(engine, dense_dir):
+    """``test_vllm_fp8_matches_torch_reference_fp8``'s check for any FP8 engine on ``dense_dir``'s weights (with
+    ``num_last_layers_in_bf16=1``)."""
     from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 
     prompts = _prompts(32)
     sp = SamplingParams(max_new_tokens=48, greedy=True)
-    a = dense_engine.generate(prompts, sp)
+    a = engine.generate(prompts, sp)
     m = a.token_mask.bool()
     ref = TorchGenerationBackend(str(dense_dir), VllmConfig(precision="fp8", num_last_layers_in_bf16=1),
                                  torch.device("cuda"), pad_token_id=0, eos_token_id=EOS,
@@ -154,6 +160,32 @@ def test_vllm_fp8_matches_torch_reference_fp8(dense_engine, dense_dir):
           f"common prefix {sum(first) / len(first):.1f}/48")
     assert d_engine.mean() < 1.5 * d_floor.mean() and d_engine.mean() < d_fp8.mean()
     assert sum(first) / len(first) >= 2
+
+
+def test_fp8_engine_on_the_v2_model_runner(dense_engine, dense_dir):
+    """``vllm_cfg.model_runner: v2``: the FP8 engine runs vLLM's V2 runner (vLLM 0.22 gives it only to unquantized
+    Qwen3, so by default FP8 runs V1), refits bit for bit, survives sleep / wake and matches the torch FP8
+    reference within its noise floor, as the default engine does."""
+    assert dense_engine.llm.collective_rpc("nemo_fp8_scale_convention")[0]["model_runner"] == "v1"
+    be = _engine(dense_dir, num_last_layers_in_bf16=1, model_runner="v2")
+    try:
+        assert be.llm.collective_rpc("nemo_fp8_scale_convention")[0]["model_runner"] == "v2"
+        state = _hf_state(dense_dir)
+        _refit(be, state, 1)
+        name = "model.layers.1.mlp.down_proj.weight"
+        q, s = quantize_weight_blockwise(state[name].cuda(), scale_mode="fp32")
+        got = _engine_params(be, [name, name + "_scale_inv"])
+        assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8).cpu())
+        assert torch.equal(got[name + "_scale_inv"], s.cpu())
+        prompts, sp = _prompts(8, seed=2), SamplingParams(max_new_tokens=16, greedy=True)
+        before = be.generate(prompts, sp)
+        be.finish_generation()  # sleep (level 1)
+        be.prepare_for_generation()  # wake
+        assert torch.equal(before.token_ids, be.generate(prompts, sp).token_ids)
+        _assert_matches_torch_reference_fp8(be, dense_dir)
+    finally:
+        be.shutdown()
+        gc.collect()
 
 
 def test_two_refits_outputs_follow_the_second(dense_engine, dense_dir):

@@ -95,3 +95,34 @@ def test_seeding_table_gives_the_cost_of_per_request_seeds(capsys, key, other, t
     out = capsys.readouterr().out.split(title)[1]
     table = {ln.split()[1]: ln.split()[2:] for ln in out.splitlines() if ln.startswith("dense ")}
     assert table == expected
+
+
+def test_runner_variants_differ_from_their_engine_only_in_the_runner():
+    from nemo_fp8.generation.vllm.engine_args import build_engine_spec
+    from tests.generation.test_vllm_engine_args import DENSE
+
+    for pinned, default, runner in [("bf16-v1", "bf16", "v1"), ("fp8-deepgemm-v2", "fp8-deepgemm", "v2"),
+                                    ("fp8-deepgemm-kv-v2", "fp8-deepgemm-kv", "v2")]:
+        cfg, base = br.engine_config(pinned, 0.9, 2320), br.engine_config(default, 0.9, 2320)
+        assert cfg.model_runner == runner and base.model_runner == "auto"
+        assert cfg.model_copy(update={"model_runner": "auto"}) == base
+        spec, base_spec = build_engine_spec(cfg, DENSE), build_engine_spec(base, DENSE)
+        assert spec.engine_kwargs == base_spec.engine_kwargs
+        assert spec.env == {**base_spec.env, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0"}
+    assert br.PRECISIONS["fp8-deepgemm-kv-v2"].linear_baseline == "fp8-deepgemm-v2"  # x fp8: the same runner
+
+
+def test_runner_table_compares_each_pinned_engine_with_vllms_choice(capsys):
+    a = SimpleNamespace(num_prompts=128, input_len=160, output_len=1024, rl_prompts=0, rl_samples=32, num_layers={})
+    base = {"model": "dense", "kv_tokens": 500000, "weight_gib": 8.8, "start_s": 60.0}
+    rows = [{**base, "precision": "bf16", "fixed_tok_s": 12500.0, "fixed_seeded_tok_s": 12500.0,
+             "engine": {**_engine("none"), "model_runner": "v2"}},
+            {**base, "precision": "fp8-deepgemm", "fixed_tok_s": 15000.0, "fixed_seeded_tok_s": 14000.0,
+             "engine": {**_engine("pow2"), "model_runner": "v1"}},
+            {**base, "precision": "fp8-deepgemm-v2", "fixed_tok_s": 16500.0, "fixed_seeded_tok_s": 16800.0,
+             "engine": {**_engine("pow2"), "model_runner": "v2"}}]
+    br.print_table(rows, a)
+    out = capsys.readouterr().out
+    assert "runner=v1" in out and "runner=v2" in out
+    table = [ln.split() for ln in out.split("model runner")[1].split("\n\n")[0].splitlines() if ln.startswith("dense ")]
+    assert table == [["dense", "fp8-deepgemm-v2", "v2", "fp8-deepgemm", "v1", "1.100", "1.200"]]

@@ -442,6 +442,10 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     summaries = {"bf16": {**s_bf16, "tokens_per_s": 250.0}, "fp8": {**s_fp8, "tokens_per_s": 500.0}}
     table = tool.ceiling_table(summaries, engines, "bf16", {})
     assert "| fp8 | fp8-deepgemm (unseeded) | 1.300 |" in table and table.rstrip().endswith("| - | - |")
+    # a run on vLLM's V2 runner (the suite's fp8v2) is bounded by the V2 engine's row, not the default one
+    v2 = [*engines, {"model": "dense", "precision": "fp8-deepgemm-v2", "fixed_tok_s": 1500.0}]
+    table = tool.ceiling_table({**summaries, "fp8v2": summaries["fp8"]}, v2, "bf16", {})
+    assert "| fp8v2 | fp8-deepgemm-v2 (unseeded) | 1.500 |" in table and "| fp8 | fp8-deepgemm (unseeded) |" in table
     with pytest.raises(ValueError, match="needs a bf16 engine row"):
         tool.ceiling_table(summaries, engines[1:], "bf16", {})
     with pytest.raises(ValueError, match="expected run=number"):

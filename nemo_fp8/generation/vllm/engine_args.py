@@ -100,6 +100,8 @@ def engine_env(cfg: VllmConfig) -> dict[str, str]:
         # through vLLM's msgpack encoder, which needs its pickle fallback for them
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
+    if cfg.model_runner != "auto":  # auto: vLLM decides per model (V2 for unquantized Qwen3 only, in 0.22)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
     return env
 
 

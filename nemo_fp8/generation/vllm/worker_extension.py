@@ -107,7 +107,7 @@ class Fp8WorkerExtension:
         return out
 
     def nemo_fp8_scale_convention(self) -> dict:
-        """Which scale convention is live in this worker (proof for the config's claim)."""
+        """Which scale convention is live in this worker (proof for the config's claim), and its vLLM model runner."""
         from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used, is_deep_gemm_supported
 
         kernels, act_ue8m0 = set(), set()
@@ -127,4 +127,6 @@ class Fp8WorkerExtension:
                 "compiled": compiled, "fuse_act_quant": fuse_act, "fuse_norm_quant": fuse_norm,
                 "act_scales": live_activation_scales(sorted(act_ue8m0), compiled, fuse_act, fuse_norm),
                 "env_e8m0": os.environ.get("VLLM_USE_DEEP_GEMM_E8M0"),
-                "env_pow2_act": os.environ.get("NEMO_FP8_POW2_ACT_SCALES")}
+                "env_pow2_act": os.environ.get("NEMO_FP8_POW2_ACT_SCALES"),
+                # vLLM's GPU model runner of this worker (vllm_cfg.model_runner; auto: V2 for unquantized Qwen3 only)
+                "model_runner": "v2" if getattr(self, "use_v2_model_runner", False) else "v1"}

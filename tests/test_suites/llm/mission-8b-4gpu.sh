@@ -9,7 +9,8 @@
 #   Both: sequence packing on, four vLLM engines of tensor parallel 1, one per GPU, colocated with the trainer.
 # RL-shaped step: 32 GSM8K prompts x 16 responses of up to 1,024 tokens (random weights run to the limit), one
 # optimizer step of 512 sequences. Runs side by side: bf16, fp8 (W8A8 blockwise rollout with DeepGEMM + TE
-# blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); then the report and the checks of the targets:
+# blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); also fp8tw (tensorwise training), fp8v2 / fp8kvv2 (fp8 /
+# fp8kv on vLLM's V2 model runner, which vLLM 0.22 gives BF16 Qwen3 only); then the report and the checks of the targets:
 # FP8 step <= 0.80 x BF16, FP8 + FP8 KV <= 0.72 x, every phase of FP8 <= its BF16 time. Step 1 (warm-up) is
 # left out of every mean.
 #   RUNS     which runs, in order (default "bf16 fp8 fp8kv"); one call per run where calls are time-limited: the
@@ -21,7 +22,9 @@
 #            (bf16 on GPU 0; fp8-deepgemm, then fp8-deepgemm-kv on GPU 1, which also fills DeepGEMM's kernel cache),
 #            at the runs' per-engine batch (128 responses of MAX_NEW tokens, seeded per request as the rollout is);
 #            the report then gives each FP8 run's step at the engine's own gain beside its target. Once per $OUT
-#            (ceiling.json); CEILING=0 skips it
+#            (ceiling.json); CEILING=0 skips it. CEILING_FP8: the FP8 engines of GPU 1 (default
+#            fp8-deepgemm,fp8-deepgemm-kv; add fp8-deepgemm-v2,fp8-deepgemm-kv-v2 for the model-runner A/B: vLLM 0.22
+#            runs BF16 Qwen3 on its V2 runner and FP8 on V1, docs/performance.md)
 # Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
 # gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
 # a torch.profiler table of 6 micro-batches of training call 3 per rank (nemo_fp8/utils/profiling.py)
@@ -49,7 +52,7 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
          --rl-prompts 0 --fixed-seeded --gpu-mem 0.6 --timeout 900)
   CUDA_VISIBLE_DEVICES=0 "$PYTHON" "${bench[@]}" --precisions bf16 --out "$OUT/ceiling_bf16.json" \
     > "$OUT/ceiling_bf16.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 "$PYTHON" "${bench[@]}" --precisions fp8-deepgemm,fp8-deepgemm-kv \
+  CUDA_VISIBLE_DEVICES=1 "$PYTHON" "${bench[@]}" --precisions "${CEILING_FP8:-fp8-deepgemm,fp8-deepgemm-kv}" \
     --out "$OUT/ceiling_fp8.json" > "$OUT/ceiling_fp8.log" 2>&1
   wait
   "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
@@ -64,7 +67,11 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
       extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8 ${MISSION_FP8_ARGS:-}" ;;
     fp8tw) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
       extra="policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise ${MISSION_FP8_ARGS:-}" ;;
-    *) echo "unknown run $v (bf16, fp8, fp8kv, fp8tw)"; exit 2 ;;
+    fp8v2) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
+      extra="policy.generation.vllm_cfg.model_runner=v2 ${MISSION_FP8_ARGS:-}" ;;
+    fp8kvv2) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
+      extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8 policy.generation.vllm_cfg.model_runner=v2 ${MISSION_FP8_ARGS:-}" ;;
+    *) echo "unknown run $v (bf16, fp8, fp8kv, fp8tw, fp8v2, fp8kvv2)"; exit 2 ;;
   esac
   mkdir -p "$OUT/$v"
   nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500 > "$OUT/gpu_mem_$v.csv" 2>/dev/null & SMI=$!
@@ -78,15 +85,15 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
     policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
   kill $SMI $PROCS 2>/dev/null
 done
-ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80)
+ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80,fp8v2=0.80,fp8kvv2=0.72)
 report_runs --baseline bf16 "${ceiling[@]}"
 [ "${CHECKS:-1}" = 0 ] && exit 0
 checks=()
-for v in fp8 fp8kv fp8tw; do
+for v in fp8 fp8kv fp8tw fp8v2 fp8kvv2; do
   [ -f "$OUT/$v/metrics.jsonl" ] || continue
-  target=0.80; [ "$v" = fp8kv ] && target=0.72
+  target=0.80; case $v in fp8kv*) target=0.72 ;; esac
   checks+=("ratio(mean($v:timing/step[1:]), mean(bf16:timing/step[1:])) <= $target")
-  [ "$v" = fp8kv ] && continue
+  [ "$target" = 0.72 ] && continue
   for phase in generation refit logprobs training; do
     checks+=("ratio(mean($v:timing/$phase[1:]), mean(bf16:timing/$phase[1:])) <= 1.0")
   done
