@@ -144,6 +144,11 @@ class TrainBatch:
     def token_mask(self) -> Tensor:
         return response_mask(self.prompt_lengths, self.response_lengths, self.token_ids.shape[1])
 
+    def sequence_lengths(self) -> list[int]:
+        """Each row's prompt + response length as host ints (one device read when the batch is on a GPU:
+        read it once per batch and pass the values down)."""
+        return (self.prompt_lengths + self.response_lengths).tolist()
+
     def validate(self) -> "TrainBatch":
         """Check shapes and dtypes; raise ValueError naming the field."""
         _validate_common(self.token_ids, self.prompt_lengths, self.response_lengths)

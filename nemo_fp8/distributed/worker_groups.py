@@ -356,7 +356,7 @@ class PolicyGroup:
             return [torch.arange(s.start, s.stop) for s in shard_rows(batch.size, self.dp_size)]
         from nemo_fp8.policy.packing import plan_logprobs
 
-        plans = plan_logprobs((batch.prompt_lengths + batch.response_lengths).tolist(), self.dp_size,
+        plans = plan_logprobs(batch.sequence_lengths(), self.dp_size,
                               self.packing.packing_shape("logprobs"))
         return [torch.tensor(p.rows, dtype=torch.long) for p in plans]
 
@@ -383,7 +383,7 @@ class PolicyGroup:
             from nemo_fp8.policy.packing import plan_train
 
             plans = [(batch.select(torch.tensor(p.rows, dtype=torch.long)), p.micro_batches) for p in plan_train(
-                (batch.prompt_lengths + batch.response_lengths).tolist(), self.global_batch_size, dp,
+                batch.sequence_lengths(), self.global_batch_size, dp,
                 self.packing.packing_shape("train"))]
         outs = ray.get([w.train_shard.remote(s, loss_fn, mbs) for w, (s, mbs) in zip(self.workers, self._per_rank(plans))])
         return reduce_train_results(self._first_of_groups(outs))

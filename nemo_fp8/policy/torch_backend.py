@@ -138,7 +138,7 @@ def logprob_micro_batches(cfg: PolicyConfig, batch: TrainBatch) -> list[list[int
     if not cfg.sequence_packing.enabled:
         return [list(range(i, min(i + cfg.logprob_batch_size, batch.size)))
                 for i in range(0, batch.size, cfg.logprob_batch_size)]
-    plan = plan_logprobs((batch.prompt_lengths + batch.response_lengths).tolist(), 1, cfg.packing_shape("logprobs"))[0]
+    plan = plan_logprobs(batch.sequence_lengths(), 1, cfg.packing_shape("logprobs"))[0]
     return [[plan.rows[i] for i in mb] for mb in plan.micro_batches[0]]
 
 
@@ -152,13 +152,25 @@ def micro_batches_on(batch: TrainBatch, micro_batches: list[list[int]], device: 
         yield batch.select(row_index(rows)).trimmed(max(lens)).to(device, non_blocking=True), lens
 
 
+def pack_micro_batch(cfg: PolicyConfig, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
+    """``mb``'s rows as one THD row, as both policy backends pack a micro-batch: each sequence padded to the train
+    packing shape's ``seq_multiple`` (``sequence_length_round`` and the parallel layout's multiple), the row to its
+    ``total_multiple`` (the FP8 recipe's token multiple; ``PolicyConfig.packing_shape``). ``lengths``: the rows'
+    prompt + response lengths as host ints; None reads them from ``mb`` (a host sync on a GPU: the micro-batch
+    loops pass them, ``micro_batches_on``)."""
+    shape = cfg.packing_shape("train")
+    if lengths is None:
+        lengths = mb.sequence_lengths()
+    return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
+
+
 def batched_logprobs(score, batch: TrainBatch, micro_batches: list[list[int]], device: torch.device) -> Tensor:
     """[B, T] float32 on the CPU: ``score(micro_batch, lengths) -> [b, t]`` over ``micro_batches`` (row
     indices, ``logprob_micro_batches``) as ``micro_batches_on`` gives them; 0 past each micro-batch's width.
 
     The results gather on ``device`` and come back to the host once: no host sync per micro-batch."""
     out = torch.zeros(batch.token_ids.shape, dtype=torch.float32, device=device)
-    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    lengths = batch.sequence_lengths()
     for rows, (mb, lens) in zip(micro_batches, micro_batches_on(batch, micro_batches, device, lengths)):
         idx = row_index(rows)
         out[idx if isinstance(idx, slice) else to_device(idx, device, non_blocking=True), :max(lens)] = \
@@ -189,7 +201,7 @@ def train_micro_batches(cfg: PolicyConfig, batch: TrainBatch, dp_size: int) -> t
     gbs = cfg.train_global_batch_size // dp_size
     if not cfg.sequence_packing.enabled:
         return batch, row_micro_batches(batch.size, gbs, cfg.train_micro_batch_size)
-    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    lengths = batch.sequence_lengths()
     plan = plan_train(lengths, gbs, 1, cfg.packing_shape("train"))[0]
     return batch.select(torch.tensor(plan.rows, dtype=torch.long)), plan.micro_batches
 
@@ -214,7 +226,7 @@ def global_batches(batch: TrainBatch, micro_batches: list[list[list[int]]], devi
     if covered != list(range(batch.size)):
         raise ValueError(f"train: the micro-batches cover rows {covered[:8]}... of a batch of {batch.size} rows; "
                          "each row must be in exactly one")
-    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()  # CPU lengths, read once
+    lengths = batch.sequence_lengths()  # CPU lengths, read once
     for gb_rows in micro_batches:
         mask = batch.select(row_index([i for mb in gb_rows for i in mb])).token_mask
         counts = to_device(torch.stack([mask.sum(), (mask.sum(1) > 0).sum().float()]), device, non_blocking=True)
@@ -258,17 +270,9 @@ class TorchPolicyBackend:
         self._offloaded: set[str] = set()  # "optimizer", "model": what offload_* moved to host memory
 
     # ----------------------------------------------------------------------- log-probs
-    def _pack(self, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
-        """``mb``'s rows as one THD row, padded as the megatron backend pads them (``PolicyConfig.packing_shape``);
-        ``lengths``: the rows' prompt + response lengths as host ints (None: read from ``mb``)."""
-        shape = self.cfg.packing_shape("train")
-        if lengths is None:
-            lengths = (mb.prompt_lengths + mb.response_lengths).tolist()
-        return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
-
     def _forward_logprobs(self, model: nn.Module, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """[b, t] float32 log-probs of ``mb``'s responses (on the device), 0 elsewhere; with sequence packing
-        the rows run as one packed row (``_forward_packed``; ``lengths`` as in ``_pack``)."""
+        the rows run as one packed row (``_forward_packed``; ``lengths`` as in ``pack_micro_batch``)."""
         if self.cfg.sequence_packing.enabled:
             return self._forward_packed(model, mb, lengths)
         ids = mb.token_ids.to(self.device)
@@ -282,7 +286,7 @@ class TorchPolicyBackend:
         block-diagonal causal mask (``packing.block_causal_mask``, the HF model's 4-D attention mask), the
         CPU twin of the megatron backend's THD forward; log-probs unpacked to ``mb``'s ``[b, t]`` layout.
         A segment's first log-prob (scored from the previous segment) falls on a prompt token: masked."""
-        packed = self._pack(mb, lengths)
+        packed = pack_micro_batch(self.cfg, mb, lengths)
         ids = packed.token_ids.to(self.device)
         mask = block_causal_mask(packed.cu_seqlens_padded.to(self.device), packed.total_tokens)
         logits = model(input_ids=ids, attention_mask=mask[None, None], position_ids=packed.position_ids.to(self.device)
@@ -339,7 +343,7 @@ class TorchPolicyBackend:
         result = ShardTrainResult([], [])
         if micro_batches is None:
             batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
-        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        lengths = batch.sequence_lengths()
         for gb_rows, (n_tokens, n_seqs, mbs) in zip(micro_batches,
                                                      global_batches(batch, micro_batches, self.device, self.dp_size)):
             result.add_tokens(self.cfg, lengths, gb_rows)

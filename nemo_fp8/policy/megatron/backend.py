@@ -55,9 +55,10 @@ from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_lo
 from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.megatron.support import check_recipe_supported
 from nemo_fp8.policy.offload import HostBuffers
-from nemo_fp8.policy.packing import PackedRows, pack_rows, real_token_mask, unpack
+from nemo_fp8.policy.packing import PackedRows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
-                                           micro_batches_on, reduce_train_results, train_micro_batches)
+                                           micro_batches_on, pack_micro_batch, reduce_train_results,
+                                           train_micro_batches)
 from nemo_fp8.utils.memory import CudaMemoryWindow
 from nemo_fp8.utils.profiling import TrainProfiler
 
@@ -286,16 +287,6 @@ class MegatronPolicyBackend:
         pos = torch.arange(padded, device=ids.device).expand(b, padded)
         return model(input_ids=ids_p, position_ids=pos, attention_mask=None), ids_p
 
-    def _pack(self, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
-        """``mb``'s rows as one THD row: each sequence padded to ``sequence_length_round`` (and the parallel
-        layout's multiple), the row to the FP8 recipe's token multiple (``PolicyConfig.packing_shape``).
-        ``lengths``: the rows' prompt + response lengths as host ints; None reads them from the device (a
-        host sync: the callers of the micro-batch loops pass them)."""
-        shape = self.cfg.packing_shape("train")
-        if lengths is None:
-            lengths = (mb.prompt_lengths + mb.response_lengths).tolist()
-        return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
-
     def _packed_forward(self, model, packed: PackedRows) -> Tensor:
         """Logits ``[1, T_total, V / tp]`` of one packed row in THD layout.
 
@@ -330,9 +321,9 @@ class MegatronPolicyBackend:
     def _forward_logprobs(self, model, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses; with sequence packing the
         rows run as one THD row and the log-probs are unpacked to ``mb``'s layout (a segment's first log-prob,
-        scored from the previous segment, falls on a prompt token: masked). ``lengths`` as in ``_pack``."""
+        scored from the previous segment, falls on a prompt token: masked). ``lengths`` as in ``pack_micro_batch``."""
         if self.cfg.sequence_packing.enabled:
-            packed = self._pack(mb, lengths)
+            packed = pack_micro_batch(self.cfg, mb, lengths)
             lp = self._token_logprobs(self._packed_forward(model, packed), packed.token_ids)  # [1, T_total]
             return unpack(lp[0], packed, mb.token_ids.shape[1]) * mb.token_mask
         logits, ids_p = self._padded_forward(model, mb.token_ids)
@@ -384,7 +375,7 @@ class MegatronPolicyBackend:
         result = ShardTrainResult([], [])
         if micro_batches is None:
             batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
-        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        lengths = batch.sequence_lengths()
         for gb_rows, (n_tokens, n_seqs, mbs) in zip(
                 micro_batches, global_batches(batch, micro_batches, self.device, self.dp_size, self.dp_group)):
             result.add_tokens(self.cfg, lengths, gb_rows, self.pad_multiple)
@@ -451,9 +442,9 @@ class MegatronPolicyBackend:
         _requantize_fp8_weights(self.model)
         try:
             for mb, lengths in micro_batches_on(batch, logprob_micro_batches(self.cfg, batch), self.device,
-                                                (batch.prompt_lengths + batch.response_lengths).tolist()):
+                                                batch.sequence_lengths()):
                 if self.cfg.sequence_packing.enabled:
-                    packed = self._pack(mb, lengths)
+                    packed = pack_micro_batch(self.cfg, mb, lengths)
                     valid["mask"] = real_token_mask(packed)  # [T_total]
                     self._packed_forward(self.model, packed)
                     continue
