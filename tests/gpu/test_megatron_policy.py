@@ -449,7 +449,8 @@ def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloa
         assert moments and all(v.dtype == torch.bfloat16 for v in moments.values())
         assert moved > 0 and differ <= 0.02 * moved
         assert second["loss"] < first["loss"] - 1e-4
-        before = {k: v.clone() for k, v in state.items()}
+        before, weights = {k: v.clone() for k, v in state.items()}, _weights(be)
+        assert all(buf.param_data_cpu.is_pinned() for buf in be._ddp_buffers())  # allocated at start-up
         be.offload_before_refit()
         be.offload_after_refit()
         off = _optimizer_state(be)
@@ -457,6 +458,7 @@ def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloa
         be.prepare_for_training()
         back = _optimizer_state(be)
         assert all(back[k].device == v.device and torch.equal(back[k], v) for k, v in before.items())
+        assert all(torch.equal(w, weights[n]) for n, w in _weights(be).items())  # through the pinned host copies
         third = be.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
         assert torch.isfinite(torch.tensor(third["grad_norm"]))
     finally:

@@ -420,8 +420,8 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     fp8 = _write_run(tmp_path / "fp8", fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]))
     bf16 = _write_run(tmp_path / "bf16", fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
     engines = [{"model": "dense", "precision": "bf16", "fixed_tok_s": 1000.0, "fixed_seeded_tok_s": 800.0},
-               {"model": "dense", "precision": "fp8-deepgemm", "fixed_tok_s": 1300.0, "fixed_seeded_tok_s": 1000.0},
-               {"model": "dense", "precision": "fp8-deepgemm-kv", "error": "skipped"}]
+               {"model": "dense", "precision": "fp8-deepgemm-v2", "fixed_tok_s": 1300.0, "fixed_seeded_tok_s": 1000.0},
+               {"model": "dense", "precision": "fp8-deepgemm-kv-v2", "error": "skipped"}]
     (tmp_path / "ceiling.json").write_text(json.dumps(engines))
     out = tmp_path / "mission.md"
     assert tool.main([f"fp8={fp8}", f"bf16={bf16}", "--ceiling", str(tmp_path / "ceiling.json"),
@@ -431,7 +431,7 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     step_fp8, step_bf16 = 2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1, 4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1
     bound = (step_fp8 - 2.0 + 4.0 / 1.25) / step_bf16  # seeded gain 1000 / 800
-    assert cells == ["fp8", "fp8-deepgemm (seeded)", "1.250", "2.000", f"{step_fp8 / step_bf16:.3f}", f"{bound:.3f}",
+    assert cells == ["fp8", "fp8-deepgemm-v2 (seeded)", "1.250", "2.000", f"{step_fp8 / step_bf16:.3f}", f"{bound:.3f}",
                      "0.80", f"no: {bound:.2f} > 0.80"]
     s_fp8 = {"step_s": step_fp8, "generation_s": 2.0}
     s_bf16 = {"step_s": step_bf16, "generation_s": 4.0}
@@ -441,11 +441,11 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
         r.pop("fixed_seeded_tok_s", None)
     summaries = {"bf16": {**s_bf16, "tokens_per_s": 250.0}, "fp8": {**s_fp8, "tokens_per_s": 500.0}}
     table = tool.ceiling_table(summaries, engines, "bf16", {})
-    assert "| fp8 | fp8-deepgemm (unseeded) | 1.300 |" in table and table.rstrip().endswith("| - | - |")
-    # a run on vLLM's V2 runner (the suite's fp8v2) is bounded by the V2 engine's row, not the default one
-    v2 = [*engines, {"model": "dense", "precision": "fp8-deepgemm-v2", "fixed_tok_s": 1500.0}]
-    table = tool.ceiling_table({**summaries, "fp8v2": summaries["fp8"]}, v2, "bf16", {})
-    assert "| fp8v2 | fp8-deepgemm-v2 (unseeded) | 1.500 |" in table and "| fp8 | fp8-deepgemm (unseeded) |" in table
+    assert "| fp8 | fp8-deepgemm-v2 (unseeded) | 1.300 |" in table and table.rstrip().endswith("| - | - |")
+    # the configs pin vLLM's V2 runner; a run pinned to V1 (the suite's fp8v1) is bounded by the V1 engine's row
+    v1 = [*engines, {"model": "dense", "precision": "fp8-deepgemm", "fixed_tok_s": 1100.0}]
+    table = tool.ceiling_table({**summaries, "fp8v1": summaries["fp8"]}, v1, "bf16", {})
+    assert "| fp8v1 | fp8-deepgemm (unseeded) | 1.100 |" in table and "| fp8 | fp8-deepgemm-v2 (unseeded) |" in table
     with pytest.raises(ValueError, match="needs a bf16 engine row"):
         tool.ceiling_table(summaries, engines[1:], "bf16", {})
     with pytest.raises(ValueError, match="expected run=number"):

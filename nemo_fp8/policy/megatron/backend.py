@@ -186,8 +186,10 @@ class MegatronPolicyBackend:
         self._train_calls = 0  # train_shard calls so far (the opt-in profiler's NEMO_FP8_PROFILE_TRAIN_CALL)
         self._offloaded: set[str] = set()
         self._host = HostBuffers()  # the optimizer state's host memory, reused at every colocated refit
-        if cfg.generation.colocated.moves_trainer_state and not m.optimizer.optimizer_cpu_offload:
-            self._host.reserve(self._adam_moment_bytes())  # pinned now, not inside the first refit after training
+        if cfg.generation.colocated.moves_trainer_state:
+            if not m.optimizer.optimizer_cpu_offload:
+                self._host.reserve(self._adam_moment_bytes())  # pinned now, not inside the first refit after training
+            self._pin_weight_host_copies()
         self._state_on_host: list[tuple[dict, str]] = []  # (optimizer state dict, key) that _move_optimizer_state moved
         logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
                     rank, world_size, self.tp_rank, self.dp_rank,
@@ -472,13 +474,27 @@ class MegatronPolicyBackend:
         """Take part in an export that another rank sends (the gathers need every rank); returns the count."""
         return sum(1 for _ in self.named_weights())
 
+    def _ddp_buffers(self) -> list:
+        return [*self.model.buffers, *self.model.expert_parallel_buffers]
+
+    def _pin_weight_host_copies(self) -> None:
+        """Allocate the page-locked host copies of the DDP parameter buffers now. megatron-core's first
+        ``offload_to_cpu`` would otherwise make them inside the first colocated refit, as a pageable copy and then a
+        pinned one (``param_data.cpu().pin_memory()``, the rank's whole weights), and reuse them (``copy_``) after."""
+        for buf in self._ddp_buffers():
+            if buf.param_data is not None and buf.param_data_cpu is None:
+                buf.param_data_cpu = torch.empty(buf.param_data.shape, dtype=buf.param_data.dtype, pin_memory=True)
+
     def _move_ddp_buffers(self, to_cpu: bool, params: bool, grads: bool) -> None:
-        for buffers in (self.model.buffers, self.model.expert_parallel_buffers):
-            for buf in buffers:
-                if to_cpu:
-                    buf.offload_to_cpu(move_params=params, move_grads=grads)
-                else:
-                    buf.reload_from_cpu(move_params=params, move_grads=grads)
+        for buf in self._ddp_buffers():
+            if to_cpu:
+                buf.offload_to_cpu(move_params=params, move_grads=grads)
+            else:
+                buf.reload_from_cpu(move_params=params, move_grads=grads)
+        if to_cpu and params:
+            # offload_to_cpu copies into the pinned copy without blocking and frees the GPU storage at once: the copy
+            # must be done before empty_cache hands that memory to the engine waking on this GPU
+            torch.cuda.current_stream().synchronize()
 
     def _adam_moment_bytes(self) -> int:
         """Host arena bytes for Adam's ``exp_avg`` and ``exp_avg_sq`` of every main parameter this rank's optimizer

@@ -9,8 +9,9 @@
 #   Both: sequence packing on, four vLLM engines of tensor parallel 1, one per GPU, colocated with the trainer.
 # RL-shaped step: 32 GSM8K prompts x 16 responses of up to 1,024 tokens (random weights run to the limit), one
 # optimizer step of 512 sequences. Runs side by side: bf16, fp8 (W8A8 blockwise rollout with DeepGEMM + TE
-# blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); also fp8tw (tensorwise training), fp8v2 / fp8kvv2 (fp8 /
-# fp8kv on vLLM's V2 model runner, which vLLM 0.22 gives BF16 Qwen3 only); then the report and the checks of the targets:
+# blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); also fp8tw (tensorwise training), fp8v1 / fp8kvv1 (fp8 /
+# fp8kv on vLLM's V1 model runner, vLLM 0.22's own choice for FP8; the configs pin V2 for every precision); then the
+# report and the checks of the targets:
 # FP8 step <= 0.80 x BF16, FP8 + FP8 KV <= 0.72 x, every phase of FP8 <= its BF16 time. Step 1 (warm-up) is
 # left out of every mean.
 #   RUNS     which runs, in order (default "bf16 fp8 fp8kv"); one call per run where calls are time-limited: the
@@ -19,12 +20,12 @@
 #            for every run; MISSION_FP8_ARGS for the FP8 runs only (e.g. policy.megatron_cfg.fp8_cfg.fp8_param=true)
 #   CHECKS=0 print the report only
 #   CEILING=1 (default) first measures the rollout ceiling: each engine of tools/bench_rollout.py alone on one GPU
-#            (bf16 on GPU 0; fp8-deepgemm, then fp8-deepgemm-kv on GPU 1, which also fills DeepGEMM's kernel cache),
+#            (bf16 on GPU 0; the FP8 engines round robin on GPUs 1..N-1, which also fills DeepGEMM's kernel cache),
 #            at the runs' per-engine batch (128 responses of MAX_NEW tokens, seeded per request as the rollout is);
 #            the report then gives each FP8 run's step at the engine's own gain beside its target. Once per $OUT
-#            (ceiling.json); CEILING=0 skips it. CEILING_FP8: the FP8 engines of GPU 1 (default
-#            fp8-deepgemm,fp8-deepgemm-kv; add fp8-deepgemm-v2,fp8-deepgemm-kv-v2 for the model-runner A/B: vLLM 0.22
-#            runs BF16 Qwen3 on its V2 runner and FP8 on V1, docs/performance.md)
+#            (ceiling.json); CEILING=0 skips it. CEILING_FP8: the FP8 engines (default
+#            fp8-deepgemm-v2,fp8-deepgemm-kv-v2, the runner the configs pin; add fp8-deepgemm for the model-runner
+#            A/B: vLLM 0.22 runs FP8 on its V1 runner unless told, docs/performance.md)
 # Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
 # gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
 # a torch.profiler table of 6 micro-batches of training call 3 per rank (nemo_fp8/utils/profiling.py)
@@ -52,11 +53,21 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
          --rl-prompts 0 --fixed-seeded --gpu-mem 0.6 --timeout 900)
   CUDA_VISIBLE_DEVICES=0 "$PYTHON" "${bench[@]}" --precisions bf16 --out "$OUT/ceiling_bf16.json" \
     > "$OUT/ceiling_bf16.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 "$PYTHON" "${bench[@]}" --precisions "${CEILING_FP8:-fp8-deepgemm,fp8-deepgemm-kv}" \
-    --out "$OUT/ceiling_fp8.json" > "$OUT/ceiling_fp8.log" 2>&1
+  # the FP8 engines over GPUs 1..N-1, round robin, one after another on a GPU (DeepGEMM's cache takes concurrent
+  # writers: vLLM's tensor-parallel workers compile into it at once)
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -ge 2 ] || ngpu=2
+  IFS=, read -ra fp8_engines <<< "${CEILING_FP8:-fp8-deepgemm-v2,fp8-deepgemm-kv-v2}"
+  declare -A on_gpu=()
+  for i in "${!fp8_engines[@]}"; do
+    g=$((1 + i % (ngpu - 1))); on_gpu[$g]="${on_gpu[$g]:+${on_gpu[$g]},}${fp8_engines[$i]}"
+  done
+  for g in "${!on_gpu[@]}"; do
+    CUDA_VISIBLE_DEVICES=$g "$PYTHON" "${bench[@]}" --precisions "${on_gpu[$g]}" --out "$OUT/ceiling_fp8_gpu$g.json" \
+      > "$OUT/ceiling_fp8_gpu$g.log" 2>&1 &
+  done
   wait
   "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
-    "$OUT/ceiling_bf16.json" "$OUT/ceiling_fp8.json" > "$OUT/ceiling.json" && tail -4 "$OUT/ceiling_fp8.log"
+    "$OUT"/ceiling_bf16.json "$OUT"/ceiling_fp8_gpu*.json > "$OUT/ceiling.json" && tail -4 "$OUT"/ceiling_fp8_gpu*.log
 fi
 wait  # the checkpoint
 for v in ${RUNS:-bf16 fp8 fp8kv}; do
@@ -67,11 +78,11 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
       extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8 ${MISSION_FP8_ARGS:-}" ;;
     fp8tw) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
       extra="policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise ${MISSION_FP8_ARGS:-}" ;;
-    fp8v2) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
-      extra="policy.generation.vllm_cfg.model_runner=v2 ${MISSION_FP8_ARGS:-}" ;;
-    fp8kvv2) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
-      extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8 policy.generation.vllm_cfg.model_runner=v2 ${MISSION_FP8_ARGS:-}" ;;
-    *) echo "unknown run $v (bf16, fp8, fp8kv, fp8tw, fp8v2, fp8kvv2)"; exit 2 ;;
+    fp8v1) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
+      extra="policy.generation.vllm_cfg.model_runner=v1 ${MISSION_FP8_ARGS:-}" ;;
+    fp8kvv1) cfg=examples/configs/grpo_math_8B_megatron_fp8.yaml
+      extra="policy.generation.vllm_cfg.kv_cache_dtype=fp8 policy.generation.vllm_cfg.model_runner=v1 ${MISSION_FP8_ARGS:-}" ;;
+    *) echo "unknown run $v (bf16, fp8, fp8kv, fp8tw, fp8v1, fp8kvv1)"; exit 2 ;;
   esac
   mkdir -p "$OUT/$v"
   nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500 > "$OUT/gpu_mem_$v.csv" 2>/dev/null & SMI=$!
@@ -85,11 +96,11 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
     policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
   kill $SMI $PROCS 2>/dev/null
 done
-ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80,fp8v2=0.80,fp8kvv2=0.72)
+ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80,fp8v1=0.80,fp8kvv1=0.72)
 report_runs --baseline bf16 "${ceiling[@]}"
 [ "${CHECKS:-1}" = 0 ] && exit 0
 checks=()
-for v in fp8 fp8kv fp8tw fp8v2 fp8kvv2; do
+for v in fp8 fp8kv fp8tw fp8v1 fp8kvv1; do
   [ -f "$OUT/$v/metrics.jsonl" ] || continue
   target=0.80; case $v in fp8kv*) target=0.72 ;; esac
   checks+=("ratio(mean($v:timing/step[1:]), mean(bf16:timing/step[1:])) <= $target")
