@@ -67,7 +67,7 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
   done
   wait
   "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
-    "$OUT"/ceiling_bf16.json "$OUT"/ceiling_fp8_gpu*.json > "$OUT/ceiling.json" && tail -4 "$OUT"/ceiling_fp8_gpu*.log
+    "$OUT"/ceiling_bf16.json "$OUT"/ceiling_fp8_gpu*.json > "$OUT/ceiling.json" && tail -n 4 "$OUT"/ceiling_fp8_gpu*.log
 fi
 wait  # the checkpoint
 for v in ${RUNS:-bf16 fp8 fp8kv}; do
