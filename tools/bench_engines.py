@@ -7,7 +7,7 @@ a short rollout, then times one rollout of ``--prompts`` x ``--samples`` respons
 tokens (a generation-bound step: NeMo-RL's 8B recipe rolls out 512 x 1,024). Generated tokens are counted
 from the responses (EOS ends some early).
 
-    python tools/bench_rollout.py --engines 1,2,4 [--model DIR | --shape small|8b] [--layers N] [--tp 1]
+    python tools/bench_engines.py --engines 1,2,4 [--model DIR | --shape small|8b] [--layers N] [--tp 1]
         [--precision fp8] [--prompts 32] [--samples 16] [--input-len 128] [--output-len 1024]
         [--gpu-mem 0.85] [--out rows.json]
 

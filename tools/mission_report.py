@@ -13,6 +13,13 @@ run: mean seconds per phase (first step left out), rollout tokens/s, peak memory
 at the run's per-engine batch) adds the rollout ceiling: for each FP8 run, the step it would take if its rollout ran
 at the engine's own FP8 gain over BF16, the run's other phases as measured. A step target below that bound asks the
 rollout for more than the engine gives; ``--targets fp8=0.80,fp8kv=0.72`` puts each target beside its bound.
+
+``--train-ceiling rows.json`` (``tools/bench_train.py --workload rl --rl-packing packed --json``, on a GPU of the same
+machine, at the runs' ``train_mb_tokens``) adds the training engine's own gain: BF16's ``raw f+b`` (megatron-core + TE
+alone, one packed micro-batch) over the recipe's. The engines' bound of a run is its step with every phase as fast as
+the engines allow and nothing else of FP8's: rollout at the rollout engine's gain, log-probs and training at the
+training engine's gain (each at the run's own time where that is faster), refit and the rest at the baseline's time.
+The verdict takes that bound; without a training ceiling, the run's own log-probs and training times stand.
 """
 
 import argparse
@@ -41,6 +48,11 @@ def parse_run(spec: str) -> tuple[str, Path, Path | None]:
 # (vllm_cfg.model_runner: v2); the suite's fp8v1 / fp8kvv1 runs pin V1, vLLM's own choice for FP8
 ENGINE_OF_RUN = {"fp8": "fp8-deepgemm-v2", "fp8kv": "fp8-deepgemm-kv-v2", "fp8tw": "fp8-deepgemm-v2",
                  "fp8v1": "fp8-deepgemm", "fp8kvv1": "fp8-deepgemm-kv"}
+
+
+# the bench_train recipe each run trains with (the FP8 config's TE blockwise recipe; fp8tw: tensorwise)
+RECIPE_OF_RUN = {"fp8": "e4m3-blockwise", "fp8kv": "e4m3-blockwise", "fp8tw": "e4m3-tensorwise",
+                 "fp8v1": "e4m3-blockwise", "fp8kvv1": "e4m3-blockwise"}
 
 
 def parse_targets(spec: str | None) -> dict[str, float]:
@@ -78,12 +90,46 @@ def rollout_bound(run: dict, base: dict, engine_gain: float) -> float:
     return (run["step_s"] - run["generation_s"] + base["generation_s"] / engine_gain) / base["step_s"]
 
 
+def engines_bound(run: dict, base: dict, rollout_gain: float, train_gain: float | None) -> float:
+    """Step / baseline step with every phase as fast as the engines allow and nothing else of FP8's (Amdahl over
+    the step's phases): generation at the rollout engine's ``rollout_gain``, log-probs and training at the training
+    engine's ``train_gain`` (``None``: no training ceiling), each phase at the run's own time where that is faster,
+    refit and the rest (``other_s``) at the baseline's time:
+    ``(min(g, bg / rollout_gain) + min(l + t, (bl + bt) / train_gain) + b_refit + b_other) / b_step``, ``b*`` the
+    baseline's seconds. The training engine's ``raw f+b`` gain also covers the optimizer step, which FP8 does not
+    speed up, so the bound is optimistic: a target above it is out of the engines' reach.
+
+    Args:
+        run, base: :func:`summarize_run` summaries (``<phase>_s``, ``other_s``, ``step_s``: seconds).
+        rollout_gain, train_gain: FP8 over BF16 speed of each engine (> 0).
+
+    Raises:
+        ValueError: a gain <= 0 or a baseline step of 0.
+    """
+    if rollout_gain <= 0 or (train_gain is not None and train_gain <= 0) or not base["step_s"]:
+        raise ValueError(f"engines_bound: gains {rollout_gain}, {train_gain} and baseline step {base['step_s']} "
+                         "must be > 0")
+    generated = min(run["generation_s"], base["generation_s"] / rollout_gain)
+    trained = run["logprobs_s"] + run["training_s"]
+    if train_gain is not None:
+        trained = min(trained, (base["logprobs_s"] + base["training_s"]) / train_gain)
+    return (generated + trained + base["refit_s"] + base["other_s"]) / base["step_s"]
+
+
+def train_gains(train_rows: list[dict]) -> dict[str, float]:
+    """{recipe: BF16 ``raw_ms`` / the recipe's} of ``tools/bench_train.py --workload rl`` packed rows (rows with an
+    error or no ``raw_ms`` left out; empty without a BF16 row)."""
+    raw = {r["recipe"]: r["raw_ms"] for r in train_rows if r.get("packed") and r.get("raw_ms") and "error" not in r}
+    return {recipe: raw["bf16"] / ms for recipe, ms in raw.items()} if "bf16" in raw else {}
+
+
 def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline: str,
-                  targets: dict[str, float]) -> str:
+                  targets: dict[str, float], train_rows: list[dict] | None = None) -> str:
     """Markdown table, a row per FP8 run with an engine in ``engine_rows`` (``tools/bench_rollout.py`` rows): the
     engine's tokens/s over BF16's (``fixed_seeded_tok_s`` when both rows have it, the GRPO rollout's per-request
     seeds; else ``fixed_tok_s``), the run's rollout and step ratios, the step at the engine's gain
-    (:func:`rollout_bound`), the target and whether the engine's gain can reach it.
+    (:func:`rollout_bound`), the training engine's gain from ``train_rows`` (``tools/bench_train.py`` rows; "-":
+    none), the engines' bound (:func:`engines_bound`), the target and whether the engines can reach it.
 
     Raises:
         ValueError: no BF16 row in ``engine_rows`` or no ``baseline`` run.
@@ -93,8 +139,10 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
         raise ValueError(f"rollout ceiling: needs a bf16 engine row (have {sorted(by_precision)}) and the run "
                          f"{baseline!r} (have {sorted(summaries)})")
     base, bf16 = summaries[baseline], by_precision["bf16"]
-    head = ["run", "engine", "engine tok/s x bf16", "run rollout x bf16", "run step / bf16", "step at the engine's gain",
-            "target", "within the engine's reach"]
+    trains = train_gains(train_rows or [])
+    head = ["run", "engine", "engine tok/s x bf16", "run rollout x bf16", "run step / bf16",
+            "step at the engine's gain", "train engine x bf16", "run train x bf16", "engines' bound", "target",
+            "within the engines' reach"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
         engine = by_precision.get(ENGINE_OF_RUN.get(name, ""))
@@ -103,32 +151,66 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
         key = "fixed_seeded_tok_s" if engine.get("fixed_seeded_tok_s") and bf16.get("fixed_seeded_tok_s") \
             else "fixed_tok_s"
         gain = engine[key] / bf16[key]
-        bound = rollout_bound(s, base, gain)
+        train_gain = trains.get(RECIPE_OF_RUN.get(name, ""))
+        bound = engines_bound(s, base, gain, train_gain)
         target = targets.get(name)
         reach = "-" if target is None else ("yes" if bound <= target else f"no: {bound:.2f} > {target:.2f}")
+        run_train = (base["logprobs_s"] + base["training_s"]) / (s["logprobs_s"] + s["training_s"])
         lines.append("| " + " | ".join([
             name, f"{engine['precision']} ({'seeded' if key == 'fixed_seeded_tok_s' else 'unseeded'})", f"{gain:.3f}",
-            f"{s['tokens_per_s'] / base['tokens_per_s']:.3f}", f"{s['step_s'] / base['step_s']:.3f}", f"{bound:.3f}",
-            "-" if target is None else f"{target:.2f}", reach]) + " |")
+            f"{s['tokens_per_s'] / base['tokens_per_s']:.3f}", f"{s['step_s'] / base['step_s']:.3f}",
+            f"{rollout_bound(s, base, gain):.3f}",
+            "-" if train_gain is None else f"{RECIPE_OF_RUN[name]} {train_gain:.3f}", f"{run_train:.3f}",
+            f"{bound:.3f}", "-" if target is None else f"{target:.2f}", reach]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# the parts of the refit and of the step's "other" time the trainer times (timing/<part>, seconds)
+PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights", "engine_wake", "engine_sleep",
+         "kv_calibration", "reward")
+
+
+def parts_table(rows_by_run: dict[str, list[dict]], baseline: str) -> str:
+    """Markdown table, a row per run: mean seconds per step of each of ``PARTS`` over the timed steps (the first left
+    out when more remain, as ``summarize_run``), and each part's ratio to the baseline run's; "" when no run logged
+    any part (runs of an older trainer)."""
+    means = {}
+    for name, rows in rows_by_run.items():
+        steps = sorted((r for r in rows if "train/reward_mean" in r), key=lambda r: r["step"])
+        timed = steps[1:] if len(steps) > 1 else steps
+        means[name] = {k: sum(r.get(f"timing/{k}", 0.0) for r in timed) / max(len(timed), 1) for k in PARTS
+                       if any(f"timing/{k}" in r for r in timed)}
+    parts = [k for k in PARTS if any(k in m for m in means.values())]
+    if not any(k.startswith("refit/") or k.startswith("engine_") for k in parts):
+        return ""
+    base = means.get(baseline, {})
+    lines = ["| run | " + " | ".join(f"{k} s" for k in parts) + " |", "|---|" + "---|" * len(parts)]
+    for name, m in means.items():
+        cells = []
+        for k in parts:
+            v, b = m.get(k), base.get(k)
+            cells.append("-" if v is None else f"{v:.2f}" + (f" ({v / b:.2f}x)" if name != baseline and b else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
-           targets: dict[str, float] | None = None) -> str:
+           targets: dict[str, float] | None = None, train_ceiling: str | Path | None = None) -> str:
     """The markdown report of ``specs`` (see the module docstring), with the rollout ceiling of ``ceiling``
-    (a ``bench_rollout.py --out`` file) when given.
+    (a ``bench_rollout.py --out`` file) and the training engine's gains of ``train_ceiling`` (a
+    ``bench_train.py --json`` file) when given.
 
     Raises:
         ValueError: a bad spec, a run without training steps, or a CSV that is not nvidia-smi's (a ceiling file
             that cannot give the table, e.g. without a bf16 row, says so in its section instead).
         FileNotFoundError: a run without ``metrics.jsonl``, a missing CSV or ceiling file.
     """
-    parts, summaries, peaks = [], {}, {}
+    parts, summaries, peaks, rows_by_run = [], {}, {}, {}
     for name, log_dir, csv in map(parse_run, specs):
         path = log_dir / "metrics.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"run {name}: no {path}")
-        rows = read_metrics(path)
+        rows = rows_by_run[name] = read_metrics(path)
         try:
             summaries[name] = summarize_run(rows)
         except ValueError as e:
@@ -137,15 +219,24 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
             peaks[name] = peak_gpu_memory(csv)
         parts.append(f"### {name} ({log_dir})\n\n{step_table(rows)}")
     parts.append("### side by side (first step left out: warm-up)\n\n" + side_by_side_table(summaries, peaks, baseline))
+    by_part = parts_table(rows_by_run, baseline)
+    if by_part:
+        parts.append("### the refit and the other time by part (seconds per step, first step left out)\n\n" + by_part)
     if ceiling is not None:
         path = Path(ceiling)
         if not path.is_file():
             raise FileNotFoundError(f"--ceiling: no {path}")
+        train_rows = None
+        if train_ceiling is not None:
+            if not Path(train_ceiling).is_file():
+                raise FileNotFoundError(f"--train-ceiling: no {train_ceiling}")
+            train_rows = json.loads(Path(train_ceiling).read_text())
         try:  # a failed engine leaves the runs' report whole: the ceiling section says why it is missing
-            table = ceiling_table(summaries, json.loads(path.read_text()), baseline, targets or {})
+            table = ceiling_table(summaries, json.loads(path.read_text()), baseline, targets or {}, train_rows)
         except (ValueError, KeyError) as e:
             table = f"not computed: {e!r} ({path})\n"
-        parts.append("### rollout ceiling (the engine alone, one GPU; the run's other phases as measured)\n\n" + table)
+        parts.append("### rollout ceiling (each engine alone on one GPU; the engines' bound: every phase at its "
+                     "engine's gain, refit and the rest at the baseline's time)\n\n" + table)
     return "\n".join(parts)
 
 
@@ -156,9 +247,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the report here (markdown)")
     p.add_argument("--ceiling", help="tools/bench_rollout.py --out rows: the engine's own FP8 gain at the run's batch")
     p.add_argument("--targets", help="step / baseline targets per run, e.g. fp8=0.80,fp8kv=0.72")
+    p.add_argument("--train-ceiling", help="tools/bench_train.py --workload rl --json rows: the training engine's "
+                   "own FP8 gain (raw f+b) at the runs' train_mb_tokens")
     args = p.parse_args(argv)
+    if args.train_ceiling and not args.ceiling:
+        p.error("--train-ceiling needs --ceiling (the rollout engine's rows)")
     try:
-        md = report(args.runs, args.baseline, args.ceiling, parse_targets(args.targets))
+        md = report(args.runs, args.baseline, args.ceiling, parse_targets(args.targets), args.train_ceiling)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -120,14 +120,18 @@ class RefitController:
             got = None if self.kv_scales is None else self.kv_scales.step
             raise RuntimeError(f"refit to version {self.version}: the FP8 KV cache needs scales measured on these "
                                f"weights (have: {got}); calibrate_kv_scales after every training step")
+        # the refit's parts under refit/ (timing/refit/*: trainer state out, the transfer, the weights out)
         with timer("refit"):
             if self.offload_trainer:
-                self.policy.offload_before_refit()
-            self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
-            if self.offload_trainer:
-                self.policy.offload_after_refit()
-            elif self.colocated:
-                self.policy.release_cached_memory()
+                with timer("refit/offload_trainer_state"):
+                    self.policy.offload_before_refit()
+            with timer("refit/transfer"):
+                self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
+            with timer("refit/offload_weights"):
+                if self.offload_trainer:
+                    self.policy.offload_after_refit()
+                elif self.colocated:
+                    self.policy.release_cached_memory()
         self.stale = False
         return self.last_stats.metrics()
 
@@ -139,7 +143,8 @@ class RefitController:
             RuntimeError: the engine does not hold this version's weights (or KV scales).
         """
         self.refit_if_stale(timer)
-        self.generation.prepare_for_generation()
+        with timer("engine_wake"):  # outside the four phases: the step's "other" time
+            self.generation.prepare_for_generation()
         try:
             held = self.generation.weight_version()
             if held.weights != self.version:
@@ -150,7 +155,8 @@ class RefitController:
                                    f"set, i.e. the default 1.0), the weights of {self.version}: stale scales")
             yield
         finally:
-            self.generation.finish_generation()
+            with timer("engine_sleep"):
+                self.generation.finish_generation()
 
 
 def prompts_batch(prompts: list[PromptSample], pad_token_id: int) -> TrainBatch:

@@ -47,7 +47,10 @@ def test_grpo_step_runs_every_phase(tiny_cfg, overrides):
     # Rewards: 1.0 for every even-length response, so each group has signal and the update is real.
     metrics = grpo_step(1, iter(loader), policy, gen, lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, timer,
                         refitter)
-    assert set(timer.pop()) == {"refit", "generation", "reward", "advantages", "logprobs", "training"}
+    phases = timer.pop()
+    assert set(phases) == {"refit", "refit/offload_trainer_state", "refit/transfer", "refit/offload_weights",
+                           "engine_wake", "engine_sleep", "generation", "reward", "advantages", "logprobs", "training"}
+    assert sum(v for k, v in phases.items() if k.startswith("refit/")) <= phases["refit"]  # its parts
     assert metrics["refit/num_buckets"] >= 2  # the initial refit, in 1 MiB buckets
     assert refitter.stale and refitter.version == 1  # the engine is refreshed lazily, before the next rollout
     for key in ("train/reward_mean", "mismatch/gen_kl_error", "mismatch/token_mult_prob_error", "loss/is_weight_mean",

@@ -47,6 +47,10 @@ def test_main_job_checkpoints_and_resumes_with_the_same_data_order(tiny_model_di
     # The engine is refit lazily, before the next rollout: at step 0 (before validation) and at the
     # start of every step after a training step (step 1's refit happened for step 0's validation).
     assert "timing/refit" in r[0] and "timing/refit" in r[2] and r[2]["refit/num_buckets"] >= 1
+    # the refit's parts (the transfer; the trainer's state and weights moved out where colocated) lie within it
+    parts = {k: v for k, v in r[2].items() if k.startswith("timing/refit/")}
+    assert "timing/refit/transfer" in parts and 0 < sum(parts.values()) <= r[2]["timing/refit"], parts
+    assert r[1]["timing/engine_wake"] >= 0 and r[1]["timing/engine_sleep"] >= 0
     assert (straight / "logs" / "curves.png").stat().st_size > 10_000
     assert (straight / "logs" / "tensorboard").is_dir()
     assert sorted(p.name for p in (straight / "ckpt").iterdir() if p.is_dir()) == ["step_2", "step_3"]  # keep_last_k=2

@@ -414,10 +414,17 @@ def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
 
 
 def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
-    """--ceiling: the step an FP8 run would take at the engine's own FP8 gain (its other phases as measured), beside
-    its target; the seeded rate when both engine rows have it (the GRPO rollout seeds each request)."""
+    """--ceiling: the step an FP8 run would take at the engine's own FP8 gain (its other phases as measured), and the
+    engines' bound (rollout at the engine's gain, log-probs + training at the run's own or, with --train-ceiling, the
+    training engine's gain, refit and the rest at BF16's time) beside its target; the seeded rate when both engine
+    rows have it (the GRPO rollout seeds each request)."""
     tool = mission_tool()
-    fp8 = _write_run(tmp_path / "fp8", fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]))
+    fp8_rows = fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3])
+    for r in fp8_rows[1:]:  # FP8 trains faster (1.5 -> 1.0 s) and refits slower (0.2 -> 0.5 s)
+        r["timing/training"], r["timing/step"] = 1.0, r["timing/step"] - 0.5
+        if "timing/refit" in r:
+            r["timing/refit"], r["timing/step"] = 0.5, r["timing/step"] + 0.3
+    fp8 = _write_run(tmp_path / "fp8", fp8_rows)
     bf16 = _write_run(tmp_path / "bf16", fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
     engines = [{"model": "dense", "precision": "bf16", "fixed_tok_s": 1000.0, "fixed_seeded_tok_s": 800.0},
                {"model": "dense", "precision": "fp8-deepgemm-v2", "fixed_tok_s": 1300.0, "fixed_seeded_tok_s": 1000.0},
@@ -429,17 +436,49 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     md = out.read_text().split("### rollout ceiling")[1]
     row = next(line for line in md.splitlines() if line.startswith("| fp8 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    step_fp8, step_bf16 = 2.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1, 4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1
+    # steps 2..4 timed; the refit runs on step 3 only
+    step_fp8, step_bf16 = 2.0 + 0.5 / 3 + 0.5 + 1.0 + 0.1, 4.0 + 0.2 / 3 + 0.5 + 1.5 + 0.1
     bound = (step_fp8 - 2.0 + 4.0 / 1.25) / step_bf16  # seeded gain 1000 / 800
+    # the run's own rollout (2x) beats the engine's 1.25x and stays; its training; BF16's refit and reward
+    engines_bound = (2.0 + 0.5 + 1.0 + 0.2 / 3 + 0.1) / step_bf16
     assert cells == ["fp8", "fp8-deepgemm-v2 (seeded)", "1.250", "2.000", f"{step_fp8 / step_bf16:.3f}", f"{bound:.3f}",
-                     "0.80", f"no: {bound:.2f} > 0.80"]
+                     "-", f"{2.0 / 1.5:.3f}", f"{engines_bound:.3f}", "0.80", "yes"]
+    assert bound > 0.80 >= engines_bound  # the rollout alone at its engine's gain misses; without FP8's refit cost not
+    # --train-ceiling: log-probs and training at the training engine's raw f+b gain (BF16 100 ms / blockwise 50 ms)
+    train_rows = [{"recipe": "bf16", "packed": True, "raw_ms": 100.0},
+                  {"recipe": "e4m3-blockwise", "packed": True, "raw_ms": 50.0},
+                  {"recipe": "e4m3-blockwise", "packed": False, "raw_ms": None},
+                  {"recipe": "e4m3-tensorwise", "packed": True, "error": "out of memory"}]
+    (tmp_path / "train.json").write_text(json.dumps(train_rows))
+    assert tool.main([f"fp8={fp8}", f"bf16={bf16}", "--ceiling", str(tmp_path / "ceiling.json"), "--train-ceiling",
+                      str(tmp_path / "train.json"), "--targets", "fp8=0.80", "--out", str(out)]) == 0
+    row = next(line for line in out.read_text().split("### rollout ceiling")[1].splitlines()
+               if line.startswith("| fp8 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    engines_bound = (2.0 + 2.0 / 2.0 + 0.2 / 3 + 0.1) / step_bf16
+    assert cells[6:] == ["e4m3-blockwise 2.000", f"{2.0 / 1.5:.3f}", f"{engines_bound:.3f}", "0.80", "yes"]
+    assert tool.train_gains(train_rows) == {"bf16": 1.0, "e4m3-blockwise": 2.0}
+    assert tool.train_gains(train_rows[1:]) == {}  # no BF16 row: no gains
+    # a phase the run already does faster than its engine's gain keeps the run's time: the bound stays optimistic
+    phases = {"logprobs_s": 0.5, "training_s": 1.0, "refit_s": 0.5, "other_s": 0.1, "generation_s": 2.0}
+    base = {"logprobs_s": 0.5, "training_s": 1.5, "refit_s": 0.2, "other_s": 0.1, "generation_s": 4.0, "step_s": 10.0}
+    assert tool.engines_bound(phases, base, 1.5, 1.1) == pytest.approx((2.0 + 1.5 + 0.2 + 0.1) / 10.0)
+    assert tool.engines_bound(phases, base, 4.0, 4.0) == pytest.approx((1.0 + 0.5 + 0.2 + 0.1) / 10.0)
     s_fp8 = {"step_s": step_fp8, "generation_s": 2.0}
     s_bf16 = {"step_s": step_bf16, "generation_s": 4.0}
     assert tool.rollout_bound(s_fp8, s_bf16, 4.0 / 2.0) == pytest.approx(step_fp8 / step_bf16)  # the run's own gain
+    phases = {"logprobs_s": 0.5, "training_s": 1.5, "refit_s": 0.2, "other_s": 0.1}
+    same = {**phases, "generation_s": 2.0, "step_s": 4.3}
+    assert tool.engines_bound(same, same, 1.0, 1.0) == pytest.approx(1.0)  # gains of 1: the baseline itself
+    with pytest.raises(ValueError, match="must be > 0"):
+        tool.engines_bound(s_fp8, s_bf16, 1.2, 0.0)
+    assert tool.main([f"fp8={fp8}", f"bf16={bf16}", "--ceiling", str(tmp_path / "ceiling.json"),
+                      "--train-ceiling", str(tmp_path / "none.json")]) == 2
     # without seeded rates on both rows, the unseeded ones; no target: no verdict
     for r in engines:
         r.pop("fixed_seeded_tok_s", None)
-    summaries = {"bf16": {**s_bf16, "tokens_per_s": 250.0}, "fp8": {**s_fp8, "tokens_per_s": 500.0}}
+    summaries = {"bf16": {**s_bf16, **phases, "tokens_per_s": 250.0},
+                 "fp8": {**s_fp8, **phases, "tokens_per_s": 500.0}}
     table = tool.ceiling_table(summaries, engines, "bf16", {})
     assert "| fp8 | fp8-deepgemm-v2 (unseeded) | 1.300 |" in table and table.rstrip().endswith("| - | - |")
     # the configs pin vLLM's V2 runner; a run pinned to V1 (the suite's fp8v1) is bounded by the V1 engine's row
@@ -454,6 +493,28 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     (tmp_path / "failed.json").write_text(json.dumps([{"precision": "bf16", "error": "engine died"}]))
     md = tool.report([f"fp8={fp8}", f"bf16={bf16}"], "bf16", tmp_path / "failed.json")
     assert "### side by side" in md and "not computed" in md and "needs a bf16 engine row" in md
+
+
+def test_mission_report_times_the_refit_and_the_other_time_by_part(tmp_path):
+    """The refit's parts and the engine's wake / sleep (timing/refit/*, timing/engine_*): mean seconds per step over
+    the timed steps and each one's ratio to the baseline's; no such table for runs that logged none."""
+    tool = mission_tool()
+
+    def with_parts(rows, transfer, wake):
+        for r in rows[1:]:
+            r.update({"timing/refit/transfer": transfer * r["step"], "timing/engine_wake": wake})
+        return rows
+
+    fp8 = _write_run(tmp_path / "fp8", with_parts(fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]), 0.2, 0.5))
+    bf16 = _write_run(tmp_path / "bf16", with_parts(fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]), 0.1, 0.5))
+    md = tool.report([f"bf16={bf16}", f"fp8={fp8}"], "bf16")
+    table = md.split("### the refit and the other time by part")[1]
+    assert "| run | refit/transfer s | engine_wake s | reward s |" in table
+    # steps 2..4: transfer 0.1 x (2+3+4)/3 = 0.3 (bf16), 0.6 (fp8)
+    assert "| bf16 | 0.30 | 0.50 | 0.10 |" in table and "| fp8 | 0.60 (2.00x) | 0.50 (1.00x) | 0.10 (1.00x) |" in table
+    plain = tool.report([f"bf16={_write_run(tmp_path / 'b2', fake_run(gen_s=4.0, kl=0.0, accs=[0.1, 0.2, 0.3]))}"],
+                        "bf16")
+    assert "by part" not in plain
 
 
 def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):

@@ -26,6 +26,11 @@
 #            (ceiling.json); CEILING=0 skips it. CEILING_FP8: the FP8 engines (default
 #            fp8-deepgemm-v2,fp8-deepgemm-kv-v2, the runner the configs pin; add fp8-deepgemm for the model-runner
 #            A/B: vLLM 0.22 runs FP8 on its V1 runner unless told, docs/performance.md)
+#   TRAIN_CEILING=1 (default, with the rollout ceiling) meanwhile times the training engine alone on the last
+#            GPU(s): tools/bench_train.py --workload rl, megatron-core + TE on the 8B shape cut to 8 layers, packed
+#            micro-batches of the layout's train_mb_tokens at its tensor parallel size, TRAIN_CEILING_RECIPES
+#            (default bf16,e4m3-blockwise,e4m3-tensorwise) ($OUT/train_ceiling.json): the report's engines' bound
+#            puts log-probs and training at that FP8 gain
 # Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
 # gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
 # a torch.profiler table of 6 micro-batches of training call 3 per rank (nemo_fp8/utils/profiling.py)
@@ -43,8 +48,8 @@ if [ "$layout" = auto ]; then
 fi
 case $layout in
   tp1) layout_args="policy.megatron_cfg.tensor_model_parallel_size=1 policy.data_parallel_size=4
-        policy.sequence_packing.train_mb_tokens=16384 policy.weight_sync.method=cuda_ipc" ;;
-  tp2) layout_args="policy.data_parallel_size=2" ;;
+        policy.sequence_packing.train_mb_tokens=16384 policy.weight_sync.method=cuda_ipc"; train_tp=1 mb_tokens=16384 ;;
+  tp2) layout_args="policy.data_parallel_size=2"; train_tp=2 mb_tokens=4096 ;;
   *) echo "MISSION_LAYOUT=$layout: valid are auto, tp1, tp2"; exit 2 ;;
 esac
 echo "layout: $layout ($(echo $layout_args))"
@@ -57,15 +62,29 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
   # writers: vLLM's tensor-parallel workers compile into it at once)
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -ge 2 ] || ngpu=2
   IFS=, read -ra fp8_engines <<< "${CEILING_FP8:-fp8-deepgemm-v2,fp8-deepgemm-kv-v2}"
+  # the training engine on the last train_tp GPUs while the FP8 engines take GPUs 1..; after them if none is left
+  ntrain=0; [ "${TRAIN_CEILING:-1}" = 1 ] && ntrain=$train_tp
+  neng=$((ngpu - 1 - ntrain)); train_gpus=$(seq -s, $((ngpu - ntrain)) $((ngpu - 1)))
+  [ "$neng" -ge 1 ] || { neng=$((ngpu - 1)); train_gpus=$(seq -s, 1 "$ntrain"); }
   declare -A on_gpu=()
   for i in "${!fp8_engines[@]}"; do
-    g=$((1 + i % (ngpu - 1))); on_gpu[$g]="${on_gpu[$g]:+${on_gpu[$g]},}${fp8_engines[$i]}"
+    g=$((1 + i % neng)); on_gpu[$g]="${on_gpu[$g]:+${on_gpu[$g]},}${fp8_engines[$i]}"
   done
   for g in "${!on_gpu[@]}"; do
     CUDA_VISIBLE_DEVICES=$g "$PYTHON" "${bench[@]}" --precisions "${on_gpu[$g]}" --out "$OUT/ceiling_fp8_gpu$g.json" \
       > "$OUT/ceiling_fp8_gpu$g.log" 2>&1 &
   done
+  train_bench() {
+    CUDA_VISIBLE_DEVICES=$train_gpus "$PYTHON" tools/bench_train.py --workload rl --shapes dense --rl-packing packed \
+      --recipes "${TRAIN_CEILING_RECIPES:-bf16,e4m3-blockwise,e4m3-tensorwise}" --tp "$train_tp" \
+      --rl-train-mb-tokens "$mb_tokens" \
+      --rl-responses 64 --rl-prompt 160 --rl-response-min "${MAX_NEW:-1024}" --rl-response-max "${MAX_NEW:-1024}" \
+      --steps 3 --warmup 1 --json "$OUT/train_ceiling.json" > "$OUT/train_ceiling.log" 2>&1
+  }
+  if [ "$ntrain" -gt 0 ] && [ "$((ngpu - 1 - ntrain))" -ge 1 ]; then train_bench & fi
   wait
+  if [ "$ntrain" -gt 0 ] && [ "$((ngpu - 1 - ntrain))" -lt 1 ]; then train_bench; fi
+  [ "$ntrain" -gt 0 ] && tail -n 6 "$OUT/train_ceiling.log"
   "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
     "$OUT"/ceiling_bf16.json "$OUT"/ceiling_fp8_gpu*.json > "$OUT/ceiling.json" && tail -n 4 "$OUT"/ceiling_fp8_gpu*.log
 fi
@@ -97,6 +116,7 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
   kill $SMI $PROCS 2>/dev/null
 done
 ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80,fp8v1=0.80,fp8kvv1=0.72)
+[ -s "$OUT/ceiling.json" ] && [ -s "$OUT/train_ceiling.json" ] && ceiling+=(--train-ceiling "$OUT/train_ceiling.json")
 report_runs --baseline bf16 "${ceiling[@]}"
 [ "${CHECKS:-1}" = 0 ] && exit 0
 checks=()
