@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from nemo_fp8.utils.logger import read_metrics
-from lab.parity_report import peak_gpu_memory, side_by_side_table, step_table, summarize_run
+from lab.parity_report import peak_gpu_memory, side_by_side_table, step_table, summarize_run, timed_steps
 
 
 def parse_run(spec: str) -> tuple[str, Path, Path | None]:
@@ -172,12 +172,11 @@ PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights
 
 def parts_table(rows_by_run: dict[str, list[dict]], baseline: str) -> str:
     """Markdown table, a row per run: mean seconds per step of each of ``PARTS`` over the timed steps (the first left
-    out when more remain, as ``summarize_run``), and each part's ratio to the baseline run's; "" when no run logged
-    any part (runs of an older trainer)."""
+    out when more remain: ``timed_steps``, as ``summarize_run``), and each part's ratio to the baseline run's; "" when
+    no run logged any part (runs of an older trainer)."""
     means = {}
     for name, rows in rows_by_run.items():
-        steps = sorted((r for r in rows if "train/reward_mean" in r), key=lambda r: r["step"])
-        timed = steps[1:] if len(steps) > 1 else steps
+        timed = timed_steps(rows)
         means[name] = {k: sum(r.get(f"timing/{k}", 0.0) for r in timed) / max(len(timed), 1) for k in PARTS
                        if any(f"timing/{k}" in r for r in timed)}
     parts = [k for k in PARTS if any(k in m for m in means.values())]

@@ -30,6 +30,13 @@ def _step_seconds(row: dict) -> float:
     return row.get("timing/step", 0.0) - row.get("timing/validation", 0.0) - row.get("timing/checkpoint", 0.0)
 
 
+def timed_steps(rows: list[dict], skip_first_steps: int = 1) -> list[dict]:
+    """The training-step rows (those with a number for ``train/reward_mean``) in step order, the first
+    ``skip_first_steps`` left out (warm-up: CUDA graphs, first allocations) when more steps than that remain."""
+    steps = sorted((r for r in rows if _num(r.get("train/reward_mean"))), key=lambda r: r["step"])
+    return steps[skip_first_steps:] if len(steps) > skip_first_steps else steps
+
+
 def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     """Summary of one run.
 
@@ -54,7 +61,7 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     if not steps:
         raise ValueError("no training-step rows (rows with train/reward_mean) in this run")
     vals = [r["val/accuracy"] for r in sorted(rows, key=lambda r: r.get("step", 0)) if _num(r.get("val/accuracy"))]
-    timed = steps[skip_first_steps:] if len(steps) > skip_first_steps else steps
+    timed = timed_steps(steps, skip_first_steps)
 
     def mean(key: str, rs: list[dict]) -> float:
         xs = [r[key] for r in rs if _num(r.get(key))]

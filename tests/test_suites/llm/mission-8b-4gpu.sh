@@ -64,8 +64,8 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
   IFS=, read -ra fp8_engines <<< "${CEILING_FP8:-fp8-deepgemm-v2,fp8-deepgemm-kv-v2}"
   # the training engine on the last train_tp GPUs while the FP8 engines take GPUs 1..; after them if none is left
   ntrain=0; [ "${TRAIN_CEILING:-1}" = 1 ] && ntrain=$train_tp
-  neng=$((ngpu - 1 - ntrain)); train_gpus=$(seq -s, $((ngpu - ntrain)) $((ngpu - 1)))
-  [ "$neng" -ge 1 ] || { neng=$((ngpu - 1)); train_gpus=$(seq -s, 1 "$ntrain"); }
+  neng=$((ngpu - 1 - ntrain)); train_gpus=$(seq -s, $((ngpu - ntrain)) $((ngpu - 1))); train_after=0
+  [ "$neng" -ge 1 ] || { neng=$((ngpu - 1)); train_gpus=$(seq -s, 1 "$ntrain"); train_after=1; }
   declare -A on_gpu=()
   for i in "${!fp8_engines[@]}"; do
     g=$((1 + i % neng)); on_gpu[$g]="${on_gpu[$g]:+${on_gpu[$g]},}${fp8_engines[$i]}"
@@ -81,9 +81,9 @@ if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
       --rl-responses 64 --rl-prompt 160 --rl-response-min "${MAX_NEW:-1024}" --rl-response-max "${MAX_NEW:-1024}" \
       --steps 3 --warmup 1 --json "$OUT/train_ceiling.json" > "$OUT/train_ceiling.log" 2>&1
   }
-  if [ "$ntrain" -gt 0 ] && [ "$((ngpu - 1 - ntrain))" -ge 1 ]; then train_bench & fi
+  if [ "$ntrain" -gt 0 ] && [ "$train_after" = 0 ]; then train_bench & fi
   wait
-  if [ "$ntrain" -gt 0 ] && [ "$((ngpu - 1 - ntrain))" -lt 1 ]; then train_bench; fi
+  if [ "$ntrain" -gt 0 ] && [ "$train_after" = 1 ]; then train_bench; fi
   [ "$ntrain" -gt 0 ] && tail -n 6 "$OUT/train_ceiling.log"
   "$PYTHON" -c 'import json, sys; print(json.dumps([r for f in sys.argv[1:] for r in json.load(open(f))], indent=1))' \
     "$OUT"/ceiling_bf16.json "$OUT"/ceiling_fp8_gpu*.json > "$OUT/ceiling.json" && tail -n 4 "$OUT"/ceiling_fp8_gpu*.log
