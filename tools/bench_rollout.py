@@ -10,7 +10,8 @@ and FP8 KV's smaller cache entries show up as KV capacity and throughput, nothin
     python tools/bench_rollout.py [--models dense,moe] [--precisions bf16,fp8-cutlass,fp8-kv,...]
         [--num-layers N|dense=N,moe=M] [--num-prompts 512] [--input-len 256] [--output-len 2048]
         [--rl-prompts 32] [--rl-samples 16] [--fixed-seeded] [--max-num-seqs 512]
-        [--gpu-mem 0.9 | --gpu-mem-gib GIB] [--refit] [--timeout 900] [--budget-s S] [--out rows.json]
+        [--gpu-mem 0.9 | --gpu-mem-gib GIB] [--refit [--refit-bucket-mb 256]] [--timeout 900] [--budget-s S]
+        [--out rows.json]
 
     python tools/bench_rollout.py --engines 1,2,4 [...]   # data-parallel engines: tools/bench_engines.py
 
@@ -56,8 +57,10 @@ Columns: output tokens/s (fixed, RL-like) and KV cache capacity in tokens, each 
 BF16 (x bf16) and, for FP8-KV rows, to the FP8-linear-only engine with the same kernels (x fp8);
 "fill": the fixed workload's KV demand (prompts x (in + out) tokens) / capacity (> 1: not every
 sequence fits at once, the engine is KV-bound); weight memory; engine start seconds. ``--refit``
-(dense, FP8 rows): seconds for a full state dict (bf16 on the GPU -> quantize -> CUDA IPC ->
-layerwise reload) and the quantization kernel's GB/s (bytes read + written).
+(dense rows): seconds for a full state dict (bf16 on the GPU -> quantize for FP8 -> CUDA IPC ->
+layerwise reload) in buckets of ``--refit-bucket-mb``, with one IPC handle per tensor and packed (one
+per bucket, ``policy.weight_sync.packed``) side by side in a table of their own, and for FP8 the
+quantization kernel's GB/s (bytes read + written).
 
 Options: ``--num-layers N`` cuts both shapes to N decoder layers, ``dense=N,moe=M`` each its own
 (0 or absent: the full 36 / 48);
@@ -210,7 +213,6 @@ def child_result(cmd: list[str], precision: str, timeout: int) -> dict:
 
 def run_engine(a) -> dict:
     """Child: start one engine, measure, return one row (printed as a JSON line by ``main``)."""
-    p = PRECISIONS[a.precision]
     cfg = engine_config(a.precision, a.gpu_mem, a.input_len + a.output_len + 16)
     spec = engine_spec(a.precision, cfg, a.model, {"max_num_seqs": a.max_num_seqs})
     import torch
@@ -263,14 +265,23 @@ def run_engine(a) -> dict:
             t0 = time.perf_counter()
             outs = llm.generate(reqs, sps, use_tqdm=False)
             res["rl_unseeded_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-    if a.refit and p.fp8:
-        res.update(bench_refit(llm, spec, a.model))
+    if a.refit:
+        try:  # the throughput above stands whatever the refit does
+            res.update(bench_refit(llm, spec, a.model, int(a.refit_bucket_mb * 2**20)))
+        except Exception as e:  # noqa: BLE001 - reported in the row and the refit table
+            res["refit_error"] = f"{type(e).__name__}: {e}"[-500:]
     return res
 
 
-def bench_refit(llm, spec, model_dir) -> dict:
-    """Full state dict (random bf16 on the GPU, as the trainer holds it) -> engine, timed."""
+def bench_refit(llm, spec, model_dir, bucket_bytes: int) -> dict:
+    """Full state dict (random bf16 on the GPU, as the trainer holds it) -> engine, timed: the CUDA IPC refit with
+    one handle per tensor and packed (one per bucket, ``policy.weight_sync.packed``), alternated, three each.
+
+    Returns ``refit_s`` / ``refit_packed_s`` (the fastest of each), all times, the tensors and updates of one refit,
+    ``refit_packed_same_tokens`` (greedy tokens after a packed refit equal those after a per-tensor one), and
+    for an FP8 engine ``quant_gb_s``, the quantization kernel alone (bytes read + written per second)."""
     import torch
+    from vllm import SamplingParams
 
     from nemo_fp8.generation.vllm.refit import meta_model
     from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
@@ -285,17 +296,34 @@ def bench_refit(llm, spec, model_dir) -> dict:
         state[n] = t
     del meta
     nbytes = sum(t.numel() * 2 for t in state.values())
-    times = []
-    for _ in range(3):
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": list(range(1000 + 7 * i, 1032 + 7 * i))} for i in range(8)]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    tokens, updates = {}, {}
+    for packed in (False, True) * 3:
+        sent = []
+
+        def update(payload, sent=sent):
+            sent.append(1)
+            llm.update_weights(payload)
+
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.start_weight_update(is_checkpoint_format=True)
-        send_weights_ipc(state.items(), llm.update_weights, plan, bucket_bytes=2 << 30)
+        n = send_weights_ipc(state.items(), update, plan, bucket_bytes=bucket_bytes, packed=packed)
         llm.finish_weight_update()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times[packed].append(time.perf_counter() - t0)
+        updates[packed] = len(sent)
+        tokens[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    res = {"refit_s": min(times[False]), "refit_packed_s": min(times[True]), "refit_s_all": times[False],
+           "refit_packed_s_all": times[True], "refit_tensors": n, "refit_updates": updates[False],
+           "refit_packed_updates": updates[True], "refit_bucket_mb": bucket_bytes / 2**20,
+           "refit_packed_same_tokens": tokens[True] == tokens[False], "state_gib": nbytes / 2**30}
     # quantization kernel alone: bytes read (bf16) + written (fp8 + scales)
     ws = [t for n, t in state.items() if plan.is_fp8_weight(n)]
+    if not ws:
+        return res
     for w in ws[:4]:
         quantize_blockwise_gpu(w, plan.scale_mode)
     torch.cuda.synchronize()
@@ -306,8 +334,7 @@ def bench_refit(llm, spec, model_dir) -> dict:
     ev1.record()
     torch.cuda.synchronize()
     qbytes = sum(w.numel() * 3 + (w.numel() // 16384) * 4 for w in ws)
-    return {"refit_s": min(times), "refit_s_all": times, "state_gib": nbytes / 2**30,
-            "quant_gb_s": qbytes / (ev0.elapsed_time(ev1) / 1e3) / 1e9}
+    return res | {"quant_gb_s": qbytes / (ev0.elapsed_time(ev1) / 1e3) / 1e9}
 
 
 def device_memory_gib() -> float:
@@ -359,7 +386,10 @@ def parse_args(argv=None):
     ap.add_argument("--gpu-mem", type=float, default=0.9, help="gpu_memory_utilization of every engine")
     ap.add_argument("--gpu-mem-gib", type=float, default=None,
                     help="instead of --gpu-mem: this many GiB of the device, as one fraction for every engine")
-    ap.add_argument("--refit", action="store_true")
+    ap.add_argument("--refit", action="store_true",
+                    help="also time a full refit into each engine, per-tensor and packed CUDA IPC (dense only)")
+    ap.add_argument("--refit-bucket-mb", type=float, default=256.0,
+                    help="the refit's bucket size in MiB (policy.weight_sync.bucket_size_mb; default its default)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine subprocess")
     ap.add_argument("--budget-s", type=float, default=0, help="start no engine after this many seconds (0: no limit)")
     ap.add_argument("--out", default=None)
@@ -417,7 +447,7 @@ def run_child(a, model: Path, prec: str, timeout: int, refit: bool) -> dict:
     for k in ("num_prompts", "input_len", "output_len", "rl_prompts", "rl_samples", "max_num_seqs", "gpu_mem"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if refit:
-        cmd.append("--refit")
+        cmd += ["--refit", "--refit-bucket-mb", str(a.refit_bucket_mb)]
     if a.rl_unseeded:
         cmd.append("--rl-unseeded")
     if a.fixed_seeded:
@@ -477,6 +507,7 @@ def print_table(rows, a):
               f"{demand / max(r['kv_tokens'], 1):5.2f} {r['weight_gib']:11.2f} {r['start_s']:8.1f} "
               f"{r.get('refit_s', float('nan')):8.3f} {r.get('quant_gb_s', float('nan')):10.0f}  {attn}")
     print_runner_table(rows, ok)
+    print_refit_table(rows)
     print_seeding_table(rows, ok, "fixed_seeded_tok_s", "fixed_tok_s", "tok/s", "x unseeded",
                         "fixed workload with a seed per request (policy.generation.vllm_cfg.seed_each_request: true)")
     print_seeding_table(rows, ok, "rl_unseeded_tok_s", "rl_tok_s", "RL tok/s", "x seeded",
@@ -498,6 +529,25 @@ def print_runner_table(rows, ok) -> None:
             return f"{r[k] / base[k]:.3f}" if r.get(k) and base.get(k) else "-"
         print(f"{r['model']:6} {r['precision']:21} {r['engine'].get('model_runner', '?'):>6} {base['precision']:21} "
               f"{base['engine'].get('model_runner', '?'):>6} {x('fixed_tok_s'):>8} {x('fixed_seeded_tok_s'):>9}")
+
+
+def print_refit_table(rows) -> None:
+    """``--refit``: per engine, the full refit with one CUDA IPC handle per tensor against packed buckets (one
+    handle per bucket), each the fastest of three, and whether greedy tokens after both agree. Nothing without."""
+    picked = [r for r in rows if r.get("refit_s") or r.get("refit_error")]
+    if not picked:
+        return
+    print(f"\nrefit over CUDA IPC: a full state dict (bf16 on the GPU) -> the engine, buckets of "
+          f"{picked[0].get('refit_bucket_mb', 0):.0f} MiB; per tensor vs packed (policy.weight_sync.packed)")
+    print(f"{'model':6} {'precision':21} {'tensors':>7} {'per tensor s':>12} {'updates':>7} {'packed s':>8} "
+          f"{'updates':>7} {'x per tensor':>12} {'same tokens':>11}")
+    for r in picked:
+        if r.get("refit_error"):
+            print(f"{r['model']:6} {r['precision']:21} ERROR {r['refit_error']!r}")
+            continue
+        print(f"{r['model']:6} {r['precision']:21} {r['refit_tensors']:7d} {r['refit_s']:12.3f} "
+              f"{r['refit_updates']:7d} {r['refit_packed_s']:8.3f} {r['refit_packed_updates']:7d} "
+              f"{r['refit_packed_s'] / r['refit_s']:12.3f} {str(r['refit_packed_same_tokens']):>11}")
 
 
 def print_seeding_table(rows, ok, key: str, other: str, head: str, other_head: str, title: str) -> None:

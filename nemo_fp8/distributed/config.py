@@ -45,7 +45,11 @@ class WeightSyncConfig(StrictConfig):
             ``generation.colocated.enabled: false``, a CUDA device); nothing goes through host memory.
         bucket_size_mb: bytes per bucket (MiB); a tensor larger than a bucket travels alone.
             Peak extra memory of a refit is about one bucket plus the largest tensor.
+        packed: ``cuda_ipc`` only: each bucket travels as one buffer with one IPC handle (vLLM's packed IPC
+            format; the engine's worker opens one mapping per bucket and copies the tensors out of it) instead of
+            one handle per tensor. Costs one more bucket of memory on each side while a bucket loads.
     """
 
     method: Literal["auto", "in_process", "object_store", "cuda_ipc", "nccl"] = "auto"
     bucket_size_mb: float = Field(256.0, gt=0)
+    packed: bool = False

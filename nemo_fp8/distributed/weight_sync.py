@@ -333,22 +333,25 @@ class CudaIpcWeightSync:
         generation_workers: the engines' actors (``GenerationWorker`` with the vLLM backend), engine 0 first.
         bucket_bytes: bucket size in bytes (of the converted tensors).
         labels: per engine, what errors call it (``GenerationGroup.labels``).
+        packed: one IPC handle per bucket instead of per tensor (``policy.weight_sync.packed``,
+            ``refit.send_weights_ipc``).
 
     Raises:
         ValueError: not one policy rank per engine.
     """
 
     def __init__(self, policy_workers: Sequence, generation_workers: Sequence, bucket_bytes: int,
-                 labels: Optional[Sequence[str]] = None):
+                 labels: Optional[Sequence[str]] = None, packed: bool = False):
         self.policy_workers, self.generation_workers = list(policy_workers), list(generation_workers)
         if len(self.policy_workers) != len(self.generation_workers):
             raise ValueError(f"CUDA IPC refit: {len(self.policy_workers)} policy ranks for "
                              f"{len(self.generation_workers)} engines; each engine needs the rank on its GPU")
         self.bucket_bytes, self.labels = bucket_bytes, engine_labels(self.generation_workers, labels)
+        self.packed = packed
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         def transfer():
-            sent = wait_all([p.send_weights_cuda_ipc.remote(g, self.bucket_bytes, kv_scales)
+            sent = wait_all([p.send_weights_cuda_ipc.remote(g, self.bucket_bytes, kv_scales, self.packed)
                              for p, g in zip(self.policy_workers, self.generation_workers)])
             return sent[0]  # every engine gets the same buckets: one engine's count
 

@@ -119,14 +119,15 @@ class PolicyWorker(MemoryProbe):
         for bucket in iter_buckets(weight_stream(self.backend.named_weights(), kv_scales), bucket_bytes):
             yield pack_bucket(bucket)
 
-    def send_weights_cuda_ipc(self, generation_worker, bucket_bytes: int,
-                              kv_scales: Optional[KvScales]) -> list[tuple[int, int]]:
+    def send_weights_cuda_ipc(self, generation_worker, bucket_bytes: int, kv_scales: Optional[KvScales],
+                              packed: bool = False) -> list[tuple[int, int]]:
         """The refit straight from this rank's GPU into a colocated vLLM engine (``CudaIpcWeightSync``).
 
         The weights (and KV scales) are quantized here as the engine's ``direct_refit_spec`` says and
         handed over bucket by bucket as CUDA IPC handles (vLLM's IPC weight-transfer engine): the engine
         actor passes each bucket's handles to ``LLM.update_weights`` and its worker copies from this
-        process's memory, which stays alive until the call returns. Returns (tensors, bytes) per bucket.
+        process's memory, which stays alive until the call returns; ``packed``: one handle per bucket
+        (``send_weights_ipc``). Returns (tensors, bytes) per update.
 
         Raises:
             KeyError: a weight the engine's model does not have (raised before that tensor is quantized).
@@ -134,7 +135,8 @@ class PolicyWorker(MemoryProbe):
         from nemo_fp8.generation.vllm.refit import send_weights_ipc
 
         return self._send_direct([generation_worker], kv_scales,
-                                 lambda stream, update, plan: send_weights_ipc(stream, update, plan, bucket_bytes))
+                                 lambda stream, update, plan: send_weights_ipc(stream, update, plan, bucket_bytes,
+                                                                               packed=packed))
 
     def _send_direct(self, generation_workers: list, kv_scales: Optional[KvScales], send) -> list[tuple[int, int]]:
         """What the direct refits (CUDA IPC, NCCL) share: the engine's ``direct_refit_spec``, this rank's weights and

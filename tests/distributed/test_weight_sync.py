@@ -238,9 +238,24 @@ def test_make_weight_sync_picks_the_configured_transport():
     ws = make_weight_sync(cfg, policy, generation)
     assert isinstance(ws, CudaIpcWeightSync)
     assert (ws.policy_workers, ws.generation_workers, ws.bucket_bytes) == ([rank0], [engine], 64 * 2**20)
+    assert not ws.packed
+    packed = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.weight_sync.packed=true"])
+    assert make_weight_sync(packed, policy, generation).packed
     assert isinstance(make_weight_sync(load_config(TINY_MEGATRON), policy, generation), ObjectStoreWeightSync)
     with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
         make_weight_sync(cfg, object(), object())
+
+
+def test_packed_buckets_belong_to_the_cuda_ipc_refit():
+    """``policy.weight_sync.packed`` packs the CUDA IPC refit's buckets; with another transport it is a config error
+    naming both keys and what is valid, not a setting that silently does nothing."""
+    from nemo_fp8.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_MEGATRON, ["policy.weight_sync.packed=true"])  # method auto
+    msg = str(e.value)
+    assert "weight_sync.packed: true" in msg and "weight_sync.method is 'auto'" in msg
+    assert "(valid with packed: 'cuda_ipc'; or packed: false)" in msg
 
 
 NCCL = ["policy.weight_sync.method=nccl", "policy.generation.colocated.enabled=false"]

@@ -127,6 +127,74 @@ def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypa
     assert [list(h) for u in updates for h in u["ipc_handles"]] == [["GPU-ccc"]] * 3
 
 
+def test_packed_ipc_send_gives_one_buffer_per_bucket_that_unpacks_to_the_converted_tensors(monkeypatch):
+    """``send_weights_ipc(packed=True)`` on stand-ins for CUDA and vLLM's dataclass: per bucket one uint8 buffer with
+    one handle per GPU and ``tensor_sizes``; unpacked the way vLLM 0.22's receiver does (``packed_tensor.split``,
+    then ``.view(dtype).view(*shape)``) it gives back every converted tensor bit for bit: e4m3 weights with their
+    fp32 ``weight_scale_inv`` and bf16 norms, each at an offset its dtype can be viewed at (widest first); a scalar
+    KV scale, which that unpacking cannot give shape ``[]``, follows in an unpacked update."""
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    from nemo_fp8.fp8.quantize import quantize_weight_blockwise
+    from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
+
+    @dataclass
+    class UpdateInfo:  # the fields of vLLM 0.22's IPCWeightTransferUpdateInfo
+        names: list
+        dtype_names: list
+        shapes: list
+        ipc_handles: object
+        tensor_sizes: object = None
+        packed: bool = False
+
+    ipc_engine = types.ModuleType("vllm.distributed.weight_transfer.ipc_engine")
+    ipc_engine.IPCWeightTransferUpdateInfo = UpdateInfo
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, ipc_engine.__name__, ipc_engine)
+    uuids = iter(["GPU-aaa", "GPU-bbb"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=next(uuids)))
+    monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor", lambda t: (None, t))  # "handle": itself
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    received, updates = {}, []
+
+    def update(payload):  # vLLM's receiver, for the buffer of the first GPU; the second GPU's copy must match it
+        info = payload["update_info"]
+        updates.append(info)
+        if not info["packed"]:
+            for name, handle in zip(info["names"], info["ipc_handles"]):
+                received[name] = handle["GPU-aaa"].clone()
+            return
+        buffers = [info["ipc_handles"][u] for u in ("GPU-aaa", "GPU-bbb")]
+        assert buffers[0].dtype == torch.uint8 and torch.equal(buffers[0], buffers[1])
+        assert sum(info["tensor_sizes"]) == buffers[0].numel()
+        for name, d, shape, chunk in zip(info["names"], info["dtype_names"], info["shapes"],
+                                         buffers[0].split(info["tensor_sizes"])):
+            received[name] = chunk.contiguous().view(getattr(torch, d)).view(*shape).clone()
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g)
+    norm = torch.randn(384, generator=g)
+    tensors = [("model.layers.0.mlp.down_proj.weight", w), ("model.layers.0.input_layernorm.weight", norm),
+               ("model.layers.0.self_attn.k_scale", torch.tensor(0.5))]
+    plan = RefitPlan({"model.layers.0.mlp.down_proj"})
+    cpu = torch.device("cpu")
+    n = send_weights_ipc(tensors, update, plan, bucket_bytes=1 << 20, devices=[cpu, cpu], packed=True)
+    assert n == 4 and [u["packed"] for u in updates] == [True, False]  # converted tensors: + weight_scale_inv
+    assert updates[0]["names"] == ["model.layers.0.mlp.down_proj.weight_scale_inv",  # fp32, bf16, then e4m3
+                                   "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.down_proj.weight"]
+    assert updates[0]["tensor_sizes"] == [2 * 3 * 4, 384 * 2, 256 * 384]
+    assert updates[1]["names"] == ["model.layers.0.self_attn.k_scale"] and updates[1]["shapes"] == [[]]
+    q, scale_inv = quantize_weight_blockwise(w, (128, 128))
+    assert torch.equal(received["model.layers.0.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(received["model.layers.0.mlp.down_proj.weight_scale_inv"], scale_inv)
+    assert torch.equal(received["model.layers.0.input_layernorm.weight"], norm.to(torch.bfloat16))
+    assert received["model.layers.0.self_attn.k_scale"].shape == () and received[
+        "model.layers.0.self_attn.k_scale"].item() == 0.5
+
+
 def test_bf16_engine_has_no_quantization():
     spec = build_engine_spec(VllmConfig(), DENSE)
     assert "hf_overrides" not in spec.engine_kwargs and spec.fp8_modules == [] and spec.ignored_layers == []

@@ -211,6 +211,33 @@ def test_two_refits_outputs_follow_the_second(dense_engine, dense_dir):
     assert diff <= 1e-3  # identical tokens; tiny logprob noise allowed (measured before asserting)
 
 
+def test_packed_refit_loads_what_the_per_tensor_refit_loads(dense_engine, dense_dir):
+    """``policy.weight_sync.packed``: one IPC buffer per bucket (vLLM's packed format) leaves every engine parameter
+    bit for bit where the per-tensor refit of the same weights does, with small buckets so that several updates,
+    widest dtype first in each, cross; greedy outputs agree."""
+    from nemo_fp8.generation.vllm.refit import send_weights_ipc
+
+    spec = dense_engine.direct_refit_spec()  # what a trainer sending on its own gets: the plan, the names to skip
+    state = {k: v.cuda() for k, v in _perturbed(_hf_state(dense_dir), 11).items() if k not in spec["skip"]}
+    names = list(dense_engine.llm.collective_rpc("nemo_fp8_param_info")[0])
+    prompts, sp = _prompts(8, seed=3), SamplingParams(max_new_tokens=16, greedy=True)
+    got, outs = {}, {}
+    for packed in (False, True):
+        dense_engine.start_weight_update(40 + packed)
+        sent = send_weights_ipc(state.items(), dense_engine.receive_update, spec["plan"], bucket_bytes=4 << 20,
+                                packed=packed)
+        dense_engine.note_sent(state, sent)
+        assert dense_engine.finish_weight_update(require_kv_scales=False).weights == 40 + packed
+        got[packed] = _engine_params(dense_engine, names)
+        outs[packed] = dense_engine.generate(prompts, sp)
+    assert got[False].keys() == got[True].keys() and len(got[True]) == len(names)
+    for n in names:
+        a, b = got[False][n], got[True][n]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
+    assert torch.equal(outs[False].token_ids, outs[True].token_ids)
+    _refit(dense_engine, {k: v.cpu() for k, v in _hf_state(dense_dir).items()}, 50)  # the module's weights again
+
+
 def test_memory_and_pointers_stable_over_20_refits_and_sleep(dense_engine, dense_dir):
     state = {k: v.cuda() for k, v in _hf_state(dense_dir).items()}
     _refit(dense_engine, state, 10)

@@ -278,7 +278,7 @@ def merge_ipc_handles(per_device: Sequence[Sequence[dict[str, tuple]]]) -> list[
 
 def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None,
-                     devices: Optional[Sequence[torch.device]] = None) -> int:
+                     devices: Optional[Sequence[torch.device]] = None, packed: bool = False) -> int:
     """Quantize and send over CUDA IPC, one ``update_fn({"update_info": ...})`` per bucket.
 
     ``named_tensors``: ``(HF name, tensor)``, any float dtype and device, converted by ``plan.convert``
@@ -294,6 +294,14 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
     lives until ``update_fn`` returns. Each call sends on its own, whatever ``torch.distributed`` group this
     process is in (each data-parallel rank refits its own engine; module docstring).
 
+    ``packed``: each bucket's tensors travel as one uint8 buffer with one IPC handle per GPU (vLLM 0.22's packed
+    IPC format, ``IPCWeightTransferUpdateInfo(packed=True, tensor_sizes=...)``, whose receiver rebuilds the
+    buffer once and clones each tensor out of it) instead of one handle per tensor: the receiving worker opens
+    one IPC mapping per bucket, not one per tensor (an FP8 engine gets twice the tensors of a BF16 one, each
+    weight with its ``weight_scale_inv``). Tensors are ordered by element size within the bucket so that each
+    starts at an offset its dtype can be viewed at; scalars (KV scales, shape ``[]``, which vLLM's unpacking
+    cannot reshape to) follow in an unpacked update of their own.
+
     Raises:
         ValueError: both ``device`` and ``devices``; ``devices`` naming one GPU twice (``merge_ipc_handles``).
     """
@@ -301,6 +309,8 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
         raise ValueError("send_weights_ipc: pass device (one-GPU engine) or devices (tensor-parallel), not both")
     if not devices:
         devices = [device or torch.device("cuda", torch.cuda.current_device())]
+    if packed:
+        return _send_weights_ipc_packed(named_tensors, update_fn, plan, bucket_bytes, list(devices))
     return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices))
 
 
@@ -313,27 +323,65 @@ def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], updat
     uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
     n = 0
     for bucket in _buckets(plan.convert_all(named_tensors, devices[0]), bucket_bytes):
-        # reduce_tensor's args do not keep the memory alive: every copy is held here until the engine has
-        # loaded the bucket. A copy to another GPU is ordered before that GPU's current stream (torch's
-        # cross-device copy), where reduce_tensor records the event the receiving worker waits on.
-        copies: list[Tensor] = []
-        per_device: list[list[dict[str, tuple]]] = []
-        for dev, uuid in zip(devices, uuids):
-            handles = []
-            for _, t in bucket:
-                copy = t.detach().to(dev).contiguous()  # devices[0]: the converted tensor itself
-                copies.append(copy)
-                handles.append({uuid: reduce_tensor(copy)[1]})
-            per_device.append(handles)
-        info = IPCWeightTransferUpdateInfo(names=[name for name, _ in bucket],
-                                           dtype_names=[str(t.dtype).split(".")[-1] for _, t in bucket],
-                                           shapes=[list(t.shape) for _, t in bucket],
-                                           ipc_handles=merge_ipc_handles(per_device), packed=False)
-        update_fn({"update_info": asdict(info)})
+        _send_unpacked(bucket, update_fn, devices, uuids, reduce_tensor, IPCWeightTransferUpdateInfo)
         n += len(bucket)
-        del copies, per_device, info, bucket
+        del bucket
         torch.cuda.ipc_collect()  # as vLLM's trainer does after each send: free what the workers released
     torch.cuda.ipc_collect()  # the last bucket's tensors on devices[0], released as the bucket stream ended
+    return n
+
+
+def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], devices: list[torch.device],
+                   uuids: list[str], reduce_tensor, info_cls) -> None:
+    """One update of ``bucket`` with one handle per tensor and GPU; returns once ``update_fn`` has."""
+    # reduce_tensor's args do not keep the memory alive: every copy is held here until the engine has
+    # loaded the bucket. A copy to another GPU is ordered before that GPU's current stream (torch's
+    # cross-device copy), where reduce_tensor records the event the receiving worker waits on.
+    copies: list[Tensor] = []
+    per_device: list[list[dict[str, tuple]]] = []
+    for dev, uuid in zip(devices, uuids):
+        handles = []
+        for _, t in bucket:
+            copy = t.detach().to(dev).contiguous()  # devices[0]: the converted tensor itself
+            copies.append(copy)
+            handles.append({uuid: reduce_tensor(copy)[1]})
+        per_device.append(handles)
+    info = info_cls(names=[name for name, _ in bucket], dtype_names=[str(t.dtype).split(".")[-1] for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket], ipc_handles=merge_ipc_handles(per_device),
+                    packed=False)
+    update_fn({"update_info": asdict(info)})
+
+
+def _send_weights_ipc_packed(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
+                             plan: RefitPlan, bucket_bytes: int, devices: list[torch.device]) -> int:
+    """``send_weights_ipc(..., packed=True)``: one uint8 buffer and one handle per GPU per bucket (see there)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
+    n = 0
+    for bucket in _buckets(plan.convert_all(named_tensors, devices[0]), bucket_bytes):
+        scalars = [(name, t) for name, t in bucket if t.dim() == 0]
+        # widest dtype first: every offset is a multiple of the sizes of the dtypes that follow it
+        items = sorted(((name, t) for name, t in bucket if t.dim() > 0), key=lambda it: -it[1].element_size())
+        if items:
+            flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+            buffer = torch.cat(flats) if len(flats) > 1 else flats[0]  # a tensor alone: shared as it is
+            del flats
+            copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
+            info = IPCWeightTransferUpdateInfo(
+                names=[name for name, _ in items], dtype_names=[str(t.dtype).split(".")[-1] for _, t in items],
+                shapes=[list(t.shape) for _, t in items],
+                ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
+                tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
+            update_fn({"update_info": asdict(info)})
+            del copies, buffer, info
+        if scalars:
+            _send_unpacked(scalars, update_fn, devices, uuids, reduce_tensor, IPCWeightTransferUpdateInfo)
+        n += len(bucket)
+        del bucket, items, scalars
+        torch.cuda.ipc_collect()
+    torch.cuda.ipc_collect()
     return n
 
 

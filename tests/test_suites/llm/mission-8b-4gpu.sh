@@ -25,7 +25,9 @@
 #            the report then gives each FP8 run's step at the engine's own gain beside its target. Once per $OUT
 #            (ceiling.json); CEILING=0 skips it. CEILING_FP8: the FP8 engines (default
 #            fp8-deepgemm-v2,fp8-deepgemm-kv-v2, the runner the configs pin; add fp8-deepgemm for the model-runner
-#            A/B: vLLM 0.22 runs FP8 on its V1 runner unless told, docs/performance.md)
+#            A/B: vLLM 0.22 runs FP8 on its V1 runner unless told, docs/performance.md). Each engine also times a
+#            full refit from a bf16 state dict on its GPU (bench_rollout --refit, buckets of the configs' 256 MiB):
+#            one CUDA IPC handle per tensor, as the runs refit, against packed buckets (policy.weight_sync.packed)
 #   TRAIN_CEILING=1 (default, with the rollout ceiling) meanwhile times the training engine alone on the last
 #            GPU(s): tools/bench_train.py --workload rl, megatron-core + TE on the 8B shape cut to 8 layers, packed
 #            micro-batches of the layout's train_mb_tokens at its tensor parallel size, TRAIN_CEILING_RECIPES
@@ -55,7 +57,7 @@ esac
 echo "layout: $layout ($(echo $layout_args))"
 if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
   bench=(tools/bench_rollout.py --models dense --num-prompts 128 --input-len 160 --output-len "${MAX_NEW:-1024}"
-         --rl-prompts 0 --fixed-seeded --gpu-mem 0.6 --timeout 900)
+         --rl-prompts 0 --fixed-seeded --gpu-mem 0.6 --timeout 900 --refit)
   CUDA_VISIBLE_DEVICES=0 "$PYTHON" "${bench[@]}" --precisions bf16 --out "$OUT/ceiling_bf16.json" \
     > "$OUT/ceiling_bf16.log" 2>&1 &
   # the FP8 engines over GPUs 1..N-1, round robin, one after another on a GPU (DeepGEMM's cache takes concurrent
