@@ -297,8 +297,8 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
     ``packed``: each bucket's tensors travel as one uint8 buffer with one IPC handle per GPU (vLLM 0.22's packed
     IPC format, ``IPCWeightTransferUpdateInfo(packed=True, tensor_sizes=...)``, whose receiver rebuilds the
     buffer once and clones each tensor out of it) instead of one handle per tensor: the receiving worker opens
-    one IPC mapping per bucket, not one per tensor (an FP8 engine gets twice the tensors of a BF16 one, each
-    weight with its ``weight_scale_inv``). Tensors are ordered by element size within the bucket so that each
+    one IPC mapping per bucket, not one per tensor (an FP8 engine gets more tensors than a BF16 one: each FP8
+    weight comes with its ``weight_scale_inv``). Tensors are ordered by element size within the bucket so that each
     starts at an offset its dtype can be viewed at; scalars (KV scales, shape ``[]``, which vLLM's unpacking
     cannot reshape to) follow in an unpacked update of their own.
 
