@@ -63,23 +63,19 @@ def test_ipc_handles_of_every_gpu_are_merged_per_tensor():
         merge_ipc_handles([])
 
 
-def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypatch):
-    """``send_weights_ipc(devices=...)`` on stand-ins for CUDA and vLLM's dataclass: one update per bucket whose
-    ``ipc_handles`` hold, per tensor, a handle for each GPU's UUID; every copy alive while the engine loads;
-    ``ipc_collect`` after each bucket (what vLLM's trainer does)."""
+def _stub_vllm_ipc(monkeypatch, uuids: list[str]) -> None:
+    """Stand-ins for vLLM 0.22's ``IPCWeightTransferUpdateInfo`` (its fields) and for the GPU UUIDs, asked once per
+    device in the order of ``uuids``, so ``send_weights_ipc`` runs on CPU tensors."""
     import sys
     import types
-    import weakref
     from dataclasses import dataclass
-
-    from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
 
     @dataclass
     class UpdateInfo:  # the fields of vLLM 0.22's IPCWeightTransferUpdateInfo
         names: list
         dtype_names: list
         shapes: list
-        ipc_handles: list
+        ipc_handles: object
         tensor_sizes: object = None
         packed: bool = False
 
@@ -88,8 +84,19 @@ def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypa
     for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, ipc_engine.__name__, ipc_engine)
-    uuids = iter(["GPU-aaa", "GPU-bbb"])  # asked once per device, in order
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=next(uuids)))
+    it = iter(uuids)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=next(it)))
+
+
+def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypatch):
+    """``send_weights_ipc(devices=...)`` on stand-ins for CUDA and vLLM's dataclass: one update per bucket whose
+    ``ipc_handles`` hold, per tensor, a handle for each GPU's UUID; every copy alive while the engine loads;
+    ``ipc_collect`` after each bucket (what vLLM's trainer does)."""
+    import weakref
+
+    from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
+
+    _stub_vllm_ipc(monkeypatch, ["GPU-aaa", "GPU-bbb"])
     shared = []
     monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor",
                         lambda t: shared.append(weakref.ref(t)) or (None, ("args", len(shared) - 1)))
@@ -119,7 +126,7 @@ def test_tensor_parallel_ipc_send_gives_every_gpu_a_copy_of_each_bucket(monkeypa
     # one GPU: the same updates with one handle per tensor, sent by this call itself. vLLM's own sender
     # (IPCWeightTransferEngine.trainer_send_weights, absent from the stand-in) sends from torch.distributed's
     # rank 0 only: with one engine per data-parallel rank, engines 1.. were never refit
-    uuids = iter(["GPU-ccc"])
+    _stub_vllm_ipc(monkeypatch, ["GPU-ccc"])
     updates.clear()
     update_one = lambda payload: updates.append(payload["update_info"])  # noqa: E731
     assert send_weights_ipc(tensors, update_one, RefitPlan(set()), bucket_bytes=64, device=cpu) == 3
@@ -133,29 +140,10 @@ def test_packed_ipc_send_gives_one_buffer_per_bucket_that_unpacks_to_the_convert
     then ``.view(dtype).view(*shape)``) it gives back every converted tensor bit for bit: e4m3 weights with their
     fp32 ``weight_scale_inv`` and bf16 norms, each at an offset its dtype can be viewed at (widest first); a scalar
     KV scale, which that unpacking cannot give shape ``[]``, follows in an unpacked update."""
-    import sys
-    import types
-    from dataclasses import dataclass
-
     from nemo_fp8.fp8.quantize import quantize_weight_blockwise
     from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
 
-    @dataclass
-    class UpdateInfo:  # the fields of vLLM 0.22's IPCWeightTransferUpdateInfo
-        names: list
-        dtype_names: list
-        shapes: list
-        ipc_handles: object
-        tensor_sizes: object = None
-        packed: bool = False
-
-    ipc_engine = types.ModuleType("vllm.distributed.weight_transfer.ipc_engine")
-    ipc_engine.IPCWeightTransferUpdateInfo = UpdateInfo
-    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, ipc_engine.__name__, ipc_engine)
-    uuids = iter(["GPU-aaa", "GPU-bbb"])
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid=next(uuids)))
+    _stub_vllm_ipc(monkeypatch, ["GPU-aaa", "GPU-bbb"])
     monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor", lambda t: (None, t))  # "handle": itself
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
     received, updates = {}, []
