@@ -309,21 +309,18 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
         raise ValueError("send_weights_ipc: pass device (one-GPU engine) or devices (tensor-parallel), not both")
     if not devices:
         devices = [device or torch.device("cuda", torch.cuda.current_device())]
-    if packed:
-        return _send_weights_ipc_packed(named_tensors, update_fn, plan, bucket_bytes, list(devices))
-    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices))
+    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices), packed)
 
 
 def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
-                              plan: RefitPlan, bucket_bytes: int, devices: list[torch.device]) -> int:
-    """``send_weights_ipc`` into an engine of ``len(devices)`` GPUs: every bucket on every device (see there)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
-
+                              plan: RefitPlan, bucket_bytes: int, devices: list[torch.device], packed: bool) -> int:
+    """``send_weights_ipc`` into an engine of ``len(devices)`` GPUs: every bucket on every device, one update per
+    bucket with a handle per tensor or, ``packed``, one per bucket (see there)."""
     uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
+    send = _send_packed if packed else _send_unpacked
     n = 0
     for bucket in _buckets(plan.convert_all(named_tensors, devices[0]), bucket_bytes):
-        _send_unpacked(bucket, update_fn, devices, uuids, reduce_tensor, IPCWeightTransferUpdateInfo)
+        send(bucket, update_fn, devices, uuids)
         n += len(bucket)
         del bucket
         torch.cuda.ipc_collect()  # as vLLM's trainer does after each send: free what the workers released
@@ -332,8 +329,11 @@ def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], updat
 
 
 def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], devices: list[torch.device],
-                   uuids: list[str], reduce_tensor, info_cls) -> None:
+                   uuids: list[str]) -> None:
     """One update of ``bucket`` with one handle per tensor and GPU; returns once ``update_fn`` has."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
     # reduce_tensor's args do not keep the memory alive: every copy is held here until the engine has
     # loaded the bucket. A copy to another GPU is ordered before that GPU's current stream (torch's
     # cross-device copy), where reduce_tensor records the event the receiving worker waits on.
@@ -346,43 +346,37 @@ def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict],
             copies.append(copy)
             handles.append({uuid: reduce_tensor(copy)[1]})
         per_device.append(handles)
-    info = info_cls(names=[name for name, _ in bucket], dtype_names=[str(t.dtype).split(".")[-1] for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket], ipc_handles=merge_ipc_handles(per_device),
-                    packed=False)
+    info = IPCWeightTransferUpdateInfo(names=[name for name, _ in bucket],
+                                       dtype_names=[str(t.dtype).split(".")[-1] for _, t in bucket],
+                                       shapes=[list(t.shape) for _, t in bucket],
+                                       ipc_handles=merge_ipc_handles(per_device), packed=False)
     update_fn({"update_info": asdict(info)})
 
 
-def _send_weights_ipc_packed(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
-                             plan: RefitPlan, bucket_bytes: int, devices: list[torch.device]) -> int:
-    """``send_weights_ipc(..., packed=True)``: one uint8 buffer and one handle per GPU per bucket (see there)."""
+def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], devices: list[torch.device],
+                 uuids: list[str]) -> None:
+    """``bucket`` as one uint8 buffer with one handle per GPU (``send_weights_ipc(..., packed=True)``), then its
+    scalars, if any, in an unpacked update; returns once ``update_fn`` has."""
     from torch.multiprocessing.reductions import reduce_tensor
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
-    n = 0
-    for bucket in _buckets(plan.convert_all(named_tensors, devices[0]), bucket_bytes):
-        scalars = [(name, t) for name, t in bucket if t.dim() == 0]
-        # widest dtype first: every offset is a multiple of the sizes of the dtypes that follow it
-        items = sorted(((name, t) for name, t in bucket if t.dim() > 0), key=lambda it: -it[1].element_size())
-        if items:
-            flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
-            buffer = torch.cat(flats) if len(flats) > 1 else flats[0]  # a tensor alone: shared as it is
-            del flats
-            copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
-            info = IPCWeightTransferUpdateInfo(
-                names=[name for name, _ in items], dtype_names=[str(t.dtype).split(".")[-1] for _, t in items],
-                shapes=[list(t.shape) for _, t in items],
-                ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
-                tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
-            update_fn({"update_info": asdict(info)})
-            del copies, buffer, info
-        if scalars:
-            _send_unpacked(scalars, update_fn, devices, uuids, reduce_tensor, IPCWeightTransferUpdateInfo)
-        n += len(bucket)
-        del bucket, items, scalars
-        torch.cuda.ipc_collect()
-    torch.cuda.ipc_collect()
-    return n
+    scalars = [(name, t) for name, t in bucket if t.dim() == 0]
+    # widest dtype first: every offset is a multiple of the sizes of the dtypes that follow it
+    items = sorted(((name, t) for name, t in bucket if t.dim() > 0), key=lambda it: -it[1].element_size())
+    if items:
+        flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+        buffer = torch.cat(flats) if len(flats) > 1 else flats[0]  # a tensor alone: shared as it is
+        del flats
+        copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
+        info = IPCWeightTransferUpdateInfo(
+            names=[name for name, _ in items], dtype_names=[str(t.dtype).split(".")[-1] for _, t in items],
+            shapes=[list(t.shape) for _, t in items],
+            ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
+            tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
+        update_fn({"update_info": asdict(info)})
+        del copies, buffer, info  # loaded: the buffer need not outlive it into the scalars' update
+    if scalars:
+        _send_unpacked(scalars, update_fn, devices, uuids)
 
 
 def nccl_init_info(master_address: str, master_port: int, world_size: int, rank_offset: int = 1) -> dict[str, Any]:
