@@ -9,7 +9,7 @@ from the responses (EOS ends some early).
 
     python tools/bench_engines.py --engines 1,2,4 [--model DIR | --shape small|8b] [--layers N] [--tp 1]
         [--precision fp8] [--prompts 32] [--samples 16] [--input-len 128] [--output-len 1024]
-        [--gpu-mem 0.85] [--out rows.json]
+        [--gpu-mem 0.85] [--shares 2,4] [--out rows.json]
 
 Without ``--model`` a random-weight Qwen3 is written (``--shape small``: hidden 1024, 16 layers, ~270M
 parameters; ``8b``: Qwen3-8B's shape, ``--layers`` of its 36). ``--backend torch`` runs the torch reference
@@ -154,6 +154,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch-size", type=int, default=64, help="torch engine rows per forward pass")
     ap.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization of every engine")
     ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--shares", default=None,
+                    help="engine counts whose share of the step the one-engine row also times, comma list "
+                         "(default: the counts above 1 of --engines; lets --engines 1 alone give the ceiling column)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     return ap.parse_args(argv)
 
@@ -171,10 +174,11 @@ def main(argv=None) -> list[dict]:
     rows = []
     try:
         counts = [int(x) for x in a.engines.split(",")]
+        shares = tuple(int(x) for x in a.shares.split(",")) if a.shares else tuple(c for c in counts if c > 1)
         for i, n in enumerate(counts):
             if i and a.backend == "vllm":
                 time.sleep(10)  # the previous engines' processes end: their GPU memory returns before vLLM measures
-            rows.append(bench(a, model, n, tuple(c for c in counts if c > 1) if n == 1 else ()))
+            rows.append(bench(a, model, n, shares if n == 1 else ()))
             print(json.dumps(rows[-1]), flush=True)
             if a.out:
                 Path(a.out).write_text(json.dumps(rows, indent=1))

@@ -26,6 +26,14 @@ def test_engine_counts_roll_out_the_same_tokens_and_report_each_engine(tiny_mode
     assert "share_tokens_per_s" not in rows[1]
 
 
+def test_one_engine_alone_times_the_shares_it_is_given(tiny_model_dir):
+    # --engines 1 --shares 2: the ceiling of a 2-engine row measured by another run (other GPUs busy meanwhile)
+    rows = be.main(["--backend", "torch", "--model", str(tiny_model_dir), "--engines", "1", "--shares", "2",
+                    "--prompts", "2", "--samples", "2", "--input-len", "8", "--output-len", "6", "--precision",
+                    "bfloat16", "--batch-size", "2", "--torch-threads", "1"])
+    assert len(rows) == 1 and list(rows[0]["share_tokens_per_s"]) == [2] and rows[0]["share_tokens_per_s"][2] > 0
+
+
 def test_table_ceiling_is_n_engines_at_one_engines_share_speed():
     rows = [dict(engines=1, tp=1, responses=512, tokens=512000, seconds=32.0, tokens_per_s=16000.0, imbalance=1.0,
                  share_tokens_per_s={"2": 15000.0, "4": 14000.0}),  # read back from JSON: string keys
