@@ -17,8 +17,8 @@ rollout for more than the engine gives; ``--targets fp8=0.80,fp8kv=0.72`` puts e
 ``--train-ceiling rows.json`` (``tools/bench_train.py --workload rl --rl-packing packed --json``, on a GPU of the same
 machine, at the runs' ``train_mb_tokens``) adds the training engine's own gain: BF16's ``raw f+b`` (megatron-core + TE
 alone, one packed micro-batch) over the recipe's. The engines' bound of a run is its step with every phase as fast as
-the engines allow and nothing else of FP8's: rollout at the rollout engine's gain, log-probs and training at the
-training engine's gain (each at the run's own time where that is faster), refit and the rest at the baseline's time.
+the engines allow: rollout at the rollout engine's gain, log-probs and training at the training engine's gain, refit and
+the rest at the baseline's time, each phase at the run's own time where that is faster (so no run can beat its bound).
 The verdict takes that bound; without a training ceiling, the run's own log-probs and training times stand.
 """
 
@@ -91,13 +91,14 @@ def rollout_bound(run: dict, base: dict, engine_gain: float) -> float:
 
 
 def engines_bound(run: dict, base: dict, rollout_gain: float, train_gain: float | None) -> float:
-    """Step / baseline step with every phase as fast as the engines allow and nothing else of FP8's (Amdahl over
-    the step's phases): generation at the rollout engine's ``rollout_gain``, log-probs and training at the training
-    engine's ``train_gain`` (``None``: no training ceiling), each phase at the run's own time where that is faster,
-    refit and the rest (``other_s``) at the baseline's time:
-    ``(min(g, bg / rollout_gain) + min(l + t, (bl + bt) / train_gain) + b_refit + b_other) / b_step``, ``b*`` the
-    baseline's seconds. The training engine's ``raw f+b`` gain also covers the optimizer step, which FP8 does not
-    speed up, so the bound is optimistic: a target above it is out of the engines' reach.
+    """Step / baseline step with every phase as fast as the engines allow (Amdahl over the step's phases):
+    generation at the rollout engine's ``rollout_gain``, log-probs and training at the training engine's
+    ``train_gain`` (``None``: no training ceiling), refit and the rest (``other_s``) at the baseline's time, each
+    phase at the run's own time where that is faster:
+    ``(min(g, bg / rollout_gain) + min(l + t, (bl + bt) / train_gain) + min(r, b_refit) + min(o, b_other))
+    / b_step``, ``b*`` the baseline's seconds. No phase is slower than the run's own, so no run beats its bound, and
+    the training engine's ``raw f+b`` gain also covers the optimizer step, which FP8 does not speed up: the bound
+    is optimistic, and a target above it is out of the engines' reach.
 
     Args:
         run, base: :func:`summarize_run` summaries (``<phase>_s``, ``other_s``, ``step_s``: seconds).
@@ -113,7 +114,8 @@ def engines_bound(run: dict, base: dict, rollout_gain: float, train_gain: float 
     trained = run["logprobs_s"] + run["training_s"]
     if train_gain is not None:
         trained = min(trained, (base["logprobs_s"] + base["training_s"]) / train_gain)
-    return (generated + trained + base["refit_s"] + base["other_s"]) / base["step_s"]
+    rest = min(run["refit_s"], base["refit_s"]) + min(run["other_s"], base["other_s"])
+    return (generated + trained + rest) / base["step_s"]
 
 
 def train_gains(train_rows: list[dict]) -> dict[str, float]:
@@ -168,18 +170,25 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
 # the parts of the refit and of the step's "other" time the trainer times (timing/<part>, seconds)
 PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights", "engine_wake", "engine_sleep",
          "kv_calibration", "reward")
+# the timed parts of other_s
+OTHER_PARTS = ("engine_wake", "engine_sleep", "kv_calibration", "reward", "advantages", "data_processing")
 
 
-def parts_table(rows_by_run: dict[str, list[dict]], baseline: str) -> str:
+def parts_table(rows_by_run: dict[str, list[dict]], baseline: str, summaries: dict[str, dict] | None = None) -> str:
     """Markdown table, a row per run: mean seconds per step of each of ``PARTS`` over the timed steps (the first left
     out when more remain: ``timed_steps``, as ``summarize_run``), and each part's ratio to the baseline run's; "" when
-    no run logged any part (runs of an older trainer)."""
+    no run logged any part (runs of an older trainer). With ``summaries`` (``summarize_run`` of each run), a last
+    column ``untimed s``: the run's ``other_s`` less its timed parts (``OTHER_PARTS``), the driver's work between
+    the phases that no timer covers."""
     means = {}
     for name, rows in rows_by_run.items():
         timed = timed_steps(rows)
         means[name] = {k: sum(r.get(f"timing/{k}", 0.0) for r in timed) / max(len(timed), 1) for k in PARTS
                        if any(f"timing/{k}" in r for r in timed)}
-    parts = [k for k in PARTS if any(k in m for m in means.values())]
+        if summaries and name in summaries:
+            timed_other = sum(r.get(f"timing/{k}", 0.0) for r in timed for k in OTHER_PARTS) / max(len(timed), 1)
+            means[name]["untimed"] = summaries[name]["other_s"] - timed_other
+    parts = [k for k in PARTS + ("untimed",) if any(k in m for m in means.values())]
     if not any(k.startswith("refit/") or k.startswith("engine_") for k in parts):
         return ""
     base = means.get(baseline, {})
@@ -218,7 +227,7 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
             peaks[name] = peak_gpu_memory(csv)
         parts.append(f"### {name} ({log_dir})\n\n{step_table(rows)}")
     parts.append("### side by side (first step left out: warm-up)\n\n" + side_by_side_table(summaries, peaks, baseline))
-    by_part = parts_table(rows_by_run, baseline)
+    by_part = parts_table(rows_by_run, baseline, summaries)
     if by_part:
         parts.append("### the refit and the other time by part (seconds per step, first step left out)\n\n" + by_part)
     if ceiling is not None:
@@ -235,7 +244,8 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
         except (ValueError, KeyError) as e:
             table = f"not computed: {e!r} ({path})\n"
         parts.append("### rollout ceiling (each engine alone on one GPU; the engines' bound: every phase at its "
-                     "engine's gain, refit and the rest at the baseline's time)\n\n" + table)
+                     "engine's gain, refit and the rest at the baseline's time, each at the run's own where "
+                     "faster)\n\n" + table)
     return "\n".join(parts)
 
 

@@ -416,8 +416,8 @@ def test_mission_report_puts_runs_side_by_side_with_ratios_and_peaks(tmp_path):
 def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     """--ceiling: the step an FP8 run would take at the engine's own FP8 gain (its other phases as measured), and the
     engines' bound (rollout at the engine's gain, log-probs + training at the run's own or, with --train-ceiling, the
-    training engine's gain, refit and the rest at BF16's time) beside its target; the seeded rate when both engine
-    rows have it (the GRPO rollout seeds each request)."""
+    training engine's gain, refit and the rest at BF16's time, each phase at the run's own where faster) beside its
+    target; the seeded rate when both engine rows have it (the GRPO rollout seeds each request)."""
     tool = mission_tool()
     fp8_rows = fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3])
     for r in fp8_rows[1:]:  # FP8 trains faster (1.5 -> 1.0 s) and refits slower (0.2 -> 0.5 s)
@@ -464,6 +464,9 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
     base = {"logprobs_s": 0.5, "training_s": 1.5, "refit_s": 0.2, "other_s": 0.1, "generation_s": 4.0, "step_s": 10.0}
     assert tool.engines_bound(phases, base, 1.5, 1.1) == pytest.approx((2.0 + 1.5 + 0.2 + 0.1) / 10.0)
     assert tool.engines_bound(phases, base, 4.0, 4.0) == pytest.approx((1.0 + 0.5 + 0.2 + 0.1) / 10.0)
+    # a run whose refit and other time beat the baseline's keeps them: no run is faster than its bound
+    fast = {**phases, "refit_s": 0.1, "other_s": 0.05}
+    assert tool.engines_bound(fast, base, 1.5, 1.1) == pytest.approx((2.0 + 1.5 + 0.1 + 0.05) / 10.0)
     s_fp8 = {"step_s": step_fp8, "generation_s": 2.0}
     s_bf16 = {"step_s": step_bf16, "generation_s": 4.0}
     assert tool.rollout_bound(s_fp8, s_bf16, 4.0 / 2.0) == pytest.approx(step_fp8 / step_bf16)  # the run's own gain
@@ -497,21 +500,24 @@ def test_mission_report_rollout_ceiling_bounds_each_fp8_step(tmp_path):
 
 def test_mission_report_times_the_refit_and_the_other_time_by_part(tmp_path):
     """The refit's parts and the engine's wake / sleep (timing/refit/*, timing/engine_*): mean seconds per step over
-    the timed steps and each one's ratio to the baseline's; no such table for runs that logged none."""
+    the timed steps and each one's ratio to the baseline's, and the other time no timer covers; no such table for
+    runs that logged none."""
     tool = mission_tool()
 
-    def with_parts(rows, transfer, wake):
-        for r in rows[1:]:
+    def with_parts(rows, transfer, wake, untimed):
+        for r in rows[1:]:  # the wake and the untimed seconds lengthen the step outside the four phases
             r.update({"timing/refit/transfer": transfer * r["step"], "timing/engine_wake": wake})
+            r["timing/step"] += wake + untimed
         return rows
 
-    fp8 = _write_run(tmp_path / "fp8", with_parts(fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]), 0.2, 0.5))
-    bf16 = _write_run(tmp_path / "bf16", with_parts(fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]), 0.1, 0.5))
+    fp8 = _write_run(tmp_path / "fp8", with_parts(fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3]), 0.2, 0.5, 0.2))
+    bf16 = _write_run(tmp_path / "bf16", with_parts(fake_run(gen_s=4.0, kl=1e-4, accs=[0.1, 0.2, 0.3]), 0.1, 0.5, 0.8))
     md = tool.report([f"bf16={bf16}", f"fp8={fp8}"], "bf16")
     table = md.split("### the refit and the other time by part")[1]
-    assert "| run | refit/transfer s | engine_wake s | reward s |" in table
-    # steps 2..4: transfer 0.1 x (2+3+4)/3 = 0.3 (bf16), 0.6 (fp8)
-    assert "| bf16 | 0.30 | 0.50 | 0.10 |" in table and "| fp8 | 0.60 (2.00x) | 0.50 (1.00x) | 0.10 (1.00x) |" in table
+    assert "| run | refit/transfer s | engine_wake s | reward s | untimed s |" in table
+    # steps 2..4: transfer 0.1 x (2+3+4)/3 = 0.3 (bf16), 0.6 (fp8); other = wake + reward + untimed
+    assert "| bf16 | 0.30 | 0.50 | 0.10 | 0.80 |" in table
+    assert "| fp8 | 0.60 (2.00x) | 0.50 (1.00x) | 0.10 (1.00x) | 0.20 (0.25x) |" in table
     plain = tool.report([f"bf16={_write_run(tmp_path / 'b2', fake_run(gen_s=4.0, kl=0.0, accs=[0.1, 0.2, 0.3]))}"],
                         "bf16")
     assert "by part" not in plain
