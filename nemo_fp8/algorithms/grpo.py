@@ -143,10 +143,10 @@ class RefitController:
             RuntimeError: the engine does not hold this version's weights (or KV scales).
         """
         self.refit_if_stale(timer)
-        with timer("engine_wake"):  # outside the four phases: the step's "other" time
+        with timer("engine_wake"):  # outside the four phases: the step's "other" time, the version check with it
             self.generation.prepare_for_generation()
-        try:
             held = self.generation.weight_version()
+        try:
             if held.weights != self.version:
                 raise RuntimeError(f"rollout: the engine holds weights of version {held.weights}, the policy is at "
                                    f"{self.version} (a refit was lost)")
@@ -254,9 +254,10 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
                                     o.generation_logprobs).select(keep))
             if sum(p.size for p in parts) >= want:
                 break
-    batch = _concat_batches(parts, tokenizer.pad_token_id)
-    usable = min(batch.size, want) // cfg.policy.train_global_batch_size * cfg.policy.train_global_batch_size
-    batch = batch.select(slice(0, usable))
+    with timer("data_processing"):  # the driver's own work between the phases (NeMo-RL's timer of that name)
+        batch = _concat_batches(parts, tokenizer.pad_token_id)
+        usable = min(batch.size, want) // cfg.policy.train_global_batch_size * cfg.policy.train_global_batch_size
+        batch = batch.select(slice(0, usable))
 
     rewards = torch.cat([r.rewards for r in rollouts])
     resp_len = torch.cat([r.output.response_lengths for r in rollouts]).float()
@@ -279,8 +280,9 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, g
         batch.prev_logprobs = policy.get_logprobs(batch)
         if cfg.loss_fn.reference_policy_kl_penalty > 0:
             batch.reference_logprobs = policy.get_logprobs(batch, reference=True)
-    metrics.update({f"mismatch/{k}": v for k, v in
-                    mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
+    with timer("data_processing"):
+        metrics.update({f"mismatch/{k}": v for k, v in
+                        mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
     with timer("training"):
         train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn))
     # the loss's own metrics under loss/; a backend's grouped ones (memory/train_*) as they come

@@ -49,7 +49,8 @@ def test_grpo_step_runs_every_phase(tiny_cfg, overrides):
                         refitter)
     phases = timer.pop()
     assert set(phases) == {"refit", "refit/offload_trainer_state", "refit/transfer", "refit/offload_weights",
-                           "engine_wake", "engine_sleep", "generation", "reward", "advantages", "logprobs", "training"}
+                           "engine_wake", "engine_sleep", "generation", "reward", "advantages", "data_processing", "logprobs",
+                           "training"}
     assert sum(v for k, v in phases.items() if k.startswith("refit/")) <= phases["refit"]  # its parts
     assert metrics["refit/num_buckets"] >= 2  # the initial refit, in 1 MiB buckets
     assert refitter.stale and refitter.version == 1  # the engine is refreshed lazily, before the next rollout
