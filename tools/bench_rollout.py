@@ -278,7 +278,9 @@ def bench_refit(llm, spec, model_dir, bucket_bytes: int) -> dict:
     one handle per tensor and packed (one per bucket, ``policy.weight_sync.packed``), alternated, three each.
 
     Returns ``refit_s`` / ``refit_packed_s`` (the fastest of each), all times, the tensors and updates of one refit,
-    ``refit_packed_same_tokens`` (greedy tokens after a packed refit equal those after a per-tensor one), and
+    ``refit_packed_same_tokens`` (greedy tokens after every packed refit equal those after the first per-tensor one),
+    ``refit_repeat_same_tokens`` (the same after every per-tensor refit: the engine's own repeatability, without
+    which a packed mismatch says nothing about the load), and
     for an FP8 engine ``quant_gb_s``, the quantization kernel alone (bytes read + written per second)."""
     import torch
     from vllm import SamplingParams
@@ -299,7 +301,8 @@ def bench_refit(llm, spec, model_dir, bucket_bytes: int) -> dict:
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": list(range(1000 + 7 * i, 1032 + 7 * i))} for i in range(8)]
     times: dict[bool, list[float]] = {False: [], True: []}
-    tokens, updates = {}, {}
+    tokens: dict[bool, list] = {False: [], True: []}
+    updates = {}
     for packed in (False, True) * 3:
         sent = []
 
@@ -315,11 +318,12 @@ def bench_refit(llm, spec, model_dir, bucket_bytes: int) -> dict:
         torch.cuda.synchronize()
         times[packed].append(time.perf_counter() - t0)
         updates[packed] = len(sent)
-        tokens[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        tokens[packed].append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)])
     res = {"refit_s": min(times[False]), "refit_packed_s": min(times[True]), "refit_s_all": times[False],
            "refit_packed_s_all": times[True], "refit_tensors": n, "refit_updates": updates[False],
            "refit_packed_updates": updates[True], "refit_bucket_mb": bucket_bytes / 2**20,
-           "refit_packed_same_tokens": tokens[True] == tokens[False], "state_gib": nbytes / 2**30}
+           "refit_packed_same_tokens": all(t == tokens[False][0] for t in tokens[True]),
+           "refit_repeat_same_tokens": all(t == tokens[False][0] for t in tokens[False]), "state_gib": nbytes / 2**30}
     # quantization kernel alone: bytes read (bf16) + written (fp8 + scales)
     ws = [t for n, t in state.items() if plan.is_fp8_weight(n)]
     if not ws:
@@ -533,21 +537,23 @@ def print_runner_table(rows, ok) -> None:
 
 def print_refit_table(rows) -> None:
     """``--refit``: per engine, the full refit with one CUDA IPC handle per tensor against packed buckets (one
-    handle per bucket), each the fastest of three, and whether greedy tokens after both agree. Nothing without."""
+    handle per bucket), each the fastest of three, whether greedy tokens after every packed refit agree with those
+    after a per-tensor one, and whether they agree among the per-tensor refits themselves. Nothing without."""
     picked = [r for r in rows if r.get("refit_s") or r.get("refit_error")]
     if not picked:
         return
     print(f"\nrefit over CUDA IPC: a full state dict (bf16 on the GPU) -> the engine, buckets of "
           f"{picked[0].get('refit_bucket_mb', 0):.0f} MiB; per tensor vs packed (policy.weight_sync.packed)")
     print(f"{'model':6} {'precision':21} {'tensors':>7} {'per tensor s':>12} {'updates':>7} {'packed s':>8} "
-          f"{'updates':>7} {'x per tensor':>12} {'same tokens':>11}")
+          f"{'updates':>7} {'x per tensor':>12} {'same tokens':>11} {'repeats agree':>13}")
     for r in picked:
         if r.get("refit_error"):
             print(f"{r['model']:6} {r['precision']:21} ERROR {r['refit_error']!r}")
             continue
         print(f"{r['model']:6} {r['precision']:21} {r['refit_tensors']:7d} {r['refit_s']:12.3f} "
               f"{r['refit_updates']:7d} {r['refit_packed_s']:8.3f} {r['refit_packed_updates']:7d} "
-              f"{r['refit_packed_s'] / r['refit_s']:12.3f} {str(r['refit_packed_same_tokens']):>11}")
+              f"{r['refit_packed_s'] / r['refit_s']:12.3f} {str(r['refit_packed_same_tokens']):>11} "
+              f"{str(r.get('refit_repeat_same_tokens', '-')):>13}")
 
 
 def print_seeding_table(rows, ok, key: str, other: str, head: str, other_head: str, title: str) -> None:

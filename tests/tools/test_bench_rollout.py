@@ -126,3 +126,17 @@ def test_runner_table_compares_each_pinned_engine_with_vllms_choice(capsys):
     assert "runner=v1" in out and "runner=v2" in out
     table = [ln.split() for ln in out.split("model runner")[1].split("\n\n")[0].splitlines() if ln.startswith("dense ")]
     assert table == [["dense", "fp8-deepgemm-v2", "v2", "fp8-deepgemm", "v1", "1.100", "1.200"]]
+
+
+def test_refit_table_tells_a_packed_mismatch_from_the_engines_own_repeatability(capsys):
+    row = {"model": "dense", "precision": "bf16", "refit_tensors": 399, "refit_s": 0.40, "refit_updates": 50,
+           "refit_packed_s": 0.30, "refit_packed_updates": 50, "refit_bucket_mb": 256.0}
+    br.print_refit_table([{**row, "refit_packed_same_tokens": False, "refit_repeat_same_tokens": False},
+                          {**row, "precision": "fp8-deepgemm-v2", "refit_packed_same_tokens": True,
+                           "refit_repeat_same_tokens": True},
+                          {"model": "dense", "precision": "fp8-deepgemm-kv-v2", "refit_error": "boom"}])
+    out = capsys.readouterr().out
+    assert "same tokens repeats agree" in out and "ERROR 'boom'" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("dense ") and "ERROR" not in ln]
+    assert rows == [["dense", "bf16", "399", "0.400", "50", "0.300", "50", "0.750", "False", "False"],
+                    ["dense", "fp8-deepgemm-v2", "399", "0.400", "50", "0.300", "50", "0.750", "True", "True"]]
