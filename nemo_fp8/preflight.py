@@ -138,6 +138,25 @@ def required_resources(cfg: MasterConfig) -> dict[str, float]:
     return {"CPU": need.get("CPU", 0.0), "GPU": need.get("GPU", 0.0)}
 
 
+def idle_gpus_warning(cfg: MasterConfig, need: dict[str, float]) -> str | None:
+    """A line when the actors (``need``: ``required_resources``) take fewer GPUs than ``cluster.gpus_per_node x
+    cluster.num_nodes`` declares, naming the ``policy.data_parallel_size`` that would use them all; None when
+    they take them all, or no GPU count is declared. A warning, not an error: a smaller run on a large node is
+    allowed, but a config that declares a node and trains on part of it is usually a missing data parallel size
+    (NeMo-RL derives data parallelism from the cluster's GPUs)."""
+    declared = cfg.cluster.gpus_per_node * cfg.cluster.num_nodes
+    used = int(need.get("GPU", 0))
+    if not declared or not used or used >= declared:
+        return None
+    p = cfg.policy
+    fix = (f"; policy.data_parallel_size={declared // p.tensor_parallel_size} uses them all"
+           if p.generation.colocated.enabled and declared % p.tensor_parallel_size == 0 else "")
+    engines = "engines colocated" if p.generation.colocated.enabled else "the engines on GPUs of their own"
+    return (f"cluster.gpus_per_node x cluster.num_nodes: {declared} GPUs declared, the run uses {used} "
+            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size}, "
+            f"{engines}){fix}")
+
+
 def available_resources(cfg: MasterConfig) -> dict[str, float] | None:
     """What a local Ray started with ``cluster.num_cpus`` will have (None: joining a cluster, unknown
     before connecting; ``check_cluster`` compares after ``ray.init``)."""
@@ -242,4 +261,8 @@ def preflight(cfg: MasterConfig) -> None:
         errs = check_trainer_memory(cfg)
     if errs:
         raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
-    logger.info("preflight: data, model path, resources (%s) and trainer memory ok", required_resources(cfg))
+    need = required_resources(cfg)
+    idle = idle_gpus_warning(cfg, need)
+    if idle:
+        logger.warning("preflight: %s", idle)
+    logger.info("preflight: data, model path, resources (%s) and trainer memory ok", need)

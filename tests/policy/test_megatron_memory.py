@@ -16,7 +16,8 @@ H200 = int(139.80 * GiB)  # torch's total_memory of one H200
 HOST = 128 * GiB  # the one-H200 host's memory
 CONFIG_8B = "examples/configs/grpo_math_8B_megatron.yaml"
 # The one-GPU layout that runs out of memory in FusedAdam's step on one 141 GiB GPU (docs/multi-gpu.md)
-TP1_PRECISION_AWARE = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
+TP1_PRECISION_AWARE = ["cluster.gpus_per_node=1", "policy.data_parallel_size=1",
+                       "policy.megatron_cfg.tensor_model_parallel_size=1",
                        "policy.megatron_cfg.sequence_parallel=false",
                        "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true",
                        "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false"]
@@ -42,14 +43,20 @@ def test_one_gpu_precision_aware_8b_counts_the_fp32_unscaled_moments_and_is_refu
 
 
 def test_the_configs_two_way_tensor_parallel_fits_one_h200_each():
-    policy = _policy()  # tensor parallel 2, fp32 gradient buffer, standard Adam: 2 + 4 + 4 + 8 B/param
-    est = estimate_trainer_memory(QWEN3_8B, policy)
+    two_gpus = _policy("policy.data_parallel_size=1")  # tensor parallel 2, fp32 gradient buffer, standard Adam
+    est = estimate_trainer_memory(QWEN3_8B, two_gpus)
     assert est.bytes_per_param == {"weights": 2, "grads": 4, "main_params": 4, "moments": 8, "grad_copy": 0,
                                     "unscaled_moments": 0}
-    assert est.per_gpu == pytest.approx(QWEN3_8B / 2 * 18)
-    assert trainer_memory_errors(policy, H200, QWEN3_8B, HOST) == []
+    assert est.per_gpu == pytest.approx(QWEN3_8B / 2 * 18)  # 2 + 4 + 4 + 8 B/param over 2 ranks
+    assert trainer_memory_errors(two_gpus, H200, QWEN3_8B, HOST) == []
     # colocated: each rank's fp32 moments and bf16 weights, out around generation
     assert est.host == pytest.approx(QWEN3_8B / 2 * (8 + 2))
+    # the configs' own layout, 8 GPUs: data parallel 4 shards the fp32 main params and moments (distributed optimizer)
+    policy = _policy()
+    assert policy.data_parallel_size * policy.megatron_cfg.tensor_model_parallel_size == 8
+    eight = estimate_trainer_memory(QWEN3_8B, policy)
+    assert eight.per_gpu == pytest.approx(QWEN3_8B * ((2 + 4) / 2 + (4 + 8) / 8))
+    assert eight.host == pytest.approx(QWEN3_8B * (8 / 8 + 2 / 2))
 
 
 def test_a_16_bit_gradient_buffer_costs_an_fp32_copy_in_the_standard_optimizer():
@@ -60,7 +67,8 @@ def test_a_16_bit_gradient_buffer_costs_an_fp32_copy_in_the_standard_optimizer()
 
 
 def test_data_parallel_shards_only_the_optimizer_state():
-    one = estimate_trainer_memory(QWEN3_8B, _policy("policy.megatron_cfg.tensor_model_parallel_size=1"))
+    one = estimate_trainer_memory(QWEN3_8B, _policy("policy.megatron_cfg.tensor_model_parallel_size=1",
+                                                    "policy.data_parallel_size=1"))
     two = estimate_trainer_memory(QWEN3_8B, _policy("policy.megatron_cfg.tensor_model_parallel_size=1",
                                                     "policy.data_parallel_size=2"))
     assert two.parts["weights"] == one.parts["weights"] and two.parts["grads"] == one.parts["grads"]
@@ -202,12 +210,13 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
 def test_without_the_colocated_offload_the_awake_engine_is_counted_and_nothing_moves_to_host():
     """colocated.offload_trainer=false: the trainer keeps its state on the GPU while the engine runs beside it."""
     small = 209_753_088  # the parity config's small model
-    keep = ["policy.generation.backend=vllm", "policy.generation.colocated.offload_trainer=false"]
-    moved = estimate_trainer_memory(QWEN3_8B, _policy("policy.generation.backend=vllm"))
+    two_gpus = "policy.data_parallel_size=1"  # tensor parallel 2 on 2 GPUs: 68.7 GiB of state per GPU
+    keep = [two_gpus, "policy.generation.backend=vllm", "policy.generation.colocated.offload_trainer=false"]
+    moved = estimate_trainer_memory(QWEN3_8B, _policy(two_gpus, "policy.generation.backend=vllm"))
     kept = estimate_trainer_memory(QWEN3_8B, _policy(*keep))
     assert kept.per_gpu == moved.per_gpu and moved.host == pytest.approx(QWEN3_8B / 2 * 10) and kept.host == 0
     # tensor parallel 2 fits alone (68.7 GiB of state + 7.8), not beside an engine at 0.6 of the GPU (83.9 GiB)
-    assert trainer_memory_errors(_policy("policy.generation.backend=vllm"), H200, QWEN3_8B, HOST) == []
+    assert trainer_memory_errors(_policy(two_gpus, "policy.generation.backend=vllm"), H200, QWEN3_8B, HOST) == []
     (err,) = trainer_memory_errors(_policy(*keep), H200, QWEN3_8B, HOST)
     assert "the engine's 83.9 GiB" in err and "colocated.offload_trainer=true" in err
     # the small model fits beside it

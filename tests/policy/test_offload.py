@@ -79,7 +79,7 @@ def test_the_megatron_reserve_holds_adams_moments_after_the_first_update(moment_
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend
 
     cfg = load_config("examples/configs/grpo_math_8B_megatron.yaml", [
-        "cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
+        "cluster.gpus_per_node=1", "policy.data_parallel_size=1", "policy.megatron_cfg.tensor_model_parallel_size=1",
         "policy.megatron_cfg.sequence_parallel=false", "policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true",
         "policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false",
         f"policy.megatron_cfg.optimizer.exp_avg_dtype={moment_dtype}",

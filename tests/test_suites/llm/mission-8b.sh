@@ -11,7 +11,8 @@ source "$(dirname "$0")/../common.sh"; suite_init mission-8b
 [ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
   ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
 D=${NEMO_FP8_SHARED_DATA:-../shared/data}/gsm8k; S=${STEPS:-3}
-ONE_GPU="cluster.gpus_per_node=1 policy.megatron_cfg.tensor_model_parallel_size=1 policy.megatron_cfg.sequence_parallel=false
+ONE_GPU="cluster.gpus_per_node=1 policy.data_parallel_size=1 policy.megatron_cfg.tensor_model_parallel_size=1
+  policy.megatron_cfg.sequence_parallel=false
   policy.megatron_cfg.optimizer.use_precision_aware_optimizer=true policy.megatron_cfg.optimizer.optimizer_cpu_offload=true
   policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5
   policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32=false policy.weight_sync.method=cuda_ipc
