@@ -20,6 +20,10 @@ alone, one packed micro-batch) over the recipe's. The engines' bound of a run is
 the engines allow: rollout at the rollout engine's gain, log-probs and training at the training engine's gain, refit and
 the rest at the baseline's time, each phase at the run's own time where that is faster (so no run can beat its bound).
 The verdict takes that bound; without a training ceiling, the run's own log-probs and training times stand.
+
+``--scale-from 4=logs/suites/mission-8b-4gpu --gpus 8`` adds the scaling from another GPU count: for each run in
+both that folder and these runs, step seconds and rollout tokens/s per GPU at each count, the speed-up and the
+scaling efficiency (speed-up over the ratio of GPUs).
 """
 
 import argparse
@@ -202,11 +206,58 @@ def parts_table(rows_by_run: dict[str, list[dict]], baseline: str, summaries: di
     return "\n".join(lines) + "\n"
 
 
+def parse_scale_from(spec: str) -> tuple[int, Path]:
+    """``GPUS=DIR`` (``--scale-from 4=logs/suites/m4``) -> (GPUs, the other suite's output folder).
+
+    Raises:
+        ValueError: no ``=``, or a GPU count that is not a positive integer.
+    """
+    gpus, sep, folder = spec.partition("=")
+    if not sep or not folder or not gpus.isdigit() or int(gpus) < 1:
+        raise ValueError(f"--scale-from {spec!r}: expected GPUS=DIR, e.g. 4=logs/suites/mission-8b-4gpu")
+    return int(gpus), Path(folder)
+
+
+def scaling_table(here: dict[str, dict], gpus: int, there: dict[str, dict], there_gpus: int) -> str:
+    """Markdown table, a row per run in both ``here`` (``gpus`` GPUs) and ``there`` (``there_gpus``), each a
+    :func:`summarize_run` summary: step seconds and rollout tokens/s per GPU at each count, the step's speed-up
+    (``there`` step / ``here`` step) and the scaling efficiency, speed-up / (``gpus`` / ``there_gpus``): 1.0 when
+    twice the GPUs halve the step (strong scaling: both suites run the same step); "" when no run is in both."""
+    names = [n for n in here if n in there]
+    if not names:
+        return ""
+    head = ["run", f"step s ({there_gpus} GPUs)", f"step s ({gpus} GPUs)", "speed-up", "scaling efficiency",
+            f"rollout tok/s per GPU ({there_gpus})", f"rollout tok/s per GPU ({gpus})", "per GPU ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in names:
+        a, b = there[n], here[n]
+        speedup = a["step_s"] / b["step_s"]
+        per_a, per_b = a["tokens_per_s"] / there_gpus, b["tokens_per_s"] / gpus
+        lines.append(f"| {n} | {a['step_s']:.2f} | {b['step_s']:.2f} | {speedup:.2f} | "
+                     f"{speedup / (gpus / there_gpus):.2f} | {per_a:,.0f} | {per_b:,.0f} | {per_b / per_a:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def summarize_folder(folder: Path) -> dict[str, dict]:
+    """{run: summarize_run} of every ``<folder>/<run>/metrics.jsonl`` (a suite's output folder).
+
+    Raises:
+        FileNotFoundError: no run with ``metrics.jsonl`` under ``folder``.
+    """
+    runs = {d.name: summarize_run(read_metrics(d / "metrics.jsonl"))
+            for d in sorted(Path(folder).iterdir()) if (d / "metrics.jsonl").is_file()} if Path(folder).is_dir() else {}
+    if not runs:
+        raise FileNotFoundError(f"--scale-from: no <run>/metrics.jsonl under {folder}")
+    return runs
+
+
 def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
-           targets: dict[str, float] | None = None, train_ceiling: str | Path | None = None) -> str:
+           targets: dict[str, float] | None = None, train_ceiling: str | Path | None = None,
+           scale_from: tuple[int, Path] | None = None, gpus: int | None = None) -> str:
     """The markdown report of ``specs`` (see the module docstring), with the rollout ceiling of ``ceiling``
     (a ``bench_rollout.py --out`` file) and the training engine's gains of ``train_ceiling`` (a
-    ``bench_train.py --json`` file) when given.
+    ``bench_train.py --json`` file) when given, and with ``scale_from`` (GPUs, another suite's output folder) and
+    ``gpus`` (these runs' GPUs) the scaling from that count to this one (:func:`scaling_table`).
 
     Raises:
         ValueError: a bad spec, a run without training steps, or a CSV that is not nvidia-smi's (a ceiling file
@@ -246,6 +297,11 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
         parts.append("### rollout ceiling (each engine alone on one GPU; the engines' bound: every phase at its "
                      "engine's gain, refit and the rest at the baseline's time, each at the run's own where "
                      "faster)\n\n" + table)
+    if scale_from is not None:
+        there_gpus, folder = scale_from
+        table = scaling_table(summaries, gpus or there_gpus, summarize_folder(folder), there_gpus)
+        parts.append(f"### scaling from {there_gpus} to {gpus} GPUs ({folder})\n\n"
+                     + (table or "no run of the same name in both\n"))
     return "\n".join(parts)
 
 
@@ -258,11 +314,18 @@ def main(argv=None) -> int:
     p.add_argument("--targets", help="step / baseline targets per run, e.g. fp8=0.80,fp8kv=0.72")
     p.add_argument("--train-ceiling", help="tools/bench_train.py --workload rl --json rows: the training engine's "
                    "own FP8 gain (raw f+b) at the runs' train_mb_tokens")
+    p.add_argument("--scale-from", help="GPUS=DIR: the same suite's runs at another GPU count (its output folder), "
+                   "for the scaling table; needs --gpus")
+    p.add_argument("--gpus", type=int, help="the GPUs these runs used (with --scale-from)")
     args = p.parse_args(argv)
     if args.train_ceiling and not args.ceiling:
         p.error("--train-ceiling needs --ceiling (the rollout engine's rows)")
+    if args.scale_from and not args.gpus:
+        p.error("--scale-from needs --gpus (the GPUs of these runs)")
     try:
-        md = report(args.runs, args.baseline, args.ceiling, parse_targets(args.targets), args.train_ceiling)
+        scale_from = parse_scale_from(args.scale_from) if args.scale_from else None
+        md = report(args.runs, args.baseline, args.ceiling, parse_targets(args.targets), args.train_ceiling,
+                    scale_from, args.gpus)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -555,3 +555,28 @@ def test_validation_points_carry_their_binomial_standard_error(tmp_path):
     a = plot_parity({"bf16": fake_run(2.0, 0.0, [0.1, 0.4, 0.3])}, tmp_path / "a.png").read_bytes()
     b = plot_parity({"bf16": with_n}, tmp_path / "b.png").read_bytes()
     assert a != b
+
+
+def test_mission_report_scaling_from_another_gpu_count(tmp_path):
+    """--scale-from 4=DIR --gpus 8: each run in both suites' folders, step seconds and rollout tokens/s per GPU at
+    each count, the speed-up and the scaling efficiency (speed-up over the GPUs' ratio)."""
+    tool = mission_tool()
+    for run in ("bf16", "fp8"):  # 4 GPUs: a 2 s rollout; 8 GPUs: 1 s, the other phases alike
+        _write_run(tmp_path / "m4" / run, fake_run(gen_s=2.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
+    eight = _write_run(tmp_path / "m8" / "bf16", fake_run(gen_s=1.0, kl=1e-4, accs=[0.1, 0.2, 0.3]))
+    md = tool.report([f"bf16={eight}"], "bf16", scale_from=(4, tmp_path / "m4"), gpus=8)
+    table = md.split("### scaling from 4 to 8 GPUs")[1]
+    step4, step8 = (4.1 + 4.3 + 4.1) / 3, (3.1 + 3.3 + 3.1) / 3  # steps 2-4, the refit on step 3
+    speedup = step4 / step8
+    assert (f"| bf16 | {step4:.2f} | {step8:.2f} | {speedup:.2f} | {speedup / 2:.2f} | 125 | 125 | 1.00 |"
+            in table)  # 500 tok/s on 4 GPUs, 1,000 on 8: the same per GPU
+    assert "| fp8 |" not in table  # only in the 4-GPU folder
+    assert tool.parse_scale_from("4=logs/m4") == (4, Path("logs/m4"))
+    for bad in ("logs/m4", "four=logs/m4", "0=logs/m4", "4="):
+        with pytest.raises(ValueError, match="expected GPUS=DIR"):
+            tool.parse_scale_from(bad)
+    with pytest.raises(FileNotFoundError, match="no <run>/metrics.jsonl"):
+        tool.report([f"bf16={eight}"], "bf16", scale_from=(4, tmp_path / "nothing"), gpus=8)
+    with pytest.raises(SystemExit):  # --scale-from without --gpus
+        tool.main([f"bf16={eight}", "--scale-from", f"4={tmp_path / 'm4'}"])
+    assert tool.main([f"bf16={eight}", "--scale-from", f"4={tmp_path / 'm4'}", "--gpus", "8"]) == 0

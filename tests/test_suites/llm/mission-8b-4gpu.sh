@@ -5,8 +5,8 @@
 #        micro-batches, CUDA IPC refit (each rank to the engine on its GPU). The 8B FP8 trainer's state does not fit
 #        an 80 GB GPU at tensor parallel 1 (the preflight refuses it);
 #   tp2 (80 GB GPUs): tensor parallel 2 (the configs') x data parallel 2, 4,096-token micro-batches (the configs'),
-#        refit over the Ray object store (each bucket put once, read by all four engines).
-#   Both: sequence packing on, four vLLM engines of tensor parallel 1, one per GPU, colocated with the trainer.
+#        refit over the Ray object store (each bucket put once, read by all the engines).
+#   Both: sequence packing on, one vLLM engine of tensor parallel 1 per GPU, colocated with the trainer.
 # RL-shaped step: 32 GSM8K prompts x 16 responses of up to 1,024 tokens (random weights run to the limit), one
 # optimizer step of 512 sequences. Runs side by side: bf16, fp8 (W8A8 blockwise rollout with DeepGEMM + TE
 # blockwise training + TIS), fp8kv (fp8 + FP8 KV cache); also fp8tw (tensorwise training), fp8v1 / fp8kvv1 (fp8 /
@@ -18,10 +18,15 @@
 #            report and checks join whatever runs $OUT holds
 #   STEPS    GRPO steps per run (default 4); MAX_NEW  response limit (default 1024); MISSION_ARGS more overrides
 #            for every run; MISSION_FP8_ARGS for the FP8 runs only (e.g. policy.megatron_cfg.fp8_cfg.fp8_param=true)
+#   PROMPTS x SAMPLES  the step's prompts and responses per prompt (default 32 x 16; one optimizer step of all)
+#   MISSION_GPUS  the node's GPUs the runs use (default 4; mission-8b-8gpu.sh sets 8): cluster.gpus_per_node, data
+#            parallel = MISSION_GPUS / tensor parallel, one engine per GPU, the ceiling at the per-engine batch
+#   MISSION_REPORT_ARGS  more tools/mission_report.py arguments (mission-8b-8gpu.sh: the scaling from 4 GPUs)
 #   CHECKS=0 print the report only
 #   CEILING=1 (default) first measures the rollout ceiling: each engine of tools/bench_rollout.py alone on one GPU
 #            (bf16 on GPU 0; the FP8 engines round robin on GPUs 1..N-1, which also fills DeepGEMM's kernel cache),
-#            at the runs' per-engine batch (128 responses of MAX_NEW tokens, seeded per request as the rollout is);
+#            at the runs' per-engine batch (PROMPTS x SAMPLES / MISSION_GPUS responses of MAX_NEW tokens, 128 by
+#            default, seeded per request as the rollout is);
 #            the report then gives each FP8 run's step at the engine's own gain beside its target. Once per $OUT
 #            (ceiling.json); CEILING=0 skips it. CEILING_FP8: the FP8 engines (default
 #            fp8-deepgemm-v2,fp8-deepgemm-kv-v2, the runner the configs pin; add fp8-deepgemm for the model-runner
@@ -48,15 +53,19 @@ if [ "$layout" = auto ]; then
   min_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1)
   layout=tp2; [ "${min_mib:-0}" -ge 102400 ] && layout=tp1
 fi
+G=${MISSION_GPUS:-4}; P=${PROMPTS:-32}; N=${SAMPLES:-16}
 case $layout in
-  tp1) layout_args="policy.megatron_cfg.tensor_model_parallel_size=1 policy.data_parallel_size=4
+  tp1) layout_args="policy.megatron_cfg.tensor_model_parallel_size=1 policy.data_parallel_size=$G
         policy.sequence_packing.train_mb_tokens=16384 policy.weight_sync.method=cuda_ipc"; train_tp=1 mb_tokens=16384 ;;
-  tp2) layout_args="policy.data_parallel_size=2"; train_tp=2 mb_tokens=4096 ;;
+  tp2) layout_args="policy.data_parallel_size=$((G / 2))"; train_tp=2 mb_tokens=4096 ;;  # the configs' own
   *) echo "MISSION_LAYOUT=$layout: valid are auto, tp1, tp2"; exit 2 ;;
 esac
+[ $((G % train_tp)) = 0 ] && [ $((P * N % G)) = 0 ] || {
+  echo "MISSION_GPUS=$G: needs a multiple of the layout's tensor parallel $train_tp that divides PROMPTS x SAMPLES"
+  exit 2; }
 echo "layout: $layout ($(echo $layout_args))"
 if [ "${CEILING:-1}" = 1 ] && [ ! -s "$OUT/ceiling.json" ]; then
-  bench=(tools/bench_rollout.py --models dense --num-prompts 128 --input-len 160 --output-len "${MAX_NEW:-1024}"
+  bench=(tools/bench_rollout.py --models dense --num-prompts $((P * N / G)) --input-len 160 --output-len "${MAX_NEW:-1024}"
          --rl-prompts 0 --fixed-seeded --gpu-mem 0.6 --timeout 900 --refit)
   CUDA_VISIBLE_DEVICES=0 "$PYTHON" "${bench[@]}" --precisions bf16 --out "$OUT/ceiling_bf16.json" \
     > "$OUT/ceiling_bf16.log" 2>&1 &
@@ -111,15 +120,16 @@ for v in ${RUNS:-bf16 fp8 fp8kv}; do
   nvidia-smi --query-compute-apps=timestamp,gpu_uuid,pid,used_memory --format=csv -lms 2000 \
     > "$OUT/gpu_procs_$v.csv" 2>/dev/null & PROCS=$!
   # shellcheck disable=SC2086
-  run_grpo "$v" "$cfg" cluster.gpus_per_node=4 $layout_args policy.model_name=models/qwen3-8b-random grpo.max_num_steps="$S" \
+  run_grpo "$v" "$cfg" cluster.gpus_per_node="$G" $layout_args policy.model_name=models/qwen3-8b-random grpo.max_num_steps="$S" \
     grpo.val_at_end=false data.dataset=gsm8k data.train_path="$D/train.jsonl" data.val_path="$D/test.jsonl" \
-    grpo.num_prompts_per_step=32 grpo.num_generations_per_prompt=16 policy.train_global_batch_size=512 \
+    grpo.num_prompts_per_step="$P" grpo.num_generations_per_prompt="$N" policy.train_global_batch_size=$((P * N)) \
     policy.generation.max_new_tokens="${MAX_NEW:-1024}" $extra ${MISSION_ARGS:-}
   kill $SMI $PROCS 2>/dev/null
 done
 ceiling=(); [ -s "$OUT/ceiling.json" ] && ceiling=(--ceiling "$OUT/ceiling.json" --targets fp8=0.80,fp8kv=0.72,fp8tw=0.80,fp8v1=0.80,fp8kvv1=0.72)
 [ -s "$OUT/ceiling.json" ] && [ -s "$OUT/train_ceiling.json" ] && ceiling+=(--train-ceiling "$OUT/train_ceiling.json")
-report_runs --baseline bf16 "${ceiling[@]}"
+# shellcheck disable=SC2086
+report_runs --baseline bf16 "${ceiling[@]}" ${MISSION_REPORT_ARGS:-}
 [ "${CHECKS:-1}" = 0 ] && exit 0
 checks=()
 for v in fp8 fp8kv fp8tw fp8v1 fp8kvv1; do
