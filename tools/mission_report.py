@@ -173,7 +173,7 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
 
 # the parts of the refit and of the step's "other" time the trainer times (timing/<part>, seconds)
 PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights", "engine_wake", "engine_sleep",
-         "kv_calibration", "reward")
+         "kv_calibration", "reward", "data_processing")
 # the timed parts of other_s
 OTHER_PARTS = ("engine_wake", "engine_sleep", "kv_calibration", "reward", "advantages", "data_processing")
 

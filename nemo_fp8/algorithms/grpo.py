@@ -143,10 +143,11 @@ class RefitController:
             RuntimeError: the engine does not hold this version's weights (or KV scales).
         """
         self.refit_if_stale(timer)
-        with timer("engine_wake"):  # outside the four phases: the step's "other" time, the version check with it
+        with timer("engine_wake"):  # outside the four phases: the step's "other" time
             self.generation.prepare_for_generation()
-            held = self.generation.weight_version()
         try:
+            with timer("engine_wake"):  # the version check counts with the wake
+                held = self.generation.weight_version()
             if held.weights != self.version:
                 raise RuntimeError(f"rollout: the engine holds weights of version {held.weights}, the policy is at "
                                    f"{self.version} (a refit was lost)")

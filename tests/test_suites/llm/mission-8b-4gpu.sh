@@ -1,11 +1,12 @@
 #!/bin/bash
 # The mission command at 8B on one 4-GPU node, the layout a user runs there (docs/performance.md), by GPU memory
 # (MISSION_LAYOUT=auto, the default; or tp1 / tp2):
-#   tp1 (GPUs of 100 GiB or more, e.g. H200): Megatron tensor parallel 1 x data parallel 4, 16,384-token packed
-#        micro-batches, CUDA IPC refit (each rank to the engine on its GPU). The 8B FP8 trainer's state does not fit
-#        an 80 GB GPU at tensor parallel 1 (the preflight refuses it);
-#   tp2 (80 GB GPUs): tensor parallel 2 (the configs') x data parallel 2, 4,096-token micro-batches (the configs'),
-#        refit over the Ray object store (each bucket put once, read by all the engines).
+#   tp1 (GPUs of 100 GiB or more, e.g. H200): Megatron tensor parallel 1 x data parallel 4 (MISSION_GPUS),
+#        16,384-token packed micro-batches, CUDA IPC refit (each rank to the engine on its GPU). The 8B FP8
+#        trainer's state does not fit an 80 GB GPU at tensor parallel 1 (the preflight refuses it);
+#   tp2 (80 GB GPUs): tensor parallel 2 (the configs') x data parallel 2 (MISSION_GPUS / 2; on 8 GPUs the configs'
+#        own layout), 4,096-token micro-batches (the configs'), refit over the Ray object store (each bucket put
+#        once, read by all the engines).
 #   Both: sequence packing on, one vLLM engine of tensor parallel 1 per GPU, colocated with the trainer.
 # RL-shaped step: 32 GSM8K prompts x 16 responses of up to 1,024 tokens (random weights run to the limit), one
 # optimizer step of 512 sequences. Runs side by side: bf16, fp8 (W8A8 blockwise rollout with DeepGEMM + TE
