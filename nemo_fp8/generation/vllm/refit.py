@@ -328,6 +328,12 @@ def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], updat
     return n
 
 
+def _tensor_fields(items: list[tuple[str, Tensor]]) -> dict[str, list]:
+    """The per-tensor fields of vLLM's ``IPCWeightTransferUpdateInfo``, packed or not: names, dtype names, shapes."""
+    return {"names": [name for name, _ in items], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in items],
+            "shapes": [list(t.shape) for _, t in items]}
+
+
 def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], devices: list[torch.device],
                    uuids: list[str]) -> None:
     """One update of ``bucket`` with one handle per tensor and GPU; returns once ``update_fn`` has."""
@@ -346,10 +352,8 @@ def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict],
             copies.append(copy)
             handles.append({uuid: reduce_tensor(copy)[1]})
         per_device.append(handles)
-    info = IPCWeightTransferUpdateInfo(names=[name for name, _ in bucket],
-                                       dtype_names=[str(t.dtype).split(".")[-1] for _, t in bucket],
-                                       shapes=[list(t.shape) for _, t in bucket],
-                                       ipc_handles=merge_ipc_handles(per_device), packed=False)
+    info = IPCWeightTransferUpdateInfo(**_tensor_fields(bucket), ipc_handles=merge_ipc_handles(per_device),
+                                       packed=False)
     update_fn({"update_info": asdict(info)})
 
 
@@ -369,9 +373,7 @@ def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], N
         del flats
         copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
         info = IPCWeightTransferUpdateInfo(
-            names=[name for name, _ in items], dtype_names=[str(t.dtype).split(".")[-1] for _, t in items],
-            shapes=[list(t.shape) for _, t in items],
-            ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
+            **_tensor_fields(items), ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
             tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
         update_fn({"update_info": asdict(info)})
         del copies, buffer, info  # loaded: the buffer need not outlive it into the scalars' update
