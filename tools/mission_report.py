@@ -244,11 +244,10 @@ def summarize_folder(folder: Path) -> dict[str, dict]:
     Raises:
         FileNotFoundError: no run with ``metrics.jsonl`` under ``folder``.
     """
-    runs = {d.name: summarize_run(read_metrics(d / "metrics.jsonl"))
-            for d in sorted(Path(folder).iterdir()) if (d / "metrics.jsonl").is_file()} if Path(folder).is_dir() else {}
-    if not runs:
+    dirs = sorted(d for d in Path(folder).iterdir() if (d / "metrics.jsonl").is_file()) if Path(folder).is_dir() else []
+    if not dirs:
         raise FileNotFoundError(f"--scale-from: no <run>/metrics.jsonl under {folder}")
-    return runs
+    return {d.name: summarize_run(read_metrics(d / "metrics.jsonl")) for d in dirs}
 
 
 def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
@@ -260,10 +259,13 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
     ``gpus`` (these runs' GPUs) the scaling from that count to this one (:func:`scaling_table`).
 
     Raises:
-        ValueError: a bad spec, a run without training steps, or a CSV that is not nvidia-smi's (a ceiling file
-            that cannot give the table, e.g. without a bf16 row, says so in its section instead).
+        ValueError: a bad spec, a run without training steps, a CSV that is not nvidia-smi's (a ceiling file
+            that cannot give the table, e.g. without a bf16 row, says so in its section instead), or ``scale_from``
+            without ``gpus``.
         FileNotFoundError: a run without ``metrics.jsonl``, a missing CSV or ceiling file.
     """
+    if scale_from is not None and not gpus:
+        raise ValueError("scale_from needs gpus, the GPUs of these runs (--gpus)")
     parts, summaries, peaks, rows_by_run = [], {}, {}, {}
     for name, log_dir, csv in map(parse_run, specs):
         path = log_dir / "metrics.jsonl"
@@ -299,7 +301,7 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
                      "faster)\n\n" + table)
     if scale_from is not None:
         there_gpus, folder = scale_from
-        table = scaling_table(summaries, gpus or there_gpus, summarize_folder(folder), there_gpus)
+        table = scaling_table(summaries, gpus, summarize_folder(folder), there_gpus)
         parts.append(f"### scaling from {there_gpus} to {gpus} GPUs ({folder})\n\n"
                      + (table or "no run of the same name in both\n"))
     return "\n".join(parts)

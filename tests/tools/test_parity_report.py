@@ -577,6 +577,8 @@ def test_mission_report_scaling_from_another_gpu_count(tmp_path):
             tool.parse_scale_from(bad)
     with pytest.raises(FileNotFoundError, match="no <run>/metrics.jsonl"):
         tool.report([f"bf16={eight}"], "bf16", scale_from=(4, tmp_path / "nothing"), gpus=8)
+    with pytest.raises(ValueError, match="scale_from needs gpus"):
+        tool.report([f"bf16={eight}"], "bf16", scale_from=(4, tmp_path / "m4"))
     with pytest.raises(SystemExit):  # --scale-from without --gpus
         tool.main([f"bf16={eight}", "--scale-from", f"4={tmp_path / 'm4'}"])
     assert tool.main([f"bf16={eight}", "--scale-from", f"4={tmp_path / 'm4'}", "--gpus", "8"]) == 0

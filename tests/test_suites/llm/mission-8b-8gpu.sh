@@ -10,7 +10,7 @@ source "$(dirname "$0")/../common.sh"
 suite_init mission-8b-8gpu
 export OUT MISSION_GPUS=8 MISSION_LAYOUT=${MISSION_LAYOUT:-tp2} STEPS=${STEPS:-5} MAX_NEW=${MAX_NEW:-2048}
 [ -z "${SCALE_FROM:-}" ] || [ -d "$SCALE_FROM" ] || { echo "SCALE_FROM=$SCALE_FROM: no such folder"; exit 2; }
-export MISSION_REPORT_ARGS="${SCALE_FROM:+--gpus 8 --scale-from 4=$SCALE_FROM} ${MISSION_REPORT_ARGS:-}"
+export MISSION_REPORT_ARGS="${SCALE_FROM:+--gpus $MISSION_GPUS --scale-from 4=$SCALE_FROM} ${MISSION_REPORT_ARGS:-}"
 # the verdict is the 4-GPU suite's: its checks of the targets (FP8 step <= 0.80x BF16, FP8 + FP8 KV <= 0.72x,
 # every FP8 phase <= BF16's), its exit status this suite's
 bash "$(dirname "$0")/mission-8b-4gpu.sh"
