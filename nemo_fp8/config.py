@@ -163,6 +163,8 @@ def resolve_paths(data: dict, root: Path, from_command_line: set[str]) -> dict:
     """
     import os
 
+    from nemo_fp8.models.hub import is_tiny_build_target
+
     build = bool(((data.get("policy") or {}).get("tiny_model") or {}).get("build_if_missing", False))
     for key in PATH_KEYS:
         *parents, leaf = key.split(".")
@@ -176,7 +178,7 @@ def resolve_paths(data: dict, root: Path, from_command_line: set[str]) -> dict:
         path = Path(os.path.expanduser(value))
         absolute = path if path.is_absolute() else base / path
         if key in ("policy.model_name", "policy.tokenizer.name") and not value.startswith((".", "/", "~")) \
-                and not absolute.exists() and not (build and key == "policy.model_name"):
+                and not absolute.exists() and not (key == "policy.model_name" and is_tiny_build_target(value, build)):
             continue  # a hub id, or a missing folder the preflight names
         node[leaf] = os.path.normpath(absolute)
     return data

@@ -85,15 +85,16 @@ def model_folder_errors(path: Path, can_build: bool) -> list[str]:
 def check_model(cfg: MasterConfig) -> list[str]:
     """``policy.model_name`` is an HF folder (or may be built there) or a hub id that resolves
     (``nemo_fp8.models.hub``); ``policy.tokenizer.name`` likewise when it is a local path or hub id."""
-    from nemo_fp8.models.hub import ModelNotFoundError, is_hub_id, resolve_hub_model
+    from nemo_fp8.models.hub import (TINY_BUILD_HINT, ModelNotFoundError, is_hub_id, is_tiny_build_target,
+                                     resolve_hub_model)
 
     pol = cfg.policy
-    can_build = pol.tiny_model.build_if_missing
+    can_build = is_tiny_build_target(pol.model_name, pol.tiny_model.build_if_missing)
     if is_hub_id(pol.model_name) and not can_build:
         try:
             path = resolve_hub_model(pol.model_name)
         except ModelNotFoundError as e:
-            return [str(e)]
+            return [f"{e} ({TINY_BUILD_HINT})" if pol.tiny_model.build_if_missing else str(e)]
     else:
         path = Path(pol.model_name)
     errs = model_folder_errors(path, can_build)
@@ -111,10 +112,10 @@ def check_model(cfg: MasterConfig) -> list[str]:
 def with_local_model(cfg: MasterConfig) -> MasterConfig:
     """``cfg`` with a hub id in ``policy.model_name`` / ``policy.tokenizer.name`` replaced by its local snapshot
     folder (what the actors load); other configs unchanged. Call after ``preflight`` (which resolved them)."""
-    from nemo_fp8.models.hub import is_hub_id, resolve_hub_model
+    from nemo_fp8.models.hub import is_hub_id, is_tiny_build_target, resolve_hub_model
 
     pol, update = cfg.policy, {}
-    if is_hub_id(pol.model_name) and not pol.tiny_model.build_if_missing:
+    if is_hub_id(pol.model_name) and not is_tiny_build_target(pol.model_name, pol.tiny_model.build_if_missing):
         update["model_name"] = str(resolve_hub_model(pol.model_name))
     if pol.tokenizer.name and is_hub_id(pol.tokenizer.name):
         update["tokenizer"] = pol.tokenizer.model_copy(update={"name": str(resolve_hub_model(pol.tokenizer.name))})

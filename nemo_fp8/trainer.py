@@ -44,10 +44,13 @@ def ensure_model(cfg: MasterConfig) -> None:
     path = Path(cfg.policy.model_name)
     if (path / "config.json").is_file():
         return
+    from nemo_fp8.models.hub import TINY_BUILD_HINT, is_tiny_build_target
+
     tiny = cfg.policy.tiny_model
-    if not tiny.build_if_missing:
-        raise FileNotFoundError(f"policy.model_name: no HF checkpoint at {path} (needs config.json); set "
-                                "policy.tiny_model.build_if_missing=true to build the tiny model there, or point "
+    if not is_tiny_build_target(str(path), tiny.build_if_missing):
+        fix = (TINY_BUILD_HINT if tiny.build_if_missing else
+               "set policy.tiny_model.build_if_missing=true to build the tiny model there")
+        raise FileNotFoundError(f"policy.model_name: no HF checkpoint at {path} (needs config.json); {fix}, or point "
                                 "it at a local checkpoint")
     from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model
 

@@ -109,7 +109,11 @@ def w8a8_block_linear(
 
     # 2. lay out FP8 values (exactly representable in fp32) as K blocks
     w_blocks, w_s = _weight_blocks(qweight, weight_scale_inv, (bn, bk)) if prepared is None else prepared
-    return _block_scaled_matmul(x_q, x_s, w_blocks, w_s, bias, bk).to(out_dtype).reshape(*lead_shape, N)
+    # float64 activations (the kernel-independent reference runs of the tests) accumulate in float64, where the
+    # sums of e4m3 products are exact and so independent of the summation order the CPU's kernels choose
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = _block_scaled_matmul(x_q, x_s, w_blocks, w_s, bias, bk, acc_dtype)
+    return out.to(out_dtype).reshape(*lead_shape, N)
 
 
 def _weight_blocks(qweight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -127,25 +131,27 @@ def _weight_blocks(qweight: torch.Tensor, weight_scale_inv: torch.Tensor,
 
 
 def _block_scaled_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_blocks: torch.Tensor, w_s: torch.Tensor,
-                         bias: torch.Tensor | None, bk: int) -> torch.Tensor:
-    """sum_b (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[b] in fp32 -> [M, N] (``w8a8_block_linear``'s step 3)."""
+                         bias: torch.Tensor | None, bk: int, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """sum_b (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[b] in ``acc_dtype`` (fp32, or float64 for the
+    kernel-independent reference) -> [M, N] (``w8a8_block_linear``'s step 3)."""
     M, K = x_q.shape
     Kb, _, N = w_blocks.shape
     pad_k = Kb * bk - K
-    # 3. per-block fp32 partial products, scaled and summed over K blocks
-    out = torch.empty(M, N, dtype=torch.float32, device=x_q.device)  # [M, N]
+    w_blocks, w_s = w_blocks.to(acc_dtype), w_s.to(acc_dtype)  # exact: FP8 values and fp32 scales
+    # 3. per-block partial products, scaled and summed over K blocks
+    out = torch.empty(M, N, dtype=acc_dtype, device=x_q.device)  # [M, N]
     rows_per_chunk = max(1, _MAX_PARTIAL_ELEMENTS // max(1, Kb * N))
     for start in range(0, M, rows_per_chunk):
         stop = min(M, start + rows_per_chunk)
-        xq_f = torch.nn.functional.pad(x_q[start:stop].float(), (0, pad_k))  # [m, Kp]
+        xq_f = torch.nn.functional.pad(x_q[start:stop].to(acc_dtype), (0, pad_k))  # [m, Kp]
         x_blocks = xq_f.view(stop - start, Kb, bk).transpose(0, 1)  # [Kb, m, bk]
         partial = torch.bmm(x_blocks, w_blocks)  # [Kb, m, N]
-        partial.mul_(x_s[start:stop].t().unsqueeze(-1))  # * x_s[m, b]      [Kb, m, N]
+        partial.mul_(x_s[start:stop].t().unsqueeze(-1).to(acc_dtype))  # * x_s[m, b]      [Kb, m, N]
         partial.mul_(w_s.unsqueeze(1))  # * w_s[n // bn, b]                  [Kb, m, N]
         out[start:stop] = partial.sum(dim=0)  # [m, N]
 
     if bias is not None:
-        out = out + bias.float()  # [M, N]
+        out = out + bias.to(acc_dtype)  # [M, N]
     return out
 
 

@@ -63,17 +63,20 @@ class TorchGenerationBackend:
         batch_size: prompts per forward pass (``policy.generation_batch_size``).
         offload_when_idle: colocated with the trainer on a GPU: ``finish_generation`` moves the
             model to host memory (the reference's stand-in for vLLM's sleep mode).
+        dtype: the high-precision dtype of the model (vLLM's ``dtype``: bfloat16); float64 makes a CPU run
+            independent of which kernels the CPU picks (FP8 layers then accumulate exactly, in float64), for
+            tests that pin numbers.
     """
 
     def __init__(self, model_name: str, vllm_cfg: VllmConfig, device: torch.device, pad_token_id: int,
                  eos_token_id: int, max_total_sequence_length: int, batch_size: int = 64,
-                 offload_when_idle: bool = False):
+                 offload_when_idle: bool = False, dtype: torch.dtype = torch.bfloat16):
         self.device = device
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
         self.max_total_sequence_length = max_total_sequence_length
         self.batch_size = batch_size
         self.precision = vllm_cfg.precision
-        self.model = load_causal_lm(model_name, torch.bfloat16, device).eval().requires_grad_(False)
+        self.model = load_causal_lm(model_name, dtype, device).eval().requires_grad_(False)
         self.plan = convert_to_fp8_inference(self.model, vllm_cfg) if vllm_cfg.precision == "fp8" else None
         self._targets = self._refit_targets()
         out_emb = self.model.get_output_embeddings()

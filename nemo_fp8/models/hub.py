@@ -27,6 +27,23 @@ def is_hub_id(name: str) -> bool:
             and not Path(name).exists())
 
 
+def is_tiny_build_target(name: str, build_if_missing: bool) -> bool:
+    """Whether a missing ``policy.model_name`` folder may be filled with the project's tiny model.
+
+    Only with ``policy.tiny_model.build_if_missing``, and only into a path that is plainly local (``./``,
+    ``../``, ``/``, ``~``) or whose folder names the tiny model (``tiny`` in its name, as the shipped configs'
+    ``models/tiny-qwen3-arith``). Any other ``org/name`` is a hub id: offline it fails with the hub's error
+    rather than quietly training a 1.8M-parameter model in a folder named ``Qwen/Qwen3-0.6B``.
+    """
+    if not build_if_missing:
+        return False
+    return name.startswith((".", "/", "~")) or not is_hub_id(name) or "tiny" in Path(name).name.lower()
+
+
+TINY_BUILD_HINT = ("policy.tiny_model.build_if_missing builds the tiny model only into a local path (./..., /...) "
+                   "or a folder whose name contains 'tiny'")
+
+
 @functools.lru_cache(maxsize=8)
 def resolve_hub_model(name: str) -> Path:
     """The local snapshot folder of hub model ``name`` (cache first, then a download).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from pydantic import Field
@@ -25,10 +26,16 @@ class MathEnvConfig(StrictConfig):
     max_seconds_per_step: Optional[float] = Field(60.0, gt=0)
 
     def config_errors(self) -> list[str]:
+        errs = []
         if self.num_workers < 1:
-            return [f"num_workers: {self.num_workers} would score inline, where timeout_s={self.timeout_s} cannot "
-                    "stop an answer that hangs the verifier (valid: >= 1)"]
-        return []
+            errs.append(f"num_workers: {self.num_workers} would score inline, where timeout_s={self.timeout_s} "
+                        "cannot stop an answer that hangs the verifier (valid: >= 1)")
+        if not math.isfinite(self.timeout_s):
+            errs.append(f"timeout_s: {self.timeout_s} is not a time limit (valid: a finite number of seconds > 0)")
+        if self.max_seconds_per_step is not None and not math.isfinite(self.max_seconds_per_step):
+            errs.append(f"max_seconds_per_step: {self.max_seconds_per_step} is not a time budget (valid: a finite "
+                        "number of seconds > 0, or null for no step budget)")
+        return errs
 
 
 class EnvConfig(StrictConfig):

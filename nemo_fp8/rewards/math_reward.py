@@ -394,7 +394,8 @@ class MathRewardScorer:
         pool = self._get_pool()
         futures = {pool.schedule(self.score_fn, args=(responses[i], ground_truths[i]), timeout=limit_s): i
                    for i in indices}
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # a budget longer than the OS can wait (threading.TIMEOUT_MAX, ~292 years) waits as long as it can
+        wait = None if deadline is None else min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
         done, not_done = futures_wait(list(futures), timeout=wait)
         for f in not_done:  # the step budget ran out: stop them (pebble kills their workers)
             f.cancel()

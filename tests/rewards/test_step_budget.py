@@ -86,3 +86,31 @@ def test_inline_scoring_without_a_time_limit_is_refused_by_config():
 
     with pytest.raises(ConfigError, match=r"env\.math\.num_workers.*timeout_s"):
         load_config(CONFIG, ["env.math.num_workers=0"])
+
+
+@pytest.mark.parametrize("budget", [1e12, math.inf])
+def test_a_budget_longer_than_the_os_can_wait_scores_normally(budget):
+    # 1e12 s (or inf, through the API) used to end in OverflowError ("timestamp out of range") once an answer
+    # went to the workers: the wait for them was longer than threading.TIMEOUT_MAX.
+    with MathRewardScorer(num_workers=1, timeout_s=20.0, score_fn=_hang, mp_context="fork",
+                          max_seconds_per_step=budget) as scorer:
+        assert scorer(["ok", "ok"], ["1", "1"]) == [1.0, 1.0]
+        assert scorer.last_num_over_budget == 0
+
+
+@pytest.mark.parametrize("key,value", [("max_seconds_per_step", "inf"), ("max_seconds_per_step", ".inf"),
+                                       ("max_seconds_per_step", "nan"), ("timeout_s", "inf")])
+def test_config_refuses_a_time_limit_that_is_not_finite(key, value):
+    from pathlib import Path
+
+    from nemo_fp8.config import ConfigError, load_config
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny_fp8.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(config, [f"env.math.{key}={value}"])
+    lines = [ln for ln in str(e.value).splitlines() if f"env.math.{key}" in ln]
+    assert len(lines) == 1, str(e.value)
+    if value != "nan":  # nan fails pydantic's "> 0" first, which names the key too
+        assert "finite" in lines[0]
+    if key == "max_seconds_per_step" and value != "nan":
+        assert "null" in lines[0]  # the way to say "no budget"

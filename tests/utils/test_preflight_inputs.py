@@ -97,3 +97,21 @@ def test_hub_id_resolves_through_the_cache(tmp_path, fake_hub, monkeypatch):
     errs = check_model(cfg_for(tmp_path, "policy.model_name=my-org/no-such-model",
                                "policy.tiny_model.build_if_missing=false"))
     assert len(errs) == 1 and "'my-org/no-such-model'" in errs[0] and "could not be fetched" in errs[0], errs
+
+
+def test_a_hub_id_offline_is_an_error_not_a_tiny_model_build(tmp_path, fake_hub, monkeypatch):
+    # The shipped configs set build_if_missing; a hub id on the command line used to become a local folder
+    # "Qwen/Qwen3-0.6B" with the 1.8M-parameter tiny model in it, trained with one INFO line.
+    monkeypatch.chdir(tmp_path)
+    cfg = cfg_for(tmp_path, "policy.model_name=Qwen/Qwen3-0.6B", "policy.tiny_model.build_if_missing=true")
+    assert cfg.policy.model_name == "Qwen/Qwen3-0.6B"  # left a hub id, not made a local path
+    errs = check_model(cfg)
+    assert len(errs) == 1 and "'Qwen/Qwen3-0.6B'" in errs[0] and "could not be fetched" in errs[0], errs
+    assert "contains 'tiny'" in errs[0]  # says where build_if_missing does build
+    assert not (tmp_path / "Qwen").exists()
+    # a cached hub model with 'tiny' in its name, and a missing local folder named for the tiny model
+    cached = cfg_for(tmp_path, "policy.model_name=my-org/tiny-model", "policy.tiny_model.build_if_missing=false")
+    assert check_model(cached) == []
+    target = cfg_for(tmp_path, "policy.model_name=models/tiny-qwen3-arith", "policy.tiny_model.build_if_missing=true")
+    assert Path(target.policy.model_name) == tmp_path / "models" / "tiny-qwen3-arith"
+    assert check_model(target) == []
