@@ -248,6 +248,23 @@ def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None, host_b
     return trainer_memory_errors(cfg.policy, gpu_bytes, n, host_bytes, matrices) if gpu_bytes else []
 
 
+def schedule_warnings(cfg: MasterConfig) -> list[str]:
+    """The learning-rate schedule's parts this run never reaches (``policy.schedule.schedule_warnings``), each
+    naming its key: the optimizer of the backend that trains (``policy.megatron_cfg.optimizer`` or
+    ``policy.optimizer``) over ``grpo.max_num_steps`` x the optimizer updates of one step."""
+    from nemo_fp8.policy.schedule import schedule_warnings as warnings_for
+
+    pol = cfg.policy
+    key, o = (("policy.megatron_cfg.optimizer", pol.megatron_cfg.optimizer) if pol.megatron_cfg.enabled
+              else ("policy.optimizer", pol.optimizer))
+    per_step = max(1, cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+                   // pol.train_global_batch_size)
+    lines = warnings_for(cfg.grpo.max_num_steps * per_step, o.lr, warmup_steps=o.lr_warmup_steps,
+                         init_lr=o.lr_warmup_init, decay_style=o.lr_decay_style, decay_steps=o.lr_decay_steps,
+                         min_lr=o.min_lr, wsd_decay_steps=o.wsd_decay_steps, wsd_decay_style=o.lr_wsd_decay_style)
+    return [f"{key}.{line} (grpo.max_num_steps={cfg.grpo.max_num_steps} x {per_step} per step)" for line in lines]
+
+
 def preflight(cfg: MasterConfig) -> None:
     """Hardware/engine support, data, model and resources checks, before the model build and Ray.
 
@@ -266,4 +283,6 @@ def preflight(cfg: MasterConfig) -> None:
     idle = idle_gpus_warning(cfg, need)
     if idle:
         logger.warning("preflight: %s", idle)
+    for line in schedule_warnings(cfg):
+        logger.warning("preflight: %s", line)
     logger.info("preflight: data, model path, resources (%s) and trainer memory ok", need)

@@ -127,3 +127,38 @@ def scheduled_lr(num_updates: int, lr: float, *, warmup_steps: int = 0, init_lr:
                      "exponential": lambda: 2.0 * 0.5**s - 1.0, "minus_sqrt": lambda: 1.0 - math.sqrt(s)}[
                          wsd_decay_style]()
     return min_lr + coeff * (lr - min_lr)
+
+
+def schedule_warnings(run_updates: int, lr: float, *, warmup_steps: int = 0, init_lr: float = 0.0,
+                      decay_style: str = "constant", decay_steps: Optional[int] = None, min_lr: float = 0.0,
+                      wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "linear") -> list[str]:
+    """Parts of a valid schedule that a run of ``run_updates`` optimizer updates never reaches, with the numbers.
+
+    A warm-up longer than the run (the rate never reaches ``lr``), a WSD decay that starts after the last
+    update (the rate never decays), a decay that ends after it (the rate ends above ``min_lr``). Each line names
+    the setting (``lr_warmup_steps``, ``lr_decay_steps``) and the learning rate of the run's last update
+    (:func:`scheduled_lr`). Empty when the run sees the whole schedule, or with settings
+    :func:`schedule_errors` refuses (those are errors, not warnings).
+
+    Args:
+        run_updates: optimizer updates in the whole run (``grpo.max_num_steps`` x updates per step, >= 1).
+        lr, warmup_steps, init_lr, decay_style, decay_steps, min_lr, wsd_decay_steps, wsd_decay_style: as in
+            :func:`scheduled_lr`.
+    """
+    if schedule_errors(lr, init_lr, warmup_steps, decay_style, decay_steps, min_lr, wsd_decay_steps,
+                       wsd_decay_style):
+        return []
+    last = scheduled_lr(run_updates - 1, lr, warmup_steps=warmup_steps, init_lr=init_lr, decay_style=decay_style,
+                        decay_steps=decay_steps, min_lr=min_lr, wsd_decay_steps=wsd_decay_steps,
+                        wsd_decay_style=wsd_decay_style)
+    ends = f"the run's {run_updates} optimizer updates end at learning rate {last:.3g}"
+    if warmup_steps >= run_updates:
+        return [f"lr_warmup_steps={warmup_steps} is longer than the run: {ends}, below lr={lr:g}"]
+    if decay_style == "constant" or decay_steps <= run_updates:
+        return []
+    if decay_style == "WSD" and decay_steps - wsd_decay_steps >= run_updates:
+        return [f"lr_decay_steps={decay_steps} with wsd_decay_steps={wsd_decay_steps}: the decay starts at update "
+                f"{decay_steps - wsd_decay_steps}, after the run's last ({run_updates}); the learning rate never "
+                f"decays (set lr_decay_steps to the run's {run_updates} updates)"]
+    return [f"lr_decay_steps={decay_steps} is past the run's last update: {ends}, not min_lr={min_lr:g} (set "
+            f"lr_decay_steps to the run's {run_updates} updates)"]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from nemo_fp8.policy.schedule import scheduled_lr, warmup_lr
+from nemo_fp8.policy.schedule import schedule_warnings, scheduled_lr, warmup_lr
 
 
 def test_linear_from_init_to_lr_then_constant():
@@ -79,3 +79,36 @@ def test_constant_is_the_warmup_schedule():
 def test_bad_decay_settings_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         scheduled_lr(0, 1e-4, **kw)
+
+
+def test_schedules_a_run_never_reaches_are_warned_with_the_numbers(tmp_path):
+    from pathlib import Path
+
+    from nemo_fp8.config import load_config
+    from nemo_fp8.preflight import schedule_warnings
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny_fp8.yaml"
+
+    def warnings(*overrides):
+        return schedule_warnings(load_config(config, [f"logger.log_dir={tmp_path}", *overrides]))
+
+    assert warnings() == []  # the shipped recipe: 60 steps x 1 update, WSD over updates 40-60
+    # the shipped WSD decay with a shorter run: it starts at update 40, after the 30th
+    (w,) = warnings("grpo.max_num_steps=30")
+    assert w.startswith("policy.optimizer.lr_decay_steps=60") and "starts at update 40" in w and "never decays" in w
+    # a decay that starts but does not end: the rate of the last update is given
+    (w,) = warnings("grpo.max_num_steps=50")
+    assert "past the run's last update" in w and "learning rate 1.65e-05" in w, w
+    # a warm-up longer than the run (lr 0, then 3e-8 in the probe)
+    (w,) = warnings("grpo.max_num_steps=2", "policy.optimizer.lr_decay_style=constant",
+                    "policy.optimizer.lr_warmup_steps=1000")
+    assert w.startswith("policy.optimizer.lr_warmup_steps=1000 is longer than the run") and "3e-08" in w, w
+    assert warnings("policy.optimizer.lr_decay_style=constant") == []
+
+
+def test_schedule_warnings_units():
+    assert schedule_warnings(10, 1e-3) == []
+    assert schedule_warnings(10, 1e-3, decay_style="cosine", decay_steps=10) == []
+    (w,) = schedule_warnings(4, 1e-3, decay_style="linear", decay_steps=8, min_lr=0.0)
+    assert "lr_decay_steps=8" in w and f"{scheduled_lr(3, 1e-3, decay_style='linear', decay_steps=8):.3g}" in w
+    assert schedule_warnings(4, 1e-3, decay_style="linear", decay_steps=None) == []  # an error, not a warning
