@@ -73,7 +73,8 @@ def _megatron_off_settings(ctx: Context) -> list[str]:
     if ctx.get("policy.megatron_cfg.enabled", False) or not isinstance(ctx.get("policy.megatron_cfg"), dict):
         return []
     keys = [f"policy.megatron_cfg.{k}" for k in MEGATRON_ONLY]
-    return [k for k in keys if get_path(ctx.data, k) is not _MISSING and k not in ctx.cli_keys]
+    typed = [k for k in keys if any(c == k or c.startswith(k + ".") for c in ctx.cli_keys)]
+    return [k for k in keys if get_path(ctx.data, k) is not _MISSING and k not in typed]
 
 
 # megatron_cfg keys (ours and NeMo-RL's) that the schema refuses at non-default values without the megatron backend
@@ -111,7 +112,7 @@ def translate(data: dict, schema: Any, root: Path, cli_keys: set[str] = frozense
         try:
             targets = rule.apply(value, ctx)
         except Refused as e:
-            errs.append(f"{key}: {show(value)}: {e}")
+            errs.append(f"{key}.{e.key}: {show(e.value)}: {e}" if e.key else f"{key}: {show(value)}: {e}")
             continue
         for target, new in targets.items():
             mine = get_path(ctx.data, target)

@@ -25,7 +25,14 @@ def get_path(data: Any, key: str) -> Any:
 
 
 class Refused(ValueError):
-    """A NeMo-RL key whose value asks for something this project cannot do (the message says what is valid)."""
+    """A NeMo-RL key whose value asks for something this project cannot do (the message says what is valid).
+
+    ``key`` / ``value``: the key under the rule's key, and its value, that the error is about (a section's
+    ``enabled``), when not the rule's key itself."""
+
+    def __init__(self, message: str, key: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.key, self.value = key, value
 
 
 @dataclass
@@ -91,13 +98,24 @@ def inert(note: str) -> Rule:
     return Rule("inert", f"accepted, any value: {note}", lambda v, ctx: {})
 
 
-def feature(what: str, gate: str = "enabled") -> Rule:
-    """A section switched by its ``gate`` key: dropped whole when that is false or null, refused when true."""
+def feature(what: str, keys: tuple[str, ...], gate: str = "enabled") -> Rule:
+    """A section switched by its ``gate`` key (NeMo-RL's other keys of it: ``keys``): dropped whole when that is
+    false or null; refused by its ``gate`` key when true, and by name for a key NeMo-RL does not have there."""
+    import difflib
 
     def apply(v: Any, ctx: Context) -> dict[str, Any]:
-        if v is None or not isinstance(v, dict) or not v.get(gate):
+        if not isinstance(v, dict):
+            if v is None or v is False:
+                return {}
+            raise Refused(f"{what} is configured by a mapping with {gate}: false here (or null)")
+        for name in v:
+            if name != gate and name not in keys:
+                close = difflib.get_close_matches(str(name), [gate, *keys], n=1)
+                raise Refused(f"unknown key{f' (did you mean {close[0]!r}?)' if close else ''} (valid keys here: "
+                              f"{', '.join(sorted([gate, *keys]))})", key=str(name), value=v[name])
+        if not v.get(gate):
             return {}
-        raise Refused(f"{what} is not supported by nemo-fp8; set {gate} to false")
+        raise Refused(f"{what} is not supported by nemo-fp8; set it to false", key=gate, value=v[gate])
 
     return Rule("feature", f"accepted while `{gate}` is false (the section is dropped); refused when true: {what}",
                 apply)
@@ -188,7 +206,7 @@ def _dataset_name(where: str, validation: bool = False) -> Callable[[Any, Contex
 
 
 def _response_key(k: str) -> Rule:
-    return off(RESPONSE_KEYS[k], what=f"a {'problem' if k == 'input_key' else 'answer'} key other than "
+    return off(RESPONSE_KEYS[k], what=f"{'a problem' if k == 'input_key' else 'an answer'} key other than "
                                       f"{show(RESPONSE_KEYS[k])}",
                hint=f"set it to {show(RESPONSE_KEYS[k])} and name the file's key so")
 
@@ -354,6 +372,8 @@ def _off_all(section: str, what: str, **accepted: Any) -> dict[str, Rule]:
     return {f"{section}.{k}": off(v, what=f"{what} ({k})") for k, v in accepted.items()}
 
 
+_LORA = ("target_modules", "exclude_modules", "dim", "alpha", "dropout", "dropout_position")
+
 RULES: dict[str, Rule] = {
     # ------------------------------------------------------------------ grpo
     "grpo.max_rollout_turns": off(1, what="multi-turn rollouts"),
@@ -371,17 +391,21 @@ RULES: dict[str, Rule] = {
     "grpo.adv_estimator.normalize_rewards": alias("grpo.normalize_rewards"),
     "grpo.adv_estimator.use_leave_one_out_baseline": alias("grpo.use_leave_one_out_baseline"),
     "grpo.adv_estimator.minus_baseline": off(True, what="GRPO without its baseline (Reinforce++'s minus_baseline)"),
-    "grpo.reward_scaling": feature("reward scaling"),
+    "grpo.reward_scaling": feature("reward scaling", ("source_min", "source_max", "target_min", "target_max")),
     "grpo.reward_shaping.stop_properly_penalty_coef": off(None, what="the stop-properly penalty"),
     "grpo.seq_logprob_error_threshold": off(None, what="masking sequences by log-prob error"),
     "grpo.invalid_tool_call_advantage": off(None, what="tool calls"),
     "grpo.malformed_thinking_advantage": off(None, what="a <think>-tag advantage"),
-    "grpo.async_grpo": feature("asynchronous GRPO"),
+    "grpo.async_grpo": feature("asynchronous GRPO", ("max_trajectory_age_steps", "max_generation_failures",
+                                                       "in_flight_weight_updates",
+                                                       "recompute_kv_cache_after_weight_updates")),
     "reward_penalties": off(None, what="NeMo-Gym reward penalties"),
     **_off_all("reward_penalties", "NeMo-Gym reward penalties", penalize_duplicated_reasoning=False,
                penalize_empty_final_answer=False, penalize_unwanted_tokens=False, penalize_malformed_think_tag=False,
                token_ids=None),
-    "data_plane": feature("the TransferQueue data plane"),
+    "data_plane": feature("the TransferQueue data plane", ("impl", "backend", "storage_capacity", "num_storage_units",
+                                                        "claim_meta_poll_interval_s", "global_segment_size",
+                                                        "local_buffer_size", "observability")),
     "on_policy_distillation": off(None, what="on-policy distillation"),
     # ------------------------------------------------------------------ loss_fn
     "loss_fn.reference_policy_kl_type": off("k3", what="a KL estimator other than k3"),
@@ -423,10 +447,11 @@ RULES: dict[str, Rule] = {
     "policy.dtensor_cfg.context_parallel_size": _dtensor("context_parallel_size", 1, what="context parallelism"),
     "policy.dtensor_cfg.custom_parallel_plan": _dtensor("custom_parallel_plan", None, what="a custom parallel plan"),
     "policy.dtensor_cfg.automodel_kwargs": _dtensor("automodel_kwargs", {}, what="Automodel arguments"),
-    "policy.dtensor_cfg.lora_cfg": feature("LoRA"),
-    "policy.dynamic_batching": feature("dynamic batching (policy.sequence_packing packs by token budget)"),
+    "policy.dtensor_cfg.lora_cfg": feature("LoRA", _LORA + ("match_all_linear", "lora_A_init", "use_triton")),
+    "policy.dynamic_batching": feature("dynamic batching (policy.sequence_packing packs by token budget)",
+                                       ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round")),
     "policy.sequence_packing.microbatch_order": off("packer", what="a micro-batch order other than the packer's"),
-    "policy.draft": feature("draft-model training"),
+    "policy.draft": feature("draft-model training", ("model_name", "loss_weight", "num_layers", "aux_layer_indices")),
     # ------------------------------------------------------------------ policy.megatron_cfg
     "policy.megatron_cfg.model_overrides": alias("policy.megatron_cfg.override_transformer_config",
                                                  _null_is({}), "Megatron-Bridge provider attributes"),
@@ -455,7 +480,8 @@ RULES: dict[str, Rule] = {
     "policy.megatron_cfg.defer_fp32_logits": off(False, None, what="deferred fp32 logits"),
     "policy.megatron_cfg.use_gloo_process_groups": inert("a communication backend choice"),
     "policy.megatron_cfg.use_fused_weighted_squared_relu": off(False, what="the fused weighted squared ReLU"),
-    "policy.megatron_cfg.peft": feature("LoRA (Megatron PEFT)"),
+    "policy.megatron_cfg.peft": feature("LoRA (Megatron PEFT)", _LORA + ("lora_A_init_method", "lora_B_init_method",
+                                                                   "a2a_experimental", "lora_dtype")),
     **{f"policy.megatron_cfg.{k}": inert("a mixture-of-experts setting; nemo-fp8 trains dense models")
        for k in ("freeze_moe_router", "moe_router_dtype", "moe_router_load_balancing_type", "moe_router_bias_update_rate",
                  "moe_permute_fusion", "moe_per_layer_logging", "moe_enable_deepep", "moe_token_dispatcher_type",
