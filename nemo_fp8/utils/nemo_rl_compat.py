@@ -4,9 +4,9 @@ NeMo-RL's YAML files (``examples/configs/grpo_math_*.yaml`` of NVIDIA-NeMo/RL) u
 the same name, under another name, or not at all. ``translate`` rewrites a loaded config (a plain dict, after
 ``defaults:`` and overrides are merged) before the strict schema sees it:
 
-* ``alias``: the key is ours under another name (``grpo.async_grpo`` no; ``policy.megatron_cfg.scheduler.
-  lr_warmup_iters`` -> ``policy.megatron_cfg.optimizer.lr_warmup_steps``), with its value converted where the
-  meaning needs it; the resolved ``config.yaml`` shows only our name.
+* ``alias``: the key is ours under another name (``policy.megatron_cfg.scheduler.lr_warmup_iters`` ->
+  ``policy.megatron_cfg.optimizer.lr_warmup_steps``), with its value converted where the meaning needs it; the
+  resolved ``config.yaml`` shows only our name.
 * ``off``: a feature this project lacks, accepted silently at the value that means "off" (or NeMo-RL's default,
   which changes nothing here) and dropped; any other value is one error naming the key and the value accepted.
 * ``inert``: a setting that changes nothing in a run here (progress bars, ports, monitoring intervals, the

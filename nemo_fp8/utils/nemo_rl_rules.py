@@ -282,7 +282,7 @@ def _scheduler_rule() -> Rule:
 
 def _weight_decay_schedule(v: Any, ctx: Context) -> dict[str, Any]:
     wd = ctx.get("policy.megatron_cfg.optimizer.weight_decay", 0.01)
-    if _same(v, wd) or v == wd:
+    if v == wd:
         return {}
     raise Refused(f"a weight decay schedule is not supported by nemo-fp8; set it to "
                   f"policy.megatron_cfg.optimizer.weight_decay ({show(wd)})")
@@ -300,7 +300,8 @@ def _sgd_momentum(v: Any, ctx: Context) -> dict[str, Any]:
     raise Refused("an SGD momentum other than megatron-core's 0.9 is not supported by nemo-fp8; set it to 0.9")
 
 
-def _dtensor(key: str, *accepted: Any, what: str) -> Rule:
+def _dtensor(*accepted: Any, what: str) -> Rule:
+    """A ``policy.dtensor_cfg`` key: inert while that backend is disabled, else an ``off`` rule."""
     rule = off(*accepted, what=what)
 
     def apply(v: Any, ctx: Context) -> dict[str, Any]:
@@ -438,15 +439,15 @@ RULES: dict[str, Rule] = {
     "policy.dtensor_cfg.enabled": Rule("off", "accepted: the torch backend trains when `policy.megatron_cfg.enabled` "
                                        "is false; both true refused", _dtensor_enabled),
     "policy.dtensor_cfg._v2": inert("NeMo-RL's DTensor worker version"),
-    "policy.dtensor_cfg.cpu_offload": _dtensor("cpu_offload", False, what="DTensor CPU offload"),
-    "policy.dtensor_cfg.sequence_parallel": _dtensor("sequence_parallel", False, what="DTensor sequence parallelism"),
-    "policy.dtensor_cfg.activation_checkpointing": _dtensor("activation_checkpointing", False,
+    "policy.dtensor_cfg.cpu_offload": _dtensor(False, what="DTensor CPU offload"),
+    "policy.dtensor_cfg.sequence_parallel": _dtensor(False, what="DTensor sequence parallelism"),
+    "policy.dtensor_cfg.activation_checkpointing": _dtensor(False,
                                                             what="activation checkpointing in the torch backend"),
-    "policy.dtensor_cfg.tensor_parallel_size": _dtensor("tensor_parallel_size", 1, what="tensor parallelism in the "
+    "policy.dtensor_cfg.tensor_parallel_size": _dtensor(1, what="tensor parallelism in the "
                                                         "torch backend (policy.megatron_cfg has it)"),
-    "policy.dtensor_cfg.context_parallel_size": _dtensor("context_parallel_size", 1, what="context parallelism"),
-    "policy.dtensor_cfg.custom_parallel_plan": _dtensor("custom_parallel_plan", None, what="a custom parallel plan"),
-    "policy.dtensor_cfg.automodel_kwargs": _dtensor("automodel_kwargs", {}, what="Automodel arguments"),
+    "policy.dtensor_cfg.context_parallel_size": _dtensor(1, what="context parallelism"),
+    "policy.dtensor_cfg.custom_parallel_plan": _dtensor(None, what="a custom parallel plan"),
+    "policy.dtensor_cfg.automodel_kwargs": _dtensor({}, what="Automodel arguments"),
     "policy.dtensor_cfg.lora_cfg": feature("LoRA", _LORA + ("match_all_linear", "lora_A_init", "use_triton")),
     "policy.dynamic_batching": feature("dynamic batching (policy.sequence_packing packs by token budget)",
                                        ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round")),

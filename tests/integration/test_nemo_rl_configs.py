@@ -160,7 +160,7 @@ def test_docs_table_is_generated_from_the_rules():
 # ------------------------------------------------------------------ the CPU job
 # the first step small enough for two CPU cores; every other key as the NeMo-RL file has it
 SMALL = ["grpo.max_num_steps=1", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
-         "policy.train_global_batch_size=8", "policy.max_total_sequence_length=160", "checkpointing.enabled=true",
+         "policy.train_global_batch_size=8", "policy.max_total_sequence_length=256", "checkpointing.enabled=true",
          "logger.tensorboard_enabled=false", "cluster.num_cpus=2"]
 
 
