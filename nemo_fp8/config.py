@@ -31,6 +31,7 @@ from nemo_fp8.policy.config import (Fp8TrainingConfig, MegatronConfig, MegatronO
 from nemo_fp8.rewards.config import EnvConfig, MathEnvConfig
 from nemo_fp8.utils.config import (CheckpointingConfig, LoggerConfig, StrictConfig, WandbConfig, collect_errors,
                                    deferred_checks, raise_if)
+from nemo_fp8.utils.nemo_rl_compat import canonical_key, did_you_mean, nemo_rl_keys_at, register_resolvers, translate
 
 __all__ = ["MasterConfig", "ConfigError", "load_config", "validate_config", "config_to_yaml", "cross_field_errors",
            # the sections, re-exported for convenience (each is defined in its component's folder)
@@ -87,9 +88,10 @@ def cross_field_errors(cfg: MasterConfig) -> list[str]:
     if rollout % gbs != 0:
         errs.append(f"policy.train_global_batch_size: {gbs} must divide grpo.num_prompts_per_step * "
                     f"grpo.num_generations_per_prompt = {rollout}")
-    if cfg.data.max_input_seq_length >= cfg.policy.max_total_sequence_length:
+    if cfg.data.max_input_seq_length > cfg.policy.max_total_sequence_length:  # equal: NeMo-RL's upper bound
         errs.append(f"data.max_input_seq_length: {cfg.data.max_input_seq_length} leaves no room to generate within "
-                    f"policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} (valid: smaller)")
+                    f"policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} (valid: at most that; "
+                    "prompts leaving no room for one token are dropped)")
     return errs
 
 
@@ -104,12 +106,16 @@ def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> Any:
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (grpo:, policy:, ...), "
                           f"got {'a list' if isinstance(node, ListConfig) else repr(node)}")
-    base_name = node.pop("defaults", None)
-    if base_name is None:
+    base_names = node.pop("defaults", None)
+    if base_names is None:
         return node
-    if not isinstance(base_name, str):
-        raise ConfigError(f"{path}: 'defaults' must be one file name (a YAML beside it), got {base_name!r}")
-    base = _load_yaml_with_defaults((path.parent / base_name).resolve(), seen + (path,))
+    names = list(base_names) if isinstance(base_names, ListConfig) else [base_names]
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{path}: 'defaults' must be a file name (a YAML beside it) or a list of them, "
+                          f"got {base_names!r}")
+    base = OmegaConf.create({})
+    for name in names:  # NeMo-RL's order: a later file overrides an earlier one, the file itself overrides them all
+        base = OmegaConf.merge(base, _load_yaml_with_defaults((path.parent / name).resolve(), seen + (path,)))
     return OmegaConf.merge(base, node)
 
 
@@ -124,13 +130,17 @@ def _section_fields(loc: tuple) -> list[str]:
     return sorted(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _validation_lines(err: ValidationError) -> list[str]:
+    """One ``  - key: problem`` line per error of ``err``; an unknown key names the nearest valid one (ours or
+    NeMo-RL's, ``docs/nemo-rl-configs.md``)."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            valid = ", ".join(_section_fields(e["loc"]))
-            lines.append(f"  - {key}: unknown key (valid keys here: {valid})")
+            fields = _section_fields(e["loc"])
+            section = ".".join(str(p) for p in e["loc"][:-1])
+            hint = did_you_mean(str(e["loc"][-1]), fields + nemo_rl_keys_at(section))
+            lines.append(f"  - {key}: unknown key{hint} (valid keys here: {', '.join(fields)})")
         elif e["type"] == "value_error":  # a section's own checks: lines relative to the section
             prefix = f"{key}." if key else ""
             lines.extend(f"  - {prefix}{m}" for m in str(e["ctx"]["error"]).splitlines())
@@ -138,7 +148,11 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             got = e.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"  - {key}: {e['msg']}{got_s}")
-    return f"invalid configuration ({source}):\n" + "\n".join(lines)
+    return lines
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    return f"invalid configuration ({source}):\n" + "\n".join(_validation_lines(err))
 
 
 # Keys holding local paths. Relative ones are read against where they were written: in a YAML file,
@@ -190,23 +204,94 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterC
     Relative paths (``PATH_KEYS``) become absolute: those of the YAML against ``config_root(path)``,
     those of the overrides against the working directory.
 
+    NeMo-RL's configs load too: its resolvers (``mul``, ``max``, ...) are registered, and its keys become ours
+    or are accepted at their off value (``nemo_fp8.utils.nemo_rl_compat``; ``docs/nemo-rl-configs.md``).
+
     Raises:
         ConfigError: missing file, malformed override, or any invalid key/value/combination;
             the message names every offending key and its valid values.
     """
+    register_resolvers()  # NeMo-RL's ${mul:...} / ${max:...}
     path = Path(path).resolve()
     node = _load_yaml_with_defaults(path)
-    for item in overrides or []:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
     if overrides:
-        node = OmegaConf.merge(node, OmegaConf.from_dotlist(list(overrides)))
+        node = OmegaConf.merge(node, parse_overrides(overrides))
     try:
         data = OmegaConf.to_container(node, resolve=True)
     except Exception as e:  # interpolation errors name the key themselves
         raise ConfigError(f"invalid configuration ({path}): {e}") from e
     cli_keys = {item.split("=", 1)[0].lstrip("+~") for item in overrides or []}
-    return validate_config(resolve_paths(data, config_root(path), cli_keys), source=str(path))
+    root = config_root(path)
+    data, compat_errors = translate(data, MasterConfig, root, cli_keys)  # NeMo-RL's keys -> ours
+    cli_keys |= {canonical_key(k) for k in cli_keys} - {None}
+    data = resolve_paths(data, root, cli_keys)
+    lines = [f"  - {e}" for e in compat_errors]
+    try:
+        with deferred_checks():
+            cfg = MasterConfig.model_validate(data)
+    except ValidationError as e:
+        lines.extend(_validation_lines(e))
+    if lines:
+        raise ConfigError(f"invalid configuration ({path}):\n" + "\n".join(lines))
+    return cfg
+
+
+def _annotation(key: str) -> Any:
+    """The schema's type of dotted ``key`` (None: not a key of ours)."""
+    model: Any = MasterConfig
+    ann = None
+    for part in key.split("."):
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        ann = model = field.annotation
+    return ann
+
+
+def _takes(ann: Any, kind: type) -> bool:
+    """Whether a value of ``kind`` (``str`` or ``dict``) is valid for a key of type ``ann``."""
+    import typing
+
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is typing.Union:
+        return any(_takes(a, kind) for a in args)
+    return ann is kind or typing.get_origin(ann) is kind
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    """``key.sub=value`` items as one config (values parsed as YAML, as ``OmegaConf.from_dotlist``).
+
+    Hydra's ``+key=`` / ``++key=`` (NeMo-RL's way to add a key) mean ``key=`` here. A value that YAML cannot parse,
+    or that parses to a mapping (``Answer: x``) for a key that holds no mapping, is taken as the text typed when
+    the key holds a string (``data.response_prefix=Answer: ``).
+
+    Raises:
+        ConfigError: an item without ``=``, or such a value for a key that holds no string; the message names the
+            key and how to quote the value.
+    """
+    import yaml
+
+    merged = OmegaConf.create({})
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        key, raw = item.split("=", 1)
+        key = key.lstrip("+")
+        ann = _annotation(key)
+        try:
+            node = OmegaConf.from_dotlist([f"{key}={raw}"])
+            problem = "is a mapping" if isinstance(OmegaConf.select(node, key), DictConfig) \
+                and ann is not None and not _takes(ann, dict) else None
+        except yaml.YAMLError as e:
+            problem = f"is not valid YAML ({getattr(e, 'problem', None) or e})"
+        if problem is not None:
+            if ann is None or not _takes(ann, str):
+                raise ConfigError(f"override {item!r}: the value of {key} {problem}; quote it, e.g. "
+                                  f"{key}='\"{raw}\"' (the shell passes the outer quotes' content)")
+            node = OmegaConf.create({})
+            OmegaConf.update(node, key, raw, force_add=True)  # the text as typed
+        merged = OmegaConf.merge(merged, node)
+    return merged
 
 
 def validate_config(data: dict, source: str = "<dict>") -> MasterConfig:

@@ -92,10 +92,12 @@ def prepare_prompts(cfg: MasterConfig, tokenizer) -> tuple[list[PromptSample], l
     formatter = PromptFormatter(d.prompt_template, use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
                                 response_prefix=d.response_prefix)
     train_ex, val_ex = load_examples(cfg)
-    train, dropped_t = tokenize_prompts(train_ex, tokenizer, formatter, d.max_input_seq_length)
-    val, dropped_v = tokenize_prompts(val_ex, tokenizer, formatter, d.max_input_seq_length)
+    # a prompt needs room for one generated token (NeMo-RL's configs set max_input_seq_length to the total length)
+    limit = min(d.max_input_seq_length, cfg.policy.max_total_sequence_length - 1)
+    train, dropped_t = tokenize_prompts(train_ex, tokenizer, formatter, limit)
+    val, dropped_v = tokenize_prompts(val_ex, tokenizer, formatter, limit)
     logger.info("data: %d train prompts (%d dropped > %d tokens), %d validation (%d dropped)", len(train), dropped_t,
-                d.max_input_seq_length, len(val), dropped_v)
+                limit, len(val), dropped_v)
     if len(train) < cfg.grpo.num_prompts_per_step or not val:
         raise ValueError(f"data: {len(train)} train / {len(val)} validation prompts left after dropping those over "
                          f"data.max_input_seq_length={d.max_input_seq_length}; need >= grpo.num_prompts_per_step="

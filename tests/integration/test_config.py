@@ -120,3 +120,19 @@ def test_missing_file_and_bad_override():
         load_config(TINY.parent / "nope.yaml")
     with pytest.raises(ConfigError, match="not of the form key.sub=value"):
         load_config(TINY, ["grpo.max_num_steps"])
+
+
+def test_override_values_yaml_cannot_parse_are_text_or_clear_errors():
+    """``key=value`` values YAML reads as a mapping (``Answer: x``) or cannot parse: the text typed for a key that
+    holds a string, else one error naming the key and how to quote it (no bare ScannerError / ParserError)."""
+    assert load_config(TINY, ["data.response_prefix=Answer: x"]).data.response_prefix == "Answer: x"
+    assert load_config(TINY, ["data.response_prefix=Answer: "]).data.response_prefix == "Answer: "
+    assert load_config(TINY, ["data.response_prefix=[a,"]).data.response_prefix == "[a,"
+    assert load_config(TINY, ['data.response_prefix="Answer: "']).data.response_prefix == "Answer: "
+    for bad in ("grpo.max_num_steps=[1,", "grpo.max_num_steps=a: b"):
+        msg = _error(bad)
+        assert msg.startswith(f"override {bad!r}: the value of grpo.max_num_steps ") and "quote it" in msg
+    assert "data.nope: unknown key" in _error("data.nope=x: y")  # a mapping for a key we lack: the schema says so
+    # a mapping where the key holds one still parses as YAML; Hydra's ++key= means key=
+    cfg = load_config(TINY, ["++policy.megatron_cfg.env_vars={A: b}", "policy.megatron_cfg.enabled=true"])
+    assert cfg.policy.megatron_cfg.env_vars == {"A": "b"}
