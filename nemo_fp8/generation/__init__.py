@@ -14,11 +14,14 @@ def build_generation_backend(spec: GenerationSpec) -> GenerationBackend:
         ValueError: an unknown backend name.
     """
     if spec.backend == "torch":
+        import torch
+
         from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 
         return TorchGenerationBackend(spec.model_name, spec.vllm_cfg, spec.device, spec.pad_token_id,
                                       spec.eos_token_id, spec.max_total_sequence_length, batch_size=spec.batch_size,
-                                      offload_when_idle=spec.offload_when_idle)
+                                      offload_when_idle=spec.offload_when_idle,
+                                      dtype=getattr(torch, spec.reference_dtype))
     if spec.backend == "vllm":
         import importlib.util
 

@@ -31,6 +31,7 @@ class GenerationSpec:
             its own batches).
         offload_when_idle: ``policy.generation.colocated.enabled``: sleep between rollouts (vLLM's sleep mode,
             the torch engine moves its model to host memory).
+        reference_dtype: ``policy.generation.reference_dtype``, the torch engine's high-precision dtype name.
         weight_transfer: vLLM's ``weight_transfer_config`` backend: ``"nccl"`` for
             ``policy.weight_sync.method: nccl`` (broadcast from the trainer, no initial load), else ``"ipc"``;
             None for the torch engine.
@@ -46,3 +47,4 @@ class GenerationSpec:
     batch_size: int = 64
     offload_when_idle: bool = False
     weight_transfer: Optional[Literal["ipc", "nccl"]] = None
+    reference_dtype: Literal["bfloat16", "float64"] = "bfloat16"

@@ -311,7 +311,9 @@ class PolicyConfig(StrictConfig):
     model_name: str
     tokenizer: TokenizerConfig = TokenizerConfig()
     tiny_model: TinyModelConfig = TinyModelConfig()
-    precision: Literal["float32", "bfloat16"] = "bfloat16"
+    # float64: the torch trainer only, for CPU runs that are the same on every CPU type (with
+    # policy.generation.reference_dtype: float64)
+    precision: Literal["float32", "bfloat16", "float64"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_parallel_size: int = Field(1, ge=1)
     train_global_batch_size: int = Field(512, ge=1)
@@ -377,6 +379,10 @@ class PolicyConfig(StrictConfig):
     def config_errors(self) -> list[str]:
         gbs, mbs, dp = self.train_global_batch_size, self.train_micro_batch_size, self.data_parallel_size
         errs = self._packing_errors()
+        if self.precision == "float64" and self.megatron_cfg.enabled:
+            errs.append("precision: 'float64' is the torch reference trainer's (kernel-independent CPU runs); the "
+                        "megatron backend trains in float32 or bfloat16 (valid with megatron_cfg.enabled: float32, "
+                        "bfloat16)")
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")

@@ -136,3 +136,12 @@ def test_override_values_yaml_cannot_parse_are_text_or_clear_errors():
     # a mapping where the key holds one still parses as YAML; Hydra's ++key= means key=
     cfg = load_config(TINY, ["++policy.megatron_cfg.env_vars={A: b}", "policy.megatron_cfg.enabled=true"])
     assert cfg.policy.megatron_cfg.env_vars == {"A": "b"}
+
+
+def test_float64_is_the_torch_reference_only():
+    cfg = load_config(TINY, ["policy.precision=float64", "policy.generation.reference_dtype=float64"])
+    assert cfg.policy.precision == "float64" and cfg.policy.generation.reference_dtype == "float64"
+    msg = _error("policy.precision=float64", "policy.megatron_cfg.enabled=true")
+    assert "policy.precision: 'float64' is the torch reference trainer's" in msg, msg
+    msg = _error("policy.generation.reference_dtype=float64", "policy.generation.backend=vllm")
+    assert "policy.generation.reference_dtype: 'float64'" in msg and "vLLM runs in bfloat16" in msg, msg
