@@ -159,7 +159,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 # the repository that holds it (``config_root``), so a job started from any folder uses the same model,
 # data, logs and checkpoints; in a command-line override, the working directory, as for any command.
 PATH_KEYS: tuple[str, ...] = ("policy.model_name", "policy.tokenizer.name", "data.train_path", "data.val_path",
-                              "logger.log_dir", "checkpointing.checkpoint_dir")
+                              "logger.log_dir", "checkpointing.checkpoint_dir", "policy.profile.dir")
 
 
 def config_root(config_path: Path) -> Path:

@@ -4,7 +4,9 @@ Layers, bottom to top (a module may import its own layer and the layers below, n
 
 0. foundation   ``nemo_fp8.utils.*``, ``nemo_fp8.batch``: run folders, checkpoints, logging, typed batches; and
                 ``nemo_fp8.policy.packing`` where it exists (pure-torch bin packing that the policy schema reads),
-                ``nemo_fp8.policy.schedule`` (the learning-rate formulas, plain math, whose checks the schema runs)
+                ``nemo_fp8.policy.schedule`` (the learning-rate formulas, plain math, whose checks the schema runs),
+                ``nemo_fp8.algorithms.is_corrections`` (the IS corrections registry, torch only, whose names the loss
+                schema lists)
 1. schemas      every section config ``nemo_fp8.<part>.config``: pydantic classes on ``utils.config``'s
                 StrictConfig (they may compose one another: ``policy.weight_sync`` is
                 ``distributed.config.WeightSyncConfig``)
@@ -31,7 +33,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "nemo_fp8"
 
 LAYERS = [
-    ("foundation", ["nemo_fp8.utils", "nemo_fp8.batch", "nemo_fp8.policy.packing", "nemo_fp8.policy.schedule"]),
+    ("foundation", ["nemo_fp8.utils", "nemo_fp8.batch", "nemo_fp8.policy.packing", "nemo_fp8.policy.schedule",
+                    "nemo_fp8.algorithms.is_corrections"]),
     ("schemas", []),  # the section configs, matched by _layer_of
     ("numerics", ["nemo_fp8.fp8"]),
     ("components", ["nemo_fp8.algorithms", "nemo_fp8.data", "nemo_fp8.rewards", "nemo_fp8.models"]),

@@ -298,7 +298,8 @@ def rl_policy_cfg(a, recipe: str, packed: bool):
                         max_total_sequence_length=a.rl_prompt + a.rl_response_max,
                         megatron_cfg={**layout, **recipe_megatron_cfg(recipe, a.logprob_kernel)},
                         sequence_packing={**RL_PACKING, "enabled": packed, "train_mb_tokens": a.rl_train_mb_tokens},
-                        generation={"vllm_cfg": {"precision": "fp8"}})
+                        generation={"vllm_cfg": {"precision": "fp8"}},
+                        profile={"dir": a.profile_dir, "train_call": a.warmup + a.steps + 1})
 
 
 def rl_batch(a, vocab: int):
@@ -345,7 +346,7 @@ def run_rl_child(a) -> dict:
         if r >= a.warmup:
             lp_s.append(t1 - t0)
             train_s.append(time.perf_counter() - t1)
-    if os.environ.get("NEMO_FP8_PROFILE_DIR"):  # one more call, the profiled one (NEMO_FP8_PROFILE_TRAIN_CALL)
+    if cfg.profile.dir:  # one more call, the profiled one (policy.profile.train_call)
         be.train(batch, loss_fn)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     raw_ms = None
@@ -492,13 +493,11 @@ def main() -> int:
                        "--rl-response-min", str(a.rl_response_min), "--rl-response-max", str(a.rl_response_max),
                        "--rl-train-mb-tokens", str(a.rl_train_mb_tokens), "--tp", str(a.tp)]
                 cmd += ["--packed"] if packed else []
-                env = os.environ.copy()
-                if a.profile_dir:
+                if a.profile_dir:  # the child's policy.profile.dir
                     name = f"{shape}-{recipe}-{'packed' if packed else 'unpacked'}".replace("@", "_").replace("=", "-")
-                    env.update(NEMO_FP8_PROFILE_DIR=str(Path(a.profile_dir) / name),
-                               NEMO_FP8_PROFILE_TRAIN_CALL=str(a.warmup + a.steps + 1))
+                    cmd += ["--profile-dir", str(Path(a.profile_dir) / name)]
                 try:
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
                     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                     if line:
                         rows.append(json.loads(line[-1][7:]))

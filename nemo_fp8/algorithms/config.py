@@ -7,14 +7,16 @@ names follow NeMo-RL's ``ClippedPGLossConfig`` (``nemo_rl/algorithms/loss_functi
 
 from __future__ import annotations
 
-from typing import Literal, Optional, get_args
+from typing import Literal, Optional
 
 from pydantic import Field, StrictBool
 
+from nemo_fp8.algorithms.is_corrections import IS_CORRECTIONS
 from nemo_fp8.utils.config import StrictConfig
 
-TruncatedISType = Literal["tis", "icepop", "seq-mask-tis", "seq-tis"]
-TRUNCATED_IS_TYPES: tuple[str, ...] = get_args(TruncatedISType)
+#: The valid ``loss_fn.truncated_importance_sampling_type`` values: the IS correction registry's names.
+TRUNCATED_IS_TYPES: tuple[str, ...] = tuple(IS_CORRECTIONS)
+TruncatedISType = Literal[TRUNCATED_IS_TYPES]  # type: ignore[valid-type]
 
 
 class RewardShapingConfig(StrictConfig):
@@ -61,8 +63,8 @@ class ClippedPGLossConfig(StrictConfig):
             over sequences of per-sequence token means.
         use_importance_sampling_correction: weight each token's loss by the truncated ratio
             ``pi_train / pi_rollout`` (``prev_logprobs`` vs ``generation_logprobs``).
-        truncated_importance_sampling_type: ``tis`` | ``icepop`` | ``seq-mask-tis`` |
-            ``seq-tis`` (see ``importance_sampling_weights``).
+        truncated_importance_sampling_type: a name of ``nemo_fp8.algorithms.is_corrections.IS_CORRECTIONS``:
+            ``tis`` | ``icepop`` | ``seq-mask-tis`` | ``seq-tis``.
         truncated_importance_sampling_ratio: upper bound C (hi), > 0; None: no upper bound
             for ``tis`` / ``seq-tis``.
         truncated_importance_sampling_ratio_min: lower bound (lo), > 0, <= C; ``tis`` / ``seq-tis``
@@ -95,7 +97,7 @@ class ClippedPGLossConfig(StrictConfig):
         t, hi, lo = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
                      self.truncated_importance_sampling_ratio_min)
         errs = []
-        if t in ("icepop", "seq-mask-tis"):  # a window around 1 (NeMo-RL requires both bounds set)
+        if IS_CORRECTIONS[t].window:  # a window around 1 (NeMo-RL requires both bounds set)
             if lo is None or not lo < 1.0:
                 errs.append(f"truncated_importance_sampling_ratio_min: must be set and < 1 for type '{t}' "
                             f"(got {lo}; e.g. 0.5, or 0.999 for seq-mask-tis)")

@@ -30,12 +30,10 @@ Key names follow NeMo-RL's ``ClippedPGLossConfig``
   score-function factor ``exp(logprobs - logprobs.detach())`` as NeMo-RL's
   ``ClippedPGLossFn`` / ``calculate_kl`` (``nemo_rl/algorithms/utils.py``),
   after Tang & Munos 2025, https://arxiv.org/abs/2506.09477
-* Truncated importance sampling (TIS): Yao et al. 2025, "Your Efficient RL
-  Framework Secretly Brings You Off-Policy RL Training"
-* IcePop token masking: Ling team 2025 (Ring-1T / "IcePop")
-* Sequence-level masked IS ("seq-mask-tis"): "When Speed Kills Stability:
-  Demystifying RL Collapse from the Training-Inference Mismatch" (Yao, Liu
-  et al. 2025), as implemented in NeMo-RL.
+* Importance-sampling corrections (TIS, Yao et al. 2025; IcePop, Ling team
+  2025; the sequence-level ``seq-mask-tis`` / ``seq-tis`` of NeMo-RL, after
+  Yao, Liu et al. 2025): one registered function each in
+  :mod:`nemo_fp8.algorithms.is_corrections`, with its formula and source.
 
 No host syncs: :func:`clipped_pg_loss` and :func:`importance_sampling_weights`
 never read a tensor value on the host (no ``.item()``, ``float(t)``,
@@ -50,15 +48,19 @@ transfer per step). ``tests/algorithms/test_loss.py`` checks this with
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from nemo_fp8.algorithms.config import TRUNCATED_IS_TYPES, ClippedPGLossConfig  # the YAML section loss_fn
-from nemo_fp8.algorithms.metrics import LOG_RATIO_CLAMP, LOSS_METRIC_REDUCTIONS, masked_mean
+from nemo_fp8.algorithms.is_corrections import IS_CORRECTIONS, LOG_RATIO_CLAMP, register_is_correction
+from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS, masked_mean
 
 __all__ = [
     "ClippedPGLossConfig",
     "TRUNCATED_IS_TYPES",
+    "IS_CORRECTIONS",
+    "register_is_correction",
     "LOSS_METRIC_REDUCTIONS",
     "importance_sampling_weights",
     "clipped_pg_loss",
@@ -159,39 +161,18 @@ def importance_sampling_weights(
     token_mask: torch.Tensor,
     cfg: ClippedPGLossConfig,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Off-policy correction weights ``pi_train / pi_gen`` (truncated or masked).
+    """Off-policy correction weights ``pi_train / pi_gen`` (truncated or masked), and their statistics.
 
-    The rollout engine (behaviour policy, ``generation_logprobs``) differs
-    from the trainer (``prev_logprobs``, same weights but different kernels,
-    FP8 quantisation, ...). Per token ``log r_t = clamp(prev_t - gen_t, -20,
-    20)`` (``LOG_RATIO_CLAMP``; NeMo-RL instead maps inf to 0) and ``r_t =
-    exp(log r_t)``; valid tokens only. With ``C`` =
-    ``truncated_importance_sampling_ratio`` (hi) and ``lo`` =
-    ``truncated_importance_sampling_ratio_min``:
+    The rollout engine (behaviour policy, ``generation_logprobs``) differs from the trainer
+    (``prev_logprobs``, same weights but different kernels, FP8 quantisation, ...). Per token ``log r_t =
+    clamp(prev_t - gen_t, -20, 20)`` (``LOG_RATIO_CLAMP``; NeMo-RL instead maps inf to 0) and ``r_t =
+    exp(log r_t)``, valid tokens only; the correction ``cfg.truncated_importance_sampling_type`` of
+    :data:`~nemo_fp8.algorithms.is_corrections.IS_CORRECTIONS` (``tis``, ``icepop``, ``seq-mask-tis``,
+    ``seq-tis``: formulas and sources in :mod:`nemo_fp8.algorithms.is_corrections`) turns them into weights,
+    with ``lo`` = ``truncated_importance_sampling_ratio_min`` and ``C`` = ``truncated_importance_sampling_ratio``.
 
-    * ``"tis"`` (Yao et al. 2025; bounds as NeMo-RL's ``tis``): ``w_t =
-      clamp(r_t, lo, C)``; ``lo = None``: no lower bound (NeMo-RL: 0),
-      ``C = None``: no upper bound. "Truncated" tokens: ``r_t > C`` or
-      ``r_t < lo`` (NeMo-RL's ``is_oob_ratio``).
-    * ``"icepop"`` (Ling team 2025): ``w_t = r_t`` if ``lo <= r_t <= C``
-      else 0 (token masked).
-    * ``"seq-mask-tis"`` (NeMo-RL): per sequence the geometric-mean ratio
-      ``g = exp(mean_t log r_t)`` over its valid tokens; a sequence with
-      ``g`` outside ``[lo, C]`` gets weight 0 on all its tokens; a kept
-      sequence keeps the raw, **non-truncated** token weights ``w_t = r_t``
-      (as NeMo-RL: there ``C`` is the bound on ``g``, typically ~1.002, so
-      it is not reused as a token cap).
-    * ``"seq-tis"``: one weight per sequence, ``w = clamp(exp(clamp(sum_t
-      log r_t, -20, 20)), lo, C)``, broadcast to its valid tokens (the
-      sequence-level IS weight of NeMo-RL's
-      ``sequence_level_importance_ratios``, which goes through the same
-      ``tis`` clamp to ``[lo, C]`` there; same bound conventions as
-      ``"tis"``). "Truncated": every valid token of a clamped sequence.
-
-    When ``cfg.use_importance_sampling_correction`` is False the weights are
-    1 on valid tokens (the stats then describe those unit weights).
-
-    No host sync (see the module docstring).
+    When ``cfg.use_importance_sampling_correction`` is False the weights are 1 on valid tokens (the stats then
+    describe those unit weights). No host sync (see the module docstring).
 
     Args:
         prev_logprobs: [B, T] float, trainer log-probs before the update.
@@ -201,15 +182,12 @@ def importance_sampling_weights(
 
     Returns:
         weights: [B, T] float32, detached (no grad_fn), 0 outside the mask.
-        stats: 0-dim float32 detached tensors on ``prev_logprobs``' device;
-            means over valid tokens (over sequences with >= 1 valid token for
-            ``is_frac_seqs_masked``); all 0 when nothing is valid:
-            ``is_weight_mean``, ``is_weight_min``, ``is_weight_max``,
-            ``is_frac_tokens_truncated`` (weight clamped at C or lo, or
-            zeroed), ``is_frac_tokens_masked`` (weight zeroed by
-            icepop/seq-mask-tis), ``is_frac_seqs_masked`` (sequences whose
-            every valid token was zeroed). Reductions across micro-batches:
-            :data:`nemo_fp8.algorithms.metrics.LOSS_METRIC_REDUCTIONS`.
+        stats: 0-dim float32 detached tensors on ``prev_logprobs``' device; means over valid tokens (over
+            sequences with >= 1 valid token for ``is_frac_seqs_masked``); all 0 when nothing is valid:
+            ``is_weight_mean``, ``is_weight_min``, ``is_weight_max``, ``is_frac_tokens_truncated`` (weight
+            clamped at C or lo, or zeroed), ``is_frac_tokens_masked`` (weight zeroed by icepop/seq-mask-tis),
+            ``is_frac_seqs_masked`` (sequences whose every valid token was zeroed). Reductions across
+            micro-batches: :data:`nemo_fp8.algorithms.metrics.LOSS_METRIC_REDUCTIONS`.
 
     Raises:
         ValueError: shape mismatch.
@@ -227,44 +205,24 @@ def importance_sampling_weights(
         weights = valid.float()
     else:
         log_r = (prev - gen).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        r = torch.exp(log_r)
-        kind = cfg.truncated_importance_sampling_type
-        hi = cfg.truncated_importance_sampling_ratio
-        lo = cfg.truncated_importance_sampling_ratio_min
-        if kind in ("tis", "seq-tis"):
-            if kind == "tis":
-                raw = r  # [B, T]
-            else:
-                seq_log_r = torch.where(valid, log_r, torch.zeros_like(log_r)).sum(dim=-1)
-                raw = torch.exp(seq_log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).unsqueeze(-1)  # [B, 1]
-            out_of_bounds = torch.zeros_like(raw, dtype=torch.bool)
-            if hi is not None:
-                out_of_bounds = out_of_bounds | (raw > hi)
-            if lo is not None:
-                out_of_bounds = out_of_bounds | (raw < lo)
-            clamped = raw.clamp(min=lo, max=hi) if (lo is not None or hi is not None) else raw
-            weights = clamped.expand_as(r)
-            truncated = out_of_bounds.expand_as(valid)
-        elif kind == "icepop":
-            keep = (r >= lo) & (r <= hi)
-            weights = torch.where(keep, r, torch.zeros_like(r))
-            masked = ~keep
-        elif kind == "seq-mask-tis":
-            g = torch.exp(masked_mean(log_r, valid, dim=-1))  # [B]
-            keep_seq = (g >= lo) & (g <= hi)
-            weights = r * keep_seq.unsqueeze(-1).float()
-            masked = (~keep_seq).unsqueeze(-1).expand_as(valid)
-        else:  # pragma: no cover - guarded by ClippedPGLossConfig
-            raise ValueError(f"unknown truncated_importance_sampling_type {kind!r}")
+        correction = IS_CORRECTIONS[cfg.truncated_importance_sampling_type]  # a valid name: the config's Literal
+        weights, truncated, masked = correction.fn(torch.exp(log_r), log_r, valid,
+                                                   cfg.truncated_importance_sampling_ratio_min,
+                                                   cfg.truncated_importance_sampling_ratio)
         masked = masked & valid
         truncated = (truncated | masked) & valid
         weights = torch.where(valid, weights, torch.zeros_like(weights))
-
     weights = weights.float().contiguous()
+    return weights, _is_stats(weights, valid, truncated, masked)
+
+
+def _is_stats(weights: torch.Tensor, valid: torch.Tensor, truncated: torch.Tensor,
+              masked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``is_*`` metrics of :func:`importance_sampling_weights` ([B, T] float32 weights, [B, T] bool masks)."""
     seq_valid = valid.any(dim=-1)
     seq_all_masked = (masked | ~valid).all(dim=-1) & seq_valid
     w_min, w_max = _masked_min_max(weights, valid)
-    stats = {
+    return {
         "is_weight_mean": _metric(masked_mean(weights, valid)),
         "is_weight_min": w_min,
         "is_weight_max": w_max,
@@ -272,7 +230,6 @@ def importance_sampling_weights(
         "is_frac_tokens_masked": _metric(masked_mean(masked.float(), valid)),
         "is_frac_seqs_masked": _metric(masked_mean(seq_all_masked.float(), seq_valid)),
     }
-    return weights, stats
 
 
 # --------------------------------------------------------------------------- #
@@ -334,6 +291,112 @@ def kl_penalty_per_token(
     if output_clamp is not None:
         kl = kl.clamp(-output_clamp, output_clamp)
     return kl
+
+
+def _advantages_bt(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``advantages`` ([B] or [B, T]) as [B, T] (a [B] one broadcast over tokens).
+
+    Raises:
+        TypeError: not a tensor. ValueError: another shape (naming both shapes).
+    """
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages)}")
+    if advantages.shape == shape[:1]:
+        return advantages.unsqueeze(-1).expand(shape)
+    if advantages.shape != shape:
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} must be [B]={tuple(shape[:1])} "
+            f"or [B, T]={tuple(shape)} (logprobs shape)"
+        )
+    return advantages
+
+
+def _check_loss_inputs(logprobs: torch.Tensor, prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
+                       advantages: torch.Tensor, token_mask: torch.Tensor, cfg: ClippedPGLossConfig,
+                       reference_logprobs: torch.Tensor | None) -> torch.Tensor:
+    """The type and shape checks of :func:`clipped_pg_loss` (its Raises), on the host only; returns the
+    advantages as [B, T]."""
+    if not isinstance(cfg, ClippedPGLossConfig):
+        raise TypeError(f"cfg must be a ClippedPGLossConfig, got {type(cfg)}")
+    _check_bt("logprobs", logprobs)
+    shape = logprobs.shape
+    _check_bt("prev_logprobs", prev_logprobs, shape)
+    _check_bt("generation_logprobs", generation_logprobs, shape)
+    _check_bt("token_mask", token_mask, shape)
+    if reference_logprobs is not None:
+        _check_bt("reference_logprobs", reference_logprobs, shape)
+    advantages = _advantages_bt(advantages, shape)
+    beta = float(cfg.reference_policy_kl_penalty)  # a config value: no sync
+    if beta > 0 and reference_logprobs is None:
+        raise ValueError(
+            f"reference_logprobs is required when reference_policy_kl_penalty={beta} > 0"
+        )
+    return advantages
+
+
+def _ppo_surrogate(lp: torch.Tensor, prev: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor,
+                   cfg: ClippedPGLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO clipped surrogate with clip-higher and dual clip (formulas: :func:`clipped_pg_loss`).
+
+    Args:
+        lp, prev, adv: [B, T] float32, 0 at masked positions (``lp`` with grad).
+        valid: [B, T] bool.
+        cfg: ``ratio_clip_min`` / ``ratio_clip_max`` / ``ratio_clip_c``.
+
+    Returns:
+        ``(pg, ratio, clip_active, dual_active)``: [B, T] float32 loss (not yet IS-weighted or masked), [B, T]
+        float32 ratio ``exp(lp - prev)``, and [B, T] bool masks of valid tokens where the clipped branch was
+        strictly larger and where the dual clip capped the loss.
+    """
+    ratio = torch.exp(lp - prev)
+    ratio_clipped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio_clipped
+    pg = torch.max(loss_unclipped, loss_clipped)
+    clip_active = (loss_clipped > loss_unclipped) & valid
+    dual_active = torch.zeros_like(valid)
+    if cfg.ratio_clip_c is not None:
+        loss_dual = -adv * cfg.ratio_clip_c
+        dual_active = (adv < 0) & (loss_dual < pg) & valid
+        pg = torch.where(adv < 0, torch.min(pg, loss_dual), pg)
+    return pg, ratio, clip_active, dual_active
+
+
+def _aggregator(cfg: ClippedPGLossConfig, valid: torch.Tensor, n_tok: torch.Tensor, n_seq: torch.Tensor,
+                global_valid_tokens: float | torch.Tensor | None,
+                global_valid_seqs: float | torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``agg``: [B, T] float32 per-token values (0 at masked positions) -> this micro-batch's 0-dim share.
+
+    ``cfg.token_level_loss`` (NeMo-RL's key) picks verl's ``loss_agg_mode`` ``"token-mean"`` (``sum /
+    global_valid_tokens``) or ``"seq-mean-token-mean"`` (``sum over sequences of the mean over its valid
+    tokens / global_valid_seqs``); each count defaults to this batch's (``_resolve_denominator``).
+
+    Raises:
+        ValueError, TypeError: those of ``_resolve_denominator`` for the count it uses.
+    """
+    if cfg.token_level_loss:
+        denom = _resolve_denominator("global_valid_tokens", global_valid_tokens, n_tok)
+        return lambda x: x.sum() / denom
+    denom = _resolve_denominator("global_valid_seqs", global_valid_seqs, n_seq)
+    tok_per_seq = valid.sum(dim=-1).clamp(min=1).float()
+    return lambda x: (x.sum(dim=-1) / tok_per_seq).sum() / denom
+
+
+@torch.no_grad()
+def _pg_metrics(lp: torch.Tensor, prev: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor,
+                clip_active: torch.Tensor, dual_active: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Clip fractions, ``approx_kl`` and the ratio's mean / min / max over valid tokens ([B, T] inputs; 0-dim
+    float32 detached outputs, see :func:`clipped_pg_loss`)."""
+    ratio_d = ratio.detach()
+    r_min, r_max = _masked_min_max(ratio_d, valid)
+    return {
+        "clip_fraction": _metric(masked_mean(clip_active.float(), valid)),
+        "dual_clip_fraction": _metric(masked_mean(dual_active.float(), valid)),
+        "approx_kl": _metric(masked_mean(_k3(prev - lp.detach(), None, None), valid)),
+        "ratio_mean": _metric(masked_mean(ratio_d, valid)),
+        "ratio_min": r_min,
+        "ratio_max": r_max,
+    }
 
 
 def clipped_pg_loss(
@@ -429,101 +492,30 @@ def clipped_pg_loss(
             missing ``reference_logprobs`` with beta > 0, or global counts
             given as negative / non-finite numbers or multi-element tensors.
     """
-    if not isinstance(cfg, ClippedPGLossConfig):
-        raise TypeError(f"cfg must be a ClippedPGLossConfig, got {type(cfg)}")
-    _check_bt("logprobs", logprobs)
-    shape = logprobs.shape
-    _check_bt("prev_logprobs", prev_logprobs, shape)
-    _check_bt("generation_logprobs", generation_logprobs, shape)
-    _check_bt("token_mask", token_mask, shape)
-    if reference_logprobs is not None:
-        _check_bt("reference_logprobs", reference_logprobs, shape)
-    if not isinstance(advantages, torch.Tensor):
-        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages)}")
-    if advantages.shape == shape[:1]:
-        advantages = advantages.unsqueeze(-1).expand(shape)
-    elif advantages.shape != shape:
-        raise ValueError(
-            f"advantages shape {tuple(advantages.shape)} must be [B]={tuple(shape[:1])} "
-            f"or [B, T]={tuple(shape)} (logprobs shape)"
-        )
-    beta = float(cfg.reference_policy_kl_penalty)  # a config value: no sync
-    if beta > 0 and reference_logprobs is None:
-        raise ValueError(
-            f"reference_logprobs is required when reference_policy_kl_penalty={beta} > 0"
-        )
-
+    advantages = _check_loss_inputs(logprobs, prev_logprobs, generation_logprobs, advantages, token_mask, cfg,
+                                    reference_logprobs)
     valid = token_mask != 0
-    seq_valid = valid.any(dim=-1)
     n_tok = valid.sum()  # 0-dim int64 tensors, never read on the host
-    n_seq = seq_valid.sum()
-
+    n_seq = valid.any(dim=-1).sum()
     lp = _zero_masked(logprobs, valid)  # grad flows only at valid positions
     prev = _zero_masked(prev_logprobs.detach(), valid)
     adv = _zero_masked(advantages.detach(), valid)
 
-    # PPO clipped surrogate (+ clip-higher, dual clip).
-    ratio = torch.exp(lp - prev)
-    ratio_clipped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio_clipped
-    pg = torch.max(loss_unclipped, loss_clipped)
-    clip_active = (loss_clipped > loss_unclipped) & valid
-    dual_active = torch.zeros_like(valid)
-    if cfg.ratio_clip_c is not None:
-        loss_dual = -adv * cfg.ratio_clip_c
-        dual_active = (adv < 0) & (loss_dual < pg) & valid
-        pg = torch.where(adv < 0, torch.min(pg, loss_dual), pg)
-
+    pg, ratio, clip_active, dual_active = _ppo_surrogate(lp, prev, adv, valid, cfg)
     is_w, is_stats = importance_sampling_weights(prev_logprobs, generation_logprobs, token_mask, cfg)
     pg = torch.where(valid, is_w * pg, torch.zeros_like(pg))
-
-    # KL to the reference policy (k3 of reference - current, with the score-function factor).
-    kl_tok = None
-    if reference_logprobs is not None:
+    agg = _aggregator(cfg, valid, n_tok, n_seq, global_valid_tokens, global_valid_seqs)
+    pg_loss = agg(pg)
+    loss, kl_value = pg_loss, torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    if reference_logprobs is not None:  # KL to the reference policy: k3 of reference - current, score-function factor
         ref = _zero_masked(reference_logprobs.detach(), valid)
         kl_tok = kl_penalty_per_token(lp, ref, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
-        kl_tok = torch.where(valid, kl_tok, torch.zeros_like(kl_tok))
-
-    if cfg.token_level_loss:
-        denom = _resolve_denominator("global_valid_tokens", global_valid_tokens, n_tok)
-
-        def agg(x: torch.Tensor) -> torch.Tensor:
-            return x.sum() / denom
-
-    else:
-        denom = _resolve_denominator("global_valid_seqs", global_valid_seqs, n_seq)
-        tok_per_seq = valid.sum(dim=-1).clamp(min=1).float()
-
-        def agg(x: torch.Tensor) -> torch.Tensor:
-            return (x.sum(dim=-1) / tok_per_seq).sum() / denom
-
-    pg_loss = agg(pg)
-    if kl_tok is not None:
-        kl_value = agg(kl_tok)
-        loss = pg_loss + beta * kl_value if beta > 0 else pg_loss
-    else:
-        kl_value = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-        loss = pg_loss
-
-    with torch.no_grad():
-        ratio_d = ratio.detach()
-        r_min, r_max = _masked_min_max(ratio_d, valid)
-        approx_kl = masked_mean(_k3(prev - lp.detach(), None, None), valid)
-        metrics = {
-            "loss": _metric(loss),
-            "pg_loss": _metric(pg_loss),
-            "kl_penalty": _metric(kl_value),
-            "clip_fraction": _metric(masked_mean(clip_active.float(), valid)),
-            "dual_clip_fraction": _metric(masked_mean(dual_active.float(), valid)),
-            "approx_kl": _metric(approx_kl),
-            "ratio_mean": _metric(masked_mean(ratio_d, valid)),
-            "ratio_min": r_min,
-            "ratio_max": r_max,
-            "num_valid_tokens": _metric(n_tok),
-            "num_valid_seqs": _metric(n_seq),
-            **is_stats,
-        }
+        kl_value = agg(torch.where(valid, kl_tok, torch.zeros_like(kl_tok)))
+        if cfg.reference_policy_kl_penalty > 0:
+            loss = pg_loss + float(cfg.reference_policy_kl_penalty) * kl_value
+    metrics = {"loss": _metric(loss), "pg_loss": _metric(pg_loss), "kl_penalty": _metric(kl_value),
+               **_pg_metrics(lp, prev, ratio, valid, clip_active, dual_active),
+               "num_valid_tokens": _metric(n_tok), "num_valid_seqs": _metric(n_seq), **is_stats}
     return loss, metrics
 
 

@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from nemo_fp8.algorithms.is_corrections import LOG_RATIO_CLAMP  # defined there: the IS corrections clamp with it too
+
 __all__ = [
     "LOG_RATIO_CLAMP",
     "REDUCTION_KINDS",
@@ -37,11 +39,6 @@ __all__ = [
     "masked_mean",
     "mismatch_metrics",
 ]
-
-#: Log-ratios are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before
-#: ``exp`` in metrics and importance weights (``exp(20) ~ 4.9e8``, finite in
-#: float32), so one badly mismatched token cannot turn a mean into ``inf``.
-LOG_RATIO_CLAMP: float = 20.0
 
 
 def _check_mask(x: torch.Tensor, mask: torch.Tensor, x_name: str = "x") -> torch.Tensor:

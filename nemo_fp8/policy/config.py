@@ -15,7 +15,7 @@ from nemo_fp8.distributed.config import WeightSyncConfig
 from nemo_fp8.generation.config import GenerationConfig, colocated_engine_error
 from nemo_fp8.policy.packing import ALGORITHMS, PackingShape, packing_shape
 from nemo_fp8.policy.schedule import schedule_errors
-from nemo_fp8.utils.config import StrictConfig
+from nemo_fp8.utils.config import ProfileConfig, StrictConfig
 
 
 class Fp8TrainingConfig(StrictConfig):
@@ -327,6 +327,7 @@ class PolicyConfig(StrictConfig):
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
     generation: GenerationConfig = GenerationConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    profile: ProfileConfig = ProfileConfig()
 
     @property
     def tensor_parallel_size(self) -> int:

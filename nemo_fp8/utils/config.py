@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 from typing import Iterator, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 _DEFER_CHECKS = contextvars.ContextVar("nemo_fp8_defer_config_checks", default=False)
 
@@ -79,6 +79,27 @@ class LoggerConfig(StrictConfig):
     wandb: WandbConfig = WandbConfig()
     plot_enabled: bool = True
     num_val_samples_to_print: int = Field(0, ge=0)
+
+
+class ProfileConfig(StrictConfig):
+    """Section ``policy.profile``: an opt-in ``torch.profiler`` window over one training call of each policy rank
+    (``nemo_fp8.utils.profiling.TrainProfiler``; the Megatron backend). Part of the resolved config, so a run's
+    ``config.yaml`` says whether it was profiled; it may change on ``--resume`` (listed with the other changes).
+
+    Attributes:
+        dir: folder each rank writes ``train_call<N>_rank<R>.txt`` (and the trace) into; None: no profiling, no
+            cost. A relative path is read against the config's folder, like ``logger.log_dir``.
+        train_call: which training call of the process to profile (1-based; default 3: the first two carry the
+            warm-up, kernel selection and allocator growth).
+        micro_batches: how many micro-batches the window records, after one untimed.
+        trace: also write the window's Chrome trace, ``train_call<N>_rank<R>.json.gz`` (chrome://tracing or
+            Perfetto; tens of MB for an 8B model's 6 micro-batches).
+    """
+
+    dir: Optional[str] = None
+    train_call: int = Field(3, ge=1)
+    micro_batches: int = Field(6, ge=1)
+    trace: StrictBool = False
 
 
 class CheckpointingConfig(StrictConfig):

@@ -1,12 +1,13 @@
-"""An opt-in ``torch.profiler`` window over a few micro-batches of one training call, set by environment
-variables so a run of the unchanged command can be profiled (as NeMo-RL's ``NRL_NSYS_*`` variables do for nsys):
+"""An opt-in ``torch.profiler`` window over a few micro-batches of one training call, set by the config section
+``policy.profile`` (``nemo_fp8.utils.config.ProfileConfig``), so a run of the unchanged command can be profiled
+with overrides (``policy.profile.dir=prof``) and the run's ``config.yaml`` says it was:
 
-* ``NEMO_FP8_PROFILE_DIR``: where each rank writes its table (unset: no profiling, no cost);
-* ``NEMO_FP8_PROFILE_TRAIN_CALL``: which training call of the process to profile (1-based, default 3: the first
-  two carry the warm-up: kernel selection, allocator growth);
-* ``NEMO_FP8_PROFILE_MICRO_BATCHES``: how many micro-batches it records (default 6, after one untimed);
-* ``NEMO_FP8_PROFILE_TRACE=1``: also the Chrome trace of the window, ``train_call<N>_rank<R>.json.gz``
-  (chrome://tracing or Perfetto; tens of MB for an 8B model's 6 micro-batches).
+* ``dir``: where each rank writes its table (None: no profiling, no cost);
+* ``train_call``: which training call of the process to profile (1-based, default 3: the first two carry the
+  warm-up: kernel selection, allocator growth);
+* ``micro_batches``: how many micro-batches it records (default 6, after one untimed);
+* ``trace``: also the Chrome trace of the window, ``train_call<N>_rank<R>.json.gz`` (chrome://tracing or
+  Perfetto; tens of MB for an 8B model's 6 micro-batches).
 
 The output, ``train_call<N>_rank<R>.txt``, holds three parts: the window's wall time against its GPU kernel
 time (NCCL's share apart: a collective that waits for a peer rank counts as kernel time), then
@@ -17,24 +18,30 @@ self CPU time (where the host goes when the GPU waits on it: Python in an autogr
 from __future__ import annotations
 
 import gzip
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Optional
 
+from nemo_fp8.utils.config import ProfileConfig
+
 
 class TrainProfiler:
-    """``step()`` after every micro-batch, ``close()`` after the call; a no-op unless this call is the profiled one."""
+    """``step()`` after every micro-batch, ``close()`` after the call; a no-op unless this call is the profiled one.
 
-    def __init__(self, call: int, rank: int):
+    Args:
+        call: this training call's number in the process (1-based).
+        rank: the policy rank (names the output files).
+        cfg: the ``policy.profile`` section.
+    """
+
+    def __init__(self, call: int, rank: int, cfg: ProfileConfig):
         self._prof = None
-        out = os.environ.get("NEMO_FP8_PROFILE_DIR")
-        if not out or call != int(os.environ.get("NEMO_FP8_PROFILE_TRAIN_CALL", "3")):
+        if not cfg.dir or call != cfg.train_call:
             return
         import torch
 
-        active = int(os.environ.get("NEMO_FP8_PROFILE_MICRO_BATCHES", "6"))
+        active, out, self._trace = cfg.micro_batches, cfg.dir, cfg.trace
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -63,7 +70,7 @@ class TrainProfiler:
                              + events.table(sort_by=by_device, row_limit=60, max_name_column_width=90)
                              + "\n# by self_cpu_time_total\n"
                              + events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
-        if os.environ.get("NEMO_FP8_PROFILE_TRACE") == "1":
+        if self._trace:
             raw = self.path.with_suffix(".json")
             prof.export_chrome_trace(str(raw))
             with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:

@@ -2,6 +2,7 @@
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +13,13 @@ from nemo_fp8.algorithms.loss import (
     importance_sampling_weights,
     kl_penalty_per_token,
 )
+from nemo_fp8.algorithms.is_corrections import IS_CORRECTIONS, register_is_correction
+from nemo_fp8.algorithms.loss import TRUNCATED_IS_TYPES
 from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS
+from nemo_fp8.config import ConfigError, load_config
 
 LN = math.log
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny.yaml"
 
 
 def floats(metrics):
@@ -100,6 +105,36 @@ def test_valid_configs_without_warnings():
         assert cfg.truncated_importance_sampling_ratio_min == 0.5
         ClippedPGLossConfig(truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_ratio=None)
         ClippedPGLossConfig(token_level_loss=False, use_importance_sampling_correction=True)
+
+
+def test_the_config_lists_the_registered_is_corrections():
+    assert TRUNCATED_IS_TYPES == tuple(IS_CORRECTIONS) == ("tis", "icepop", "seq-mask-tis", "seq-tis")
+    assert all(c.name == name for name, c in IS_CORRECTIONS.items())
+    # the registry says which corrections need a window around 1; the config's checks follow it
+    assert {name for name, c in IS_CORRECTIONS.items() if c.window} == {"icepop", "seq-mask-tis"}
+    for name, c in IS_CORRECTIONS.items():
+        kwargs = dict(truncated_importance_sampling_type=name, truncated_importance_sampling_ratio_min=1.5,
+                      truncated_importance_sampling_ratio=3.0)  # lo > 1: fine for a clamp, not for a window
+        if c.window:
+            with pytest.raises(ValueError, match="truncated_importance_sampling_ratio_min: must be set and < 1"):
+                ClippedPGLossConfig(**kwargs)
+        else:
+            ClippedPGLossConfig(**kwargs)
+
+
+def test_an_unknown_is_correction_is_a_config_error_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="truncated_importance_sampling_type") as e:
+        ClippedPGLossConfig(truncated_importance_sampling_type="mis")
+    with pytest.raises(ConfigError, match="loss_fn.truncated_importance_sampling_type") as e2:
+        load_config(TINY_CONFIG, ["loss_fn.truncated_importance_sampling_type=mis"])
+    for msg in (str(e.value), str(e2.value)):
+        assert all(f"'{name}'" in msg for name in IS_CORRECTIONS), msg
+
+
+def test_an_is_correction_name_registers_once():
+    with pytest.raises(ValueError, match="'tis' is already registered"):
+        register_is_correction("tis", window=False)(lambda r, log_r, valid, lo, hi: (r, valid, valid))
+    assert IS_CORRECTIONS["tis"].fn.__name__ == "tis"
 
 
 # --------------------------------------------------------------------------- #

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+import types
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from nemo_fp8.generation.config import VllmConfig
-from nemo_fp8.generation.vllm.engine_args import (WORKER_EXTENSION_CLS, build_engine_spec, engine_env,
-                                                  live_activation_scales)
-from nemo_fp8.generation.vllm.patches import PATCHES, check_patch_table
+from nemo_fp8.generation.vllm.engine_args import (FP8_WORKER_EXTENSION_CLS, WORKER_EXTENSION_CLS, build_engine_spec,
+                                                  engine_env, live_activation_scales)
+from nemo_fp8.generation.vllm.patches import ENGINE_SETTINGS_KEY, PATCHES, check_patch_table, engine_settings
 from nemo_fp8.generation.vllm.refit import build_refit_plan, merge_ipc_handles
 
 DENSE = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -27,7 +31,7 @@ def test_fp8_engine_args():
     assert "model.layers.0.self_attn.qkv_proj" in qc["ignored_layers"] and "model.layers.0.mlp.down_proj" in qc["ignored_layers"]
     assert not any(".layers.1." in n for n in qc["ignored_layers"]) and qc["ignored_layers"][-1] == "lm_head"
     assert kw["load_format"] == "dummy" and kw["logprobs_mode"] == "processed_logprobs"
-    assert kw["kv_cache_dtype"] == "fp8" and kw["worker_extension_cls"] == WORKER_EXTENSION_CLS
+    assert kw["kv_cache_dtype"] == "fp8" and kw["worker_extension_cls"] == FP8_WORKER_EXTENSION_CLS
     assert kw["weight_transfer_config"] == {"backend": "ipc"} and kw["max_model_len"] == 1024 and kw["model"] == "/m"
     assert "model.layers.1.self_attn.q_proj" in spec.fp8_modules and "model.layers.0.self_attn.q_proj" not in spec.fp8_modules
     assert "kv_cache_memory_bytes" not in kw  # vLLM sizes the KV cache from gpu_memory_utilization
@@ -186,6 +190,73 @@ def test_packed_ipc_send_gives_one_buffer_per_bucket_that_unpacks_to_the_convert
 def test_bf16_engine_has_no_quantization():
     spec = build_engine_spec(VllmConfig(), DENSE)
     assert "hf_overrides" not in spec.engine_kwargs and spec.fp8_modules == [] and spec.ignored_layers == []
+    assert spec.engine_kwargs["worker_extension_cls"] == WORKER_EXTENSION_CLS  # only the patches of every engine
+
+
+def test_engine_settings_travel_in_vllms_additional_config_not_the_environment():
+    """What the workers' patches read comes in the engine's own config (``additional_config``); the environment
+    holds vLLM's switches only."""
+    pow2 = dict(use_deep_gemm=True, pow2_weight_scaling_factors=True, pow2_activation_scaling_factors=True)
+    for cfg, expected in [(VllmConfig(precision="fp8", **pow2), {"precision": "fp8", "pow2_activation_scales": True}),
+                          (VllmConfig(precision="fp8"), {"precision": "fp8", "pow2_activation_scales": False}),
+                          (VllmConfig(**pow2), {"precision": "bfloat16", "pow2_activation_scales": False})]:
+        spec = build_engine_spec(cfg, DENSE)
+        extra = spec.engine_kwargs["additional_config"]
+        assert extra == {ENGINE_SETTINGS_KEY: expected}
+        assert engine_settings(SimpleNamespace(additional_config=extra)) == expected
+        assert all(k.startswith("VLLM_") for k in spec.env), spec.env
+    assert engine_settings(SimpleNamespace(additional_config={})) == {}  # an engine built without them
+    assert engine_settings(object()) == {}
+
+
+def test_the_worker_extension_an_engine_names_decides_its_patches(monkeypatch):
+    """The module named by ``worker_extension_cls`` is imported in each worker before the model is built: BF16
+    engines' applies the patches of every engine, FP8 engines' the FP8 ones too; both give the same class."""
+    import importlib
+
+    from nemo_fp8.generation.vllm import patches
+
+    calls = []
+    monkeypatch.setattr(patches, "apply_patches", lambda fp8=True: calls.append(fp8))
+    classes = []
+    for qualname, expected in [(WORKER_EXTENSION_CLS, [False]), (FP8_WORKER_EXTENSION_CLS, [False, True])]:
+        module, _, name = qualname.rpartition(".")
+        for m in ("nemo_fp8.generation.vllm.worker_extension", "nemo_fp8.generation.vllm.worker_extension_fp8"):
+            monkeypatch.delitem(sys.modules, m, raising=False)  # a fresh worker process
+        calls.clear()
+        classes.append(getattr(importlib.import_module(module), name))
+        assert calls == expected, qualname
+    assert classes[0].__name__ == classes[1].__name__ == "Fp8WorkerExtension"
+    assert hasattr(classes[1], "nemo_fp8_scale_convention")
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_quantfp8_patch_reads_pow2_from_the_engine_being_built(monkeypatch, pow2):
+    """vLLM builds the model under ``set_current_vllm_config``; the patched ``QuantFP8.__init__`` takes
+    ``use_ue8m0`` of dynamic per-token-group quantizers from that config's settings, and leaves others alone."""
+    from nemo_fp8.generation.vllm.patches import _wrap_quantfp8_init
+
+    spec = build_engine_spec(VllmConfig(precision="fp8", use_deep_gemm=pow2, pow2_weight_scaling_factors=pow2,
+                                        pow2_activation_scaling_factors=pow2), DENSE)
+    current = SimpleNamespace(additional_config=spec.engine_kwargs["additional_config"])
+    vllm_config_mod = types.ModuleType("vllm.config")
+    vllm_config_mod.get_current_vllm_config = lambda: current
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", vllm_config_mod)
+
+    def init(self, static, group):
+        self.static, self.is_group_quant, self.use_ue8m0 = static, group, "vllm's choice"
+
+    patched = _wrap_quantfp8_init(init)
+    dynamic_group, static_group, per_token = (SimpleNamespace() for _ in range(3))
+    patched(dynamic_group, False, True)
+    patched(static_group, True, True)
+    patched(per_token, False, False)
+    assert dynamic_group.use_ue8m0 is pow2
+    assert static_group.use_ue8m0 == per_token.use_ue8m0 == "vllm's choice"
+    current.additional_config = {}  # not built by nemo_fp8: fp32 scales, as before the patch knew of settings
+    patched(dynamic_group, False, True)
+    assert dynamic_group.use_ue8m0 is False
 
 
 def test_model_runner_sets_vllms_switch_only_when_asked():
@@ -201,7 +272,7 @@ def test_scale_convention_env_and_refusal():
     assert engine_env(VllmConfig(precision="fp8"))["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
     env = engine_env(VllmConfig(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True,
                                 pow2_activation_scaling_factors=True))
-    assert env["VLLM_USE_DEEP_GEMM"] == "1" and env["VLLM_USE_DEEP_GEMM_E8M0"] == "1" and env["NEMO_FP8_POW2_ACT_SCALES"] == "1"
+    assert env["VLLM_USE_DEEP_GEMM"] == "1" and env["VLLM_USE_DEEP_GEMM_E8M0"] == "1"
     assert engine_env(VllmConfig(precision="fp8", use_deep_gemm=True))["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
     with pytest.raises(ValueError, match="pow2_activation_scaling_factors"):
         build_engine_spec(VllmConfig(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True), DENSE)

@@ -103,7 +103,7 @@ def test_rl_workload_batch_configs_and_table(capsys):
     import argparse
 
     a = argparse.Namespace(model=None, rl_responses=64, rl_prompt=512, rl_response_min=256, rl_response_max=3072,
-                           logprob_kernel="fused", tp=1, rl_train_mb_tokens=4096)
+                           logprob_kernel="fused", tp=1, rl_train_mb_tokens=4096, warmup=2, steps=5, profile_dir=None)
     batch = bt.rl_batch(a, vocab=1000).validate()
     assert batch.size == 64 and (batch.prompt_lengths == 512).all()
     assert 256 <= int(batch.response_lengths.min()) and int(batch.response_lengths.max()) <= 3072
@@ -111,6 +111,11 @@ def test_rl_workload_batch_configs_and_table(capsys):
     assert packed.sequence_packing.enabled and not plain.sequence_packing.enabled
     assert (packed.sequence_packing.train_mb_tokens, packed.sequence_packing.logprob_mb_tokens) == (4096, 16384)
     assert packed.megatron_cfg.tensor_model_parallel_size == 1 and not packed.megatron_cfg.sequence_parallel
+    assert packed.profile.dir is None  # profiled only with --profile-dir, then the call after the timed ones
+    a.profile_dir = "prof/dense-bf16-packed"
+    assert bt.rl_policy_cfg(a, "bf16", True).profile.model_dump() == dict(
+        dir="prof/dense-bf16-packed", train_call=8, micro_batches=6, trace=False)
+    a.profile_dir = None
     a.tp, a.rl_train_mb_tokens = 2, 8192  # the 8B configs' layout, the budget of the command line
     wide = bt.rl_policy_cfg(a, "e4m3-blockwise@activation_checkpointing=true", True)
     assert wide.megatron_cfg.tensor_model_parallel_size == 2 and wide.megatron_cfg.sequence_parallel

@@ -43,6 +43,22 @@ def test_resume_with_the_model_folder_written_absolute_is_no_change(tmp_path, mo
     assert "policy.model_name" not in resume_changes(saved, absolute, checkpoint_step=1)
 
 
+def test_profiling_is_config_resolved_like_the_other_folders_and_may_change_on_resume(tmp_path, monkeypatch):
+    """``policy.profile`` is part of the resolved config (so of ``config.yaml`` and the resume diff), not the
+    environment: a change on resume is allowed and listed, and a bad value is a config error naming the key."""
+    monkeypatch.chdir(tmp_path)
+    plain = load_config(CONFIGS / "grpo_math_tiny_fp8.yaml")
+    assert plain.policy.profile.dir is None and "profile:" in config_to_yaml(plain)
+    profiled = load_config(CONFIGS / "grpo_math_tiny_fp8.yaml",
+                           ["policy.profile.dir=prof", "policy.profile.train_call=5", "policy.profile.trace=true"])
+    assert profiled.policy.profile.dir == str(tmp_path / "prof")  # typed on the command line: the working directory
+    changes = resume_changes(config_to_yaml(plain), profiled, checkpoint_step=1)
+    assert changes == {"policy.profile.dir": (None, str(tmp_path / "prof")), "policy.profile.train_call": (3, 5),
+                       "policy.profile.trace": (False, True)}
+    with pytest.raises(ConfigError, match="policy.profile.micro_batches"):
+        load_config(CONFIGS / "grpo_math_tiny_fp8.yaml", ["policy.profile.micro_batches=0"])
+
+
 @pytest.mark.parametrize("text", ["- grpo\n- policy\n", "3\n"])
 def test_a_yaml_whose_top_level_is_not_a_mapping_is_a_config_error(tmp_path, text):
     bad = tmp_path / "bad.yaml"

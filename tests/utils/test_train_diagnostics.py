@@ -8,6 +8,7 @@ import torch
 from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.policy.torch_backend import ShardTrainResult, reduce_train_results
 from nemo_fp8.utils.memory import CudaMemoryWindow
+from nemo_fp8.utils.config import ProfileConfig
 from nemo_fp8.utils.profiling import TrainProfiler
 
 
@@ -31,11 +32,9 @@ def test_cuda_memory_window_reports_nothing_without_cuda():
     assert window.metrics("memory/train_") == {}
 
 
-def _steps(monkeypatch, tmp_path, call: int, env_call: str):
-    monkeypatch.setenv("NEMO_FP8_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setenv("NEMO_FP8_PROFILE_TRAIN_CALL", env_call)
-    monkeypatch.setenv("NEMO_FP8_PROFILE_MICRO_BATCHES", "2")
-    prof = TrainProfiler(call, rank=1)
+def _steps(tmp_path, call: int, profiled_call: int, trace: bool = False):
+    prof = TrainProfiler(call, rank=1, cfg=ProfileConfig(dir=str(tmp_path), train_call=profiled_call,
+                                                         micro_batches=2, trace=trace))
     x = torch.randn(64, 64)
     for _ in range(4):
         x = torch.tanh(x @ x.T / 64)
@@ -43,10 +42,10 @@ def _steps(monkeypatch, tmp_path, call: int, env_call: str):
     prof.close()
 
 
-def test_profiler_writes_the_profiled_calls_table_only(monkeypatch, tmp_path):
-    _steps(monkeypatch, tmp_path, call=2, env_call="3")
+def test_profiler_writes_the_profiled_calls_table_only(tmp_path):
+    _steps(tmp_path, call=2, profiled_call=3)
     assert list(tmp_path.iterdir()) == []  # not the profiled call: no profiler at all
-    _steps(monkeypatch, tmp_path, call=3, env_call="3")
+    _steps(tmp_path, call=3, profiled_call=3)
     table = (tmp_path / "train_call3_rank1.txt").read_text()
     assert "aten::mm" in table and "aten::tanh" in table
     head, by_device, by_cpu = table.split("\n# by ")
@@ -55,20 +54,18 @@ def test_profiler_writes_the_profiled_calls_table_only(monkeypatch, tmp_path):
     assert not list(tmp_path.glob("*.json.gz"))  # the trace is opt-in
 
 
-def test_profiler_writes_the_chrome_trace_on_request(monkeypatch, tmp_path):
+def test_profiler_writes_the_chrome_trace_on_request(tmp_path):
     import gzip
     import json
 
-    monkeypatch.setenv("NEMO_FP8_PROFILE_TRACE", "1")
-    _steps(monkeypatch, tmp_path, call=3, env_call="3")
+    _steps(tmp_path, call=3, profiled_call=3, trace=True)
     trace = json.loads(gzip.open(tmp_path / "train_call3_rank1.json.gz").read())
     assert any(ev.get("name") == "aten::tanh" for ev in trace["traceEvents"])
     assert sorted(f.name for f in tmp_path.iterdir()) == ["train_call3_rank1.json.gz", "train_call3_rank1.txt"]
 
 
-def test_profiler_is_off_without_its_directory(monkeypatch, tmp_path):
-    monkeypatch.delenv("NEMO_FP8_PROFILE_DIR", raising=False)
-    prof = TrainProfiler(3, rank=0)
+def test_profiler_is_off_without_its_directory():
+    prof = TrainProfiler(3, rank=0, cfg=ProfileConfig())
     prof.step()
     prof.close()
     assert prof._prof is None

@@ -28,12 +28,18 @@ What the FP8 engine needs, and where each piece comes from:
   ``per_token_group_quant`` CUDA op): the decode-step profile is in docs/performance.md
   (``profile-rollout`` suite). ``live_activation_scales`` says which format an engine really uses.
 * ``worker_extension_cls``: ``Fp8WorkerExtension``, imported in every worker process before the
-  model is built; importing it applies the patch table (``patches.py``) from the environment.
-* Environment (set before the engine spawns its processes, inherited by them):
-  ``VLLM_USE_DEEP_GEMM`` (``use_deep_gemm``), ``VLLM_USE_DEEP_GEMM_E8M0``
-  (= ``pow2_weight_scaling_factors``: one scale convention end to end), and
-  ``NEMO_FP8_POW2_ACT_SCALES`` (read by the patch that makes vLLM's per-token-group activation
-  quantizer honour ``pow2_activation_scaling_factors``).
+  model is built; importing its module applies the patch table (``patches.py``): from
+  ``worker_extension`` those of every engine, from ``worker_extension_fp8`` (FP8 engines) the FP8
+  ones too. The engine argument, not the environment, says which.
+* ``additional_config={"nemo_fp8": {...}}`` (``engine_additional_config``): vLLM's own slot for
+  settings of extensions, carried in ``VllmConfig`` to every engine process (and into its compile
+  cache hash). ``pow2_activation_scales`` there is read by the patch that makes vLLM's
+  per-token-group activation quantizer honour ``pow2_activation_scaling_factors``.
+* Environment (set before the engine spawns its processes, inherited by them): vLLM's own switches
+  only, ``VLLM_USE_DEEP_GEMM`` (``use_deep_gemm``), ``VLLM_USE_DEEP_GEMM_E8M0``
+  (= ``pow2_weight_scaling_factors``: one scale convention end to end), ``VLLM_USE_V2_MODEL_RUNNER``
+  and ``VLLM_ALLOW_INSECURE_SERIALIZATION``: vLLM reads these from the environment and has no
+  engine argument for them. No nemo_fp8 setting travels through the environment.
 
 Scale-convention rules (``scale_convention_errors``): DeepGEMM with E8M0 requantizes every
 weight to power-of-two scales after loading and casts activation scales to powers of two, so
@@ -48,10 +54,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nemo_fp8.generation.config import SUPPORTED_TENSOR_PARALLEL_SIZES, VllmConfig
+from nemo_fp8.generation.vllm.patches import ENGINE_SETTINGS_KEY  # pure python: imports no vLLM
 
 WORKER_EXTENSION_CLS = "nemo_fp8.generation.vllm.worker_extension.Fp8WorkerExtension"
-ENV_POW2_ACT = "NEMO_FP8_POW2_ACT_SCALES"
-ENV_PRECISION = "NEMO_FP8_PRECISION"
+FP8_WORKER_EXTENSION_CLS = "nemo_fp8.generation.vllm.worker_extension_fp8.Fp8WorkerExtension"
 WEIGHT_TRANSFER_BACKENDS = ("ipc", "nccl")
 
 
@@ -61,8 +67,9 @@ class Fp8EngineSpec:
 
     Attributes:
         engine_kwargs: keyword arguments of ``vllm.LLM`` / ``EngineArgs``.
-        env: environment variables every engine process must see (already applied by
-            ``init_fp8`` unless ``apply_env=False``).
+        env: vLLM's environment switches every engine process must see (already applied by
+            ``init_fp8`` unless ``apply_env=False``); nemo_fp8's own settings travel in
+            ``engine_kwargs["additional_config"]``.
         fp8_modules: HF names of the Linear modules that run in FP8 (the refit quantizes
             ``<module>.weight`` of exactly these).
         ignored_layers: vLLM ``ignored_layers`` (high-precision modules).
@@ -88,14 +95,23 @@ def scale_convention_errors(cfg: VllmConfig) -> list[str]:
     return errs
 
 
+def engine_additional_config(cfg: VllmConfig) -> dict[str, Any]:
+    """vLLM ``additional_config`` for ``cfg``: nemo_fp8's settings under ``patches.ENGINE_SETTINGS_KEY``.
+
+    ``precision`` (``"bfloat16"`` | ``"fp8"``) and ``pow2_activation_scales`` (bool: the dynamic per-token-group
+    activation quantizers of an FP8 engine use power-of-two scales; False in a BF16 engine, which has none).
+    JSON values only: vLLM hashes the dict into its compile cache key.
+    """
+    return {ENGINE_SETTINGS_KEY: {"precision": cfg.precision,
+                                  "pow2_activation_scales": cfg.precision == "fp8" and cfg.pow2_activation_scaling_factors}}
+
+
 def engine_env(cfg: VllmConfig) -> dict[str, str]:
-    """Environment of every engine process for ``cfg`` (always explicit, never vLLM's defaults)."""
+    """vLLM's environment switches of every engine process for ``cfg`` (always explicit, never vLLM's defaults)."""
     env = {
         "VLLM_USE_DEEP_GEMM": "1" if cfg.use_deep_gemm else "0",
         # one scale convention end to end: E8M0 (pow2) scales in vLLM iff pow2 in our quantizer
         "VLLM_USE_DEEP_GEMM_E8M0": "1" if (cfg.use_deep_gemm and cfg.pow2_weight_scaling_factors) else "0",
-        ENV_POW2_ACT: "1" if cfg.pow2_activation_scaling_factors else "0",
-        ENV_PRECISION: cfg.precision,
         # CUDA IPC handles (rebuild_cuda_tensor args hold torch types) cross LLM.update_weights -> engine core
         # through vLLM's msgpack encoder, which needs its pickle fallback for them
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
@@ -185,7 +201,8 @@ def build_engine_spec(cfg: VllmConfig, model_config: Any, model_path: Optional[s
         "enforce_eager": cfg.enforce_eager,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": WORKER_EXTENSION_CLS,
+        "worker_extension_cls": FP8_WORKER_EXTENSION_CLS if cfg.precision == "fp8" else WORKER_EXTENSION_CLS,
+        "additional_config": engine_additional_config(cfg),
         "weight_transfer_config": {"backend": weight_transfer},
         "enable_sleep_mode": bool(colocated),
         "enable_prefix_caching": False,
@@ -214,7 +231,7 @@ def init_fp8(vllm_cfg: VllmConfig, model_config: Any, model_path: Optional[str] 
              apply_env: bool = True, check_patches: bool = True, **kwargs) -> Fp8EngineSpec:
     """Engine arguments for the FP8 rollout engine, with every engine process prepared.
 
-    Sets the environment (``engine_env``) in this process, which vLLM's engine and worker
+    Sets vLLM's environment switches (``engine_env``) in this process, which vLLM's engine and worker
     processes inherit, and - when vLLM is importable - checks the patch table against the
     installed vLLM (clear error on an untested version). The worker extension applies the
     patches inside each worker at import. Returns ``Fp8EngineSpec``; build the engine with

@@ -7,7 +7,10 @@ things:
 - vLLM picks the activation quantizer's scale format from the GEMM kernel (CUTLASS: fp32;
   DeepGEMM: E8M0 iff ``VLLM_USE_DEEP_GEMM_E8M0``), while our config has its own
   ``pow2_activation_scaling_factors``. Patch ``quantfp8_pow2_act`` wraps ``QuantFP8.__init__`` so
-  that dynamic per-token-group quantizers use ``use_ue8m0 = NEMO_FP8_POW2_ACT_SCALES`` (FP8 engines).
+  that dynamic per-token-group quantizers use ``use_ue8m0 = pow2_activation_scales`` of the engine's
+  settings (FP8 engines). The settings travel in the engine's own config: ``engine_args`` puts them in
+  vLLM's ``additional_config`` under ``ENGINE_SETTINGS_KEY``; vLLM builds the model under
+  ``set_current_vllm_config``, where the wrapper reads them (``engine_settings``).
 - ``Worker.sleep`` asserts that the whole GPU's free memory (``torch.cuda.mem_get_info``) did not
   fall while the engine slept. Its memory is released before that check, but another process on the
   same GPU (a colocated trainer, or other engines: ``compare_precision.py --parallel``) can allocate
@@ -26,7 +29,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +57,30 @@ class Patch:
     fp8_only: bool = True
 
 
+#: The key of nemo_fp8's settings in vLLM's ``additional_config`` (``VllmConfig.additional_config``).
+ENGINE_SETTINGS_KEY = "nemo_fp8"
+
+
+def engine_settings(vllm_config: Any) -> dict[str, Any]:
+    """nemo_fp8's settings of an engine: ``vllm_config.additional_config[ENGINE_SETTINGS_KEY]`` as
+    ``engine_args.engine_additional_config`` wrote it (``{}`` for an engine built without them).
+
+    Args:
+        vllm_config: a ``vllm.config.VllmConfig`` (anything with an ``additional_config`` dict).
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    settings = extra.get(ENGINE_SETTINGS_KEY) if isinstance(extra, dict) else None
+    return dict(settings) if isinstance(settings, dict) else {}
+
+
 def _wrap_quantfp8_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if getattr(self, "is_group_quant", False) and not getattr(self, "static", True):
-            self.use_ue8m0 = os.environ.get("NEMO_FP8_POW2_ACT_SCALES", "0") == "1"
+            from vllm.config import get_current_vllm_config  # set while vLLM builds the model (initialize_model)
+
+            self.use_ue8m0 = bool(engine_settings(get_current_vllm_config()).get("pow2_activation_scales", False))
 
     __init__._nemo_fp8_patched = True
     return __init__

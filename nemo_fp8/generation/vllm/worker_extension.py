@@ -1,8 +1,9 @@
 """Mixed into every vLLM worker (``worker_extension_cls``); importing it applies the patch table.
 
 vLLM imports this module in each worker process before the model is built, so the patches in
-``patches.py`` are in place when the Linear kernels are created (FP8 engines: all of them; BF16
-engines: those not marked ``fp8_only``). The methods are called by name
+``patches.py`` are in place when the Linear kernels are created: this module applies those of every
+engine (not marked ``fp8_only``); FP8 engines name ``worker_extension_fp8.Fp8WorkerExtension``, whose
+module imports this one and applies the FP8 ones too (``engine_args``). The methods are called by name
 through ``LLM.collective_rpc`` (no insecure serialization needed) by tests and the backend.
 """
 
@@ -14,9 +15,9 @@ import torch
 
 from nemo_fp8.generation.vllm.engine_args import live_activation_scales
 from nemo_fp8.generation.vllm.log_filters import install_log_filters
-from nemo_fp8.generation.vllm.patches import apply_patches
+from nemo_fp8.generation.vllm.patches import apply_patches, engine_settings
 
-apply_patches(fp8=os.environ.get("NEMO_FP8_PRECISION") == "fp8")
+apply_patches(fp8=False)
 install_log_filters()  # vLLM's per-refit "RotaryEmbedding: Failed to load weights" is a false alarm (log_filters.py)
 
 
@@ -127,6 +128,6 @@ class Fp8WorkerExtension:
                 "compiled": compiled, "fuse_act_quant": fuse_act, "fuse_norm_quant": fuse_norm,
                 "act_scales": live_activation_scales(sorted(act_ue8m0), compiled, fuse_act, fuse_norm),
                 "env_e8m0": os.environ.get("VLLM_USE_DEEP_GEMM_E8M0"),
-                "env_pow2_act": os.environ.get("NEMO_FP8_POW2_ACT_SCALES"),
+                "pow2_act_setting": engine_settings(self.vllm_config).get("pow2_activation_scales"),
                 # vLLM's GPU model runner of this worker (vllm_cfg.model_runner; auto: V2 for unquantized Qwen3 only)
                 "model_runner": "v2" if getattr(self, "use_v2_model_runner", False) else "v1"}

@@ -183,7 +183,7 @@ class MegatronPolicyBackend:
         if load_weights and self._fp8_param:
             self._load_fp8_params_and_main_params()
         self.num_updates = 0
-        self._train_calls = 0  # train_shard calls so far (the opt-in profiler's NEMO_FP8_PROFILE_TRAIN_CALL)
+        self._train_calls = 0  # train_shard calls so far (the opt-in profiler's policy.profile.train_call)
         self._offloaded: set[str] = set()
         self._host = HostBuffers()  # the optimizer state's host memory, reused at every colocated refit
         if cfg.generation.colocated.moves_trainer_state:
@@ -373,7 +373,7 @@ class MegatronPolicyBackend:
         memory = CudaMemoryWindow(self.device)
         memory.start()
         self._train_calls += 1
-        prof = TrainProfiler(self._train_calls, self.rank)
+        prof = TrainProfiler(self._train_calls, self.rank, self.cfg.profile)
         result = ShardTrainResult([], [])
         if micro_batches is None:
             batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)

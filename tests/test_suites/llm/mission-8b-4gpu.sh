@@ -40,7 +40,7 @@
 #            (default bf16,e4m3-blockwise,e4m3-tensorwise) ($OUT/train_ceiling.json): the report's engines' bound
 #            puts log-probs and training at that FP8 gain
 # Diagnostics of the same command: memory/train_* in metrics.jsonl (peak allocated / reserved, allocator retries),
-# gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with NEMO_FP8_PROFILE_DIR set
+# gpu_mem_<run>.csv and gpu_procs_<run>.csv (nvidia-smi per GPU and per process), and with policy.profile.dir set
 # a torch.profiler table of 6 micro-batches of training call 3 per rank (nemo_fp8/utils/profiling.py)
 source "$(dirname "$0")/../common.sh"
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}
