@@ -27,11 +27,12 @@ def cpu_ticks(pid: int) -> int:
     return int(utime) + int(stime)
 
 
-def wait_busy(pid: int, timeout=60.0) -> None:
+def wait_busy(proc, pid: int, timeout=60.0) -> None:
     """Until ``pid`` burns CPU (an engine generating), so the kill lands inside a call to it."""
     deadline, last = time.monotonic() + timeout, cpu_ticks(pid)
     while time.monotonic() < deadline:
         time.sleep(0.1)
+        assert proc.poll() is None and Path(f"/proc/{pid}").exists(), proc.communicate()[1][-3000:]
         now = cpu_ticks(pid)
         if now - last >= 5:
             return
@@ -40,13 +41,15 @@ def wait_busy(pid: int, timeout=60.0) -> None:
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_a_killed_engine_is_named_and_the_run_ends_within_15_s(tiny_model_dir, tmp_path, dp):
-    layout = [f"policy.data_parallel_size={dp}", f"policy.train_micro_batch_size={16 // dp}", f"cluster.num_cpus={2 * dp}"]
-    proc = start_job(tiny_model_dir, tmp_path, "grpo.max_num_steps=50", *layout)
+    # bins of 4 rows (one prompt's samples): every engine gets some of a step's 16 rows
+    layout = [f"policy.data_parallel_size={dp}", f"policy.train_micro_batch_size={16 // dp}", f"cluster.num_cpus={2 * dp}",
+              "policy.generation_batch_size=4"]
+    proc = start_job(tiny_model_dir, tmp_path, "grpo.max_num_steps=500", *layout)
     procs = wait_for_checkpoint(proc, tmp_path, timeout=400)
     engines = [p for p in procs if b"ray::GenerationWorker" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(engines) == dp, engines
     victim = engines[-1]
-    wait_busy(victim)
+    wait_busy(proc, victim)
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=120)
