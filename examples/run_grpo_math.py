@@ -7,8 +7,8 @@
 With no ``--config`` it runs examples/configs/grpo_math_tiny_fp8.yaml, the embedded CPU default.
 A run owns its logger.log_dir and checkpointing.checkpoint_dir: a fresh run into folders holding
 another run stops (pass --resume, a new folder, or --overwrite), and a second run on the same
-folders stops at once. Exit codes: 0 done, 1 a Ray worker died (resumable), 2 configuration / setup error, 130 Ctrl-C,
-143 SIGTERM.
+folders stops at once. Exit codes: 0 done, 1 a part failed (a Ray worker or engine died, a full disk, the
+reward scorer; named, resumable), 2 configuration / setup error, 130 Ctrl-C (twice: at once), 143 SIGTERM.
 """
 
 import argparse

@@ -82,6 +82,38 @@ def model_folder_errors(path: Path, can_build: bool) -> list[str]:
     return [f"{key}: {f}: {why}" for f in weights if (why := check_safetensors(f)) is not None]
 
 
+def folder_errors(key: str, path: Path) -> list[str]:
+    """What keeps the run from writing into the folder ``path`` (``key`` names it): a file in its place, a file
+    where one of its parents should be, or no write access where it is or would be created (a read-only file
+    system, missing permission). Root ignores permission bits but not a read-only mount: ``os.access`` says both."""
+    if path.exists() and not path.is_dir():
+        return [f"{key}: {path} is a file; a folder is needed (choose another {key} or move the file)"]
+    existing = next((p for p in [path, *path.parents] if p.exists()), Path("/"))
+    if not existing.is_dir():
+        return [f"{key}: {path} cannot be created: {existing} is a file"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        readonly = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        why = "is on a read-only file system" if readonly else "is not writable (permissions)"
+        what = f"{path} {why}" if existing == path else f"{path} cannot be created: {existing} {why}"
+        return [f"{key}: {what}; choose another {key}"]
+    return []
+
+
+def check_run_folders(cfg: MasterConfig) -> None:
+    """``logger.log_dir`` and (with checkpointing on) ``checkpointing.checkpoint_dir`` can be created and written
+    (``folder_errors``); runs first, before the folders are locked.
+
+    Raises:
+        PreflightError: one line per folder that cannot be used, naming its key and path.
+    """
+    folders = [("logger.log_dir", cfg.logger.log_dir)]
+    if cfg.checkpointing.enabled:
+        folders.append(("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir))
+    errs = [e for key, path in folders for e in folder_errors(key, Path(path))]
+    if errs:
+        raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
+
+
 def check_model(cfg: MasterConfig) -> list[str]:
     """``policy.model_name`` is an HF folder (or may be built there) or a hub id that resolves
     (``nemo_fp8.models.hub``); ``policy.tokenizer.name`` likewise when it is a local path or hub id."""

@@ -114,11 +114,12 @@ class Workers:
     refitter: RefitController
     placement: object = None  # nemo_fp8.distributed.placement.Placement
 
-    def shutdown(self) -> None:
-        """Shut both groups down and release their placement groups."""
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Shut both groups down and release their placement groups; ``timeout_s`` bounds each group's wait for
+        its actors' shutdown calls (the actors are ended either way). Failures are logged, not raised."""
         for group in (self.generation, self.policy):
             try:
-                group.shutdown()
+                group.shutdown(timeout_s)
             except Exception as e:  # a crashed actor must not hide the error that ended the run
                 logger.warning("shutdown of %s failed: %s", type(group).__name__, e)
         if self.placement is not None:
@@ -239,16 +240,23 @@ def prepare_run_dirs(cfg: MasterConfig, config_yaml: str, resume: bool, resume_f
     aside metrics rows that will be written again. A run that was started but never checkpointed
     restarts from step 0.
 
+    Removes the partial ``step_<N>.tmp`` folders a save that did not finish left (``remove_partial``).
+
     Raises:
+        PreflightError: a folder that cannot be written (a file in its place, a read-only file system), naming
+            its key (``check_run_folders``).
         RunSetupError: folder in use by another run (pid, host), mixing with another run, no
             checkpoint to resume, corrupt checkpoint (file, what is wrong, the older one to use).
         ConfigError: the new config changes keys that cannot change on resume.
     """
     from nemo_fp8.config import resume_changes
+    from nemo_fp8.preflight import check_run_folders
     from nemo_fp8.utils.checkpoint import verify_checkpoint
     from nemo_fp8.utils.logger import repair_metrics
-    from nemo_fp8.utils.run_dir import FolderLock, RunSetupError, claim_fresh, new_run_id, read_marker
+    from nemo_fp8.utils.run_dir import (FolderLock, RunSetupError, claim_fresh, new_run_id, os_error_reason,
+                                        read_marker)
 
+    check_run_folders(cfg)
     log_dir = Path(cfg.logger.log_dir)
     ckpt_dir = Path(cfg.checkpointing.checkpoint_dir) if cfg.checkpointing.enabled else None
     resume = resume or resume_from is not None
@@ -256,11 +264,17 @@ def prepare_run_dirs(cfg: MasterConfig, config_yaml: str, resume: bool, resume_f
         raise RunSetupError("--resume needs checkpointing.enabled=true (this config writes no checkpoints)")
     marker = ((read_marker(ckpt_dir) if ckpt_dir else None) or read_marker(log_dir)) if resume else None
     run_id = (marker or {}).get("run_id") or new_run_id()
-    folders = [ckpt_dir, log_dir] if ckpt_dir is not None and ckpt_dir.resolve() != log_dir.resolve() else [log_dir]
+    folders = [("checkpointing.checkpoint_dir", ckpt_dir), ("logger.log_dir", log_dir)] \
+        if ckpt_dir is not None and ckpt_dir.resolve() != log_dir.resolve() else [("logger.log_dir", log_dir)]
     locks: list = []
     try:
-        for folder in folders:
-            locks.append(FolderLock(folder, run_id).acquire())
+        for key, folder in folders:
+            try:
+                locks.append(FolderLock(folder, run_id).acquire())
+            except OSError as e:  # what check_run_folders cannot see (a full disk)
+                raise RunSetupError(f"{key}: cannot lock {folder}: {os_error_reason(e)}") from None
+        if ckpt_dir is not None:  # ours now: a save that did not finish left these (on a full disk, its space)
+            CheckpointManager(ckpt_dir).remove_partial()
         checkpoint, start_step, changes = None, 0, {}
         if not resume:
             claim_fresh(log_dir, ckpt_dir, overwrite)
@@ -327,6 +341,8 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
     Raises:
         RunSetupError: see ``prepare_run_dirs`` and ``nemo_fp8.preflight.preflight``.
         ConfigError: a resume changes keys that cannot change.
+        RunFailed: a part failed after the start (a Ray worker or engine died, a checkpoint did not fit, the reward
+            scorer raised, ...); one line naming it, with the resume hint (``describe_failure``).
         KeyboardInterrupt: Ctrl-C; ``Terminated`` (a KeyboardInterrupt) on SIGTERM.
     """
     from nemo_fp8.preflight import preflight, with_local_model
@@ -341,8 +357,11 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
         preflight(cfg)
         cfg = with_local_model(cfg)  # a hub id -> its snapshot folder; the saved config keeps the id
         resumed = setup.checkpoint is not None or resume or resume_from is not None
-        for folder in {cfg.logger.log_dir, *([cfg.checkpointing.checkpoint_dir] if cfg.checkpointing.enabled else [])}:
-            write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed)
+        folders = {cfg.logger.log_dir: "logger.log_dir"}
+        if cfg.checkpointing.enabled:
+            folders.setdefault(cfg.checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
+        for folder, key in folders.items():
+            write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed, key=key)
         logger.info("run %s (config %s)%s", setup.run_id, config_hash(config_yaml),
                     f", resuming from {setup.checkpoint}" if setup.checkpoint else "")
         return _run_owned(cfg, setup, config_yaml)
@@ -350,16 +369,70 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
         setup.release()
 
 
+class GuardedScorer:
+    """Wraps the reward scorer: an exception it raises becomes ``RunFailed`` naming the scorer and the exception
+    (the run then stops with that message, not a bare traceback after Ray's teardown)."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def __call__(self, responses: list[str], ground_truths: list[str]) -> list[float]:
+        """The scorer's rewards.
+
+        Raises:
+            RunFailed: the scorer raised (its type and message named; the original is the cause).
+        """
+        from nemo_fp8.utils.run_dir import RunFailed
+
+        try:
+            return self.scorer(responses, ground_truths)
+        except Exception as e:
+            raise RunFailed(f"the reward scorer ({type(self.scorer).__name__}, env.math) raised "
+                            f"{type(e).__name__}: {e}") from e
+
+
+def _stop_error(e: BaseException, hint: str, watchdog, workers) -> BaseException:
+    """What ``_run_owned`` raises for ``e``; the message is logged here, before Ray is torn down (the teardown takes
+    seconds, and a Ray half gone could end the process first). SIGTERM: ``Terminated``; Ctrl-C: ``e`` (a second
+    Ctrl-C now ends the process at once, ``SignalWatchdog``); setup errors: ``e``; anything else: ``RunFailed``
+    naming what failed (``describe_failure``) with the resume ``hint``, and the traceback logged when it helps."""
+    from nemo_fp8.distributed.teardown import actor_names, describe_failure
+    from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, Terminated
+
+    if isinstance(e, Terminated) or watchdog.fired.is_set():
+        logger.warning("terminated; %s", hint)
+        return Terminated()
+    if isinstance(e, KeyboardInterrupt):
+        watchdog.absorb_interrupts()
+        logger.warning("interrupted; %s", hint)
+        return e
+    if isinstance(e, RunSetupError):
+        return e
+    what, unexpected = describe_failure(e, actor_names(workers))
+    logger.error("%s; stopping the run", what, exc_info=e if unexpected else None)
+    return RunFailed(f"{what}; {hint}")
+
+
+def _end_ray(procs, watchdog, workers: Optional[Workers], graceful_wait_s: Optional[float]) -> None:
+    """Tear Ray down: ``graceful_teardown`` when ``graceful_wait_s`` is set (the actors still answer: done or Ctrl-C;
+    it bounds each wait), else ``fast_teardown``; then stop the watchdog and let the reaper go."""
+    from nemo_fp8.distributed.teardown import fast_teardown, graceful_teardown
+
+    if graceful_wait_s is not None:
+        graceful_teardown(workers, procs, graceful_wait_s)
+    else:
+        fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
+    watchdog.stop()
+    procs.close_reaper()
+
+
 def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str, float]:
     """The body of ``run`` once the folders are owned and the preflight passed."""
-    import ray
-
-    from nemo_fp8.distributed.teardown import (RayProcesses, SigtermWatchdog, actor_names, describe_dead_actor,
-                                               fast_teardown)
+    from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
     from nemo_fp8.distributed.worker_groups import init_ray
     from nemo_fp8.preflight import check_cluster
     from nemo_fp8.rewards import MathRewardScorer
-    from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, Terminated, raise_on_sigterm
+    from nemo_fp8.utils.run_dir import RunSetupError, Terminated, raise_on_sigterm
 
     ensure_model(cfg)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or cfg.policy.model_name)
@@ -377,7 +450,8 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         state = CheckpointManager.load_trainer_state(latest)
         start_step = int(state["step"])
     procs = RayProcesses(reaper=True)
-    watchdog = SigtermWatchdog(procs, lambda: interrupt_hint(cfg, checkpointer, setup.run_id))
+    hint = lambda: interrupt_hint(cfg, checkpointer, setup.run_id)  # noqa: E731
+    watchdog = SignalWatchdog(procs, hint)
     try:
         init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
         raise_on_sigterm()  # ray.init replaced it with sys.exit
@@ -386,15 +460,12 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         check_cluster(cfg)
         workers = start_workers(cfg, tokenizer, version=start_step)
         procs.record()
-    except BaseException:
-        fast_teardown(procs)
-        watchdog.stop()
-        procs.close_reaper()
-        if watchdog.fired.is_set():
-            raise Terminated() from None
-        raise
+    except BaseException as e:
+        err = _stop_error(e, hint(), watchdog, None)
+        _end_ray(procs, watchdog, None, None)
+        raise err from None
     metrics_logger = scorer = None
-    graceful = False
+    graceful_wait_s = None  # None: fast teardown; else a graceful one, each wait at most this long
     try:
         if latest is not None:
             workers.policy.load(latest / "policy")
@@ -409,26 +480,19 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
         scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
                                   max_seconds_per_step=cfg.env.math.max_seconds_per_step)
-        out = grpo_train(cfg, workers.policy, workers.generation, scorer, tokenizer, dataloader, val,
+        out = grpo_train(cfg, workers.policy, workers.generation, GuardedScorer(scorer), tokenizer, dataloader, val,
                          RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
                          workers.refitter)
-        graceful = True
+        graceful_wait_s = 30.0
         return out
     except BaseException as e:
         # SIGTERM (often to the whole process group: Ray's GCS may be gone) gets no graceful calls. Ray turns a
         # signal inside ray.get into a plain KeyboardInterrupt, and the watchdog's kill of the actors may surface
         # first as an actor error: the watchdog tells them apart.
-        hint = interrupt_hint(cfg, checkpointer, setup.run_id)
-        if isinstance(e, Terminated) or watchdog.fired.is_set():
-            logger.warning("terminated; %s", hint)
-            raise Terminated() from None
-        if isinstance(e, KeyboardInterrupt):
-            logger.warning("interrupted; %s", hint)
-            graceful = True
-            raise
-        if isinstance(e, ray.exceptions.RayActorError):
-            raise RunFailed(f"the Ray worker {describe_dead_actor(e, actor_names(workers))} died; {hint}") from None
-        raise
+        err = _stop_error(e, hint(), watchdog, workers)
+        if isinstance(err, KeyboardInterrupt) and not isinstance(err, Terminated):
+            graceful_wait_s = 5.0  # the actors may be busy with the interrupted call: do not wait for it long
+        raise err from None
     finally:
         if metrics_logger is not None:
             png = metrics_logger.close()
@@ -436,11 +500,4 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
                 logger.info("curves: %s", png)
         if scorer is not None:
             scorer.close()
-        if graceful:
-            workers.shutdown()
-            ray.shutdown()
-            procs.kill()  # Ray's agents that outlive ray.shutdown()
-        else:
-            fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
-        watchdog.stop()
-        procs.close_reaper()
+        _end_ray(procs, watchdog, workers, graceful_wait_s)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,59 @@ def tiny_cfg(tiny_model_dir, tmp_path):
             "logger.tensorboard_enabled=false", "grpo.use_dynamic_sampling=false", *overrides])
 
     return make
+
+
+class Tmpfs:
+    """Small tmpfs mounts for tests of full disks and read-only folders (root ignores permission bits, but not a
+    full or read-only file system). Each mount is undone after the test."""
+
+    def __init__(self, root: Path):
+        self.root, self.mounted = root, []
+
+    def mount(self, name: str, size_mb: float, readonly: bool = False) -> Path:
+        """Mount a tmpfs of ``size_mb`` MiB at ``<tmp_path>/<name>``; skips the test, with the reason, where
+        mounting is not allowed (not root, no CAP_SYS_ADMIN, no ``mount``)."""
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        opts = f"size={int(size_mb * 1024)}k" + (",ro" if readonly else "")
+        why = "no mount command" if shutil.which("mount") is None else None
+        if why is None:
+            proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True,
+                                  text=True)
+            why = (proc.stderr.strip() or f"mount exited with {proc.returncode}") if proc.returncode else None
+        if why:
+            pytest.skip(f"needs a tmpfs mount (a real full or read-only file system), not allowed here: {why}")
+        self.mounted.append(path)
+        return path
+
+    def resize(self, path: Path, size_mb: float) -> None:
+        """Give a mounted tmpfs a new size (``mount -o remount``)."""
+        subprocess.run(["mount", "-o", f"remount,size={int(size_mb * 1024)}k", str(path)], check=True)
+
+    def unmount_all(self) -> None:
+        for path in reversed(self.mounted):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        self.mounted = []
+
+
+def fill_disk(folder: Path) -> None:
+    """Write ``folder/filler`` until the file system is full (ENOSPC)."""
+    import errno
+
+    with open(folder / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``Tmpfs`` under the test's ``tmp_path``; skips where tmpfs cannot be mounted."""
+    mounts = Tmpfs(tmp_path)
+    yield mounts
+    mounts.unmount_all()
 
 
 def pytest_collection_modifyitems(config, items):

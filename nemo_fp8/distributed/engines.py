@@ -33,12 +33,14 @@ from nemo_fp8.distributed.placement import ClusterPlan, MemoryProbe, Placement, 
 from nemo_fp8.distributed.weight_sync import PackedBucket, unpack_bucket
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_seed
 from nemo_fp8.generation.spec import GenerationSpec
+from nemo_fp8.utils.run_dir import RunFailed
 
 logger = logging.getLogger(__name__)
 
 
-class EngineError(RuntimeError):
-    """An engine failed (raised, or its actor died); the text names the engine's index, node and GPUs."""
+class EngineError(RunFailed):
+    """An engine failed (raised, or its actor died); the text names the engine's index, node and GPUs. A
+    ``RunFailed``: the run stops with this message (exit code 1) and ``--resume`` continues it."""
 
 
 @ray.remote
@@ -262,23 +264,32 @@ class GenerationGroup:
         """Engine 0's actor (the only one with one engine)."""
         return self.workers[0]
 
-    def _gather(self, refs: Sequence, what: str, engines: Optional[Sequence[int]] = None) -> list:
+    def _gather(self, refs: Sequence, what: str, engines: Optional[Sequence[int]] = None,
+                timeout_s: Optional[float] = None) -> list:
         """``ray.get`` of one call per engine (``engines``: their indices, default all in order), raising the first
-        failure as soon as it happens as an ``EngineError`` naming that engine."""
+        failure as soon as it happens as an ``EngineError`` naming that engine (a dead engine: the first line of
+        Ray's reason). ``timeout_s``: an ``EngineError`` naming the engines that have not answered by then."""
+        from nemo_fp8.distributed.teardown import describe_dead_actor
+
         engines = list(range(len(refs))) if engines is None else list(engines)
         index = {ref: k for k, ref in enumerate(refs)}
         out: list = [None] * len(refs)
         pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait)
+            if not done:
+                late = ", ".join(self.labels[engines[index[r]]] for r in pending)
+                raise EngineError(f"{what}: {late} did not answer within {timeout_s:.0f} s")
             k = index[done[0]]
             try:
                 out[k] = ray.get(done[0])
-            except Exception as e:  # RayTaskError (the engine raised) or RayActorError (its process died)
-                dead = isinstance(e, ray.exceptions.RayActorError)
-                cause = e if dead else (getattr(e, "cause", None) or e)  # the engine's own exception, not Ray's wrapper
-                raise EngineError(f"{what}: {self.labels[engines[k]]} {'died' if dead else 'failed'}: "
-                                  f"{type(cause).__name__}: {cause}") from e
+            except ray.exceptions.RayActorError as e:  # its process died
+                raise EngineError(f"{what}: {self.labels[engines[k]]} died: {describe_dead_actor(e)}") from e
+            except Exception as e:  # RayTaskError: the engine raised; name its own exception, not Ray's wrapper
+                cause = getattr(e, "cause", None) or e
+                raise EngineError(f"{what}: {self.labels[engines[k]]} failed: {type(cause).__name__}: {cause}") from e
         return out
 
     def _each(self, call: Callable, what: str) -> list:
@@ -376,11 +387,19 @@ class GenerationGroup:
     def finish_generation(self) -> None:
         self._each(lambda w: w.finish_generation.remote(), "finish_generation")
 
-    def shutdown(self) -> None:
-        """Shut every engine down (all are tried; the first failure is raised after), then end their actors."""
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Shut every engine down (all are tried; the first failure is raised after), then end their actors.
+
+        Args:
+            timeout_s: how long to wait for the engines' shutdown calls (one busy with an interrupted call may not
+                answer); None: no limit. The actors are ended either way.
+
+        Raises:
+            EngineError: an engine's shutdown raised, it died, or it did not answer within ``timeout_s``.
+        """
         refs = [w.shutdown.remote() for w in self.workers]
         try:
-            self._gather(refs, "shutdown")
+            self._gather(refs, "shutdown", timeout_s=timeout_s)
         finally:
             for w in self.workers:
                 ray.kill(w)

@@ -8,10 +8,16 @@ Two cases the graceful path (``group.shutdown()`` then ``ray.shutdown()``) handl
 * an actor process that died (OOM killer, a crash in a native library): Ray raises
   ``ActorDiedError`` with a long message; the other actors and Ray's agents live on.
 
-``SigtermWatchdog`` acts on SIGTERM without the main thread, which may be blocked inside Ray's C++
-(``ray.get`` on an actor whose raylet is gone never returns to Python): it kills the recorded Ray
+``SignalWatchdog`` acts on SIGTERM and Ctrl-C without the main thread, which may be blocked inside Ray's C++
+(``ray.get`` on an actor whose raylet is gone never returns to Python). SIGTERM: it kills the recorded Ray
 processes at once, then gives the main thread ``grace_s`` to clean up and exit (it raises
-``Terminated``), and otherwise prints the resume hint and ends the process with code 143.
+``Terminated``), and otherwise prints the resume hint and ends the process with code 143. Ctrl-C: the main
+thread cleans up gracefully; a second Ctrl-C, or a cleanup still running ``interrupt_grace_s`` later, kills the
+Ray processes and ends the process with code 130 after the resume hint.
+
+Ray's ``sys.excepthook`` reports an uncaught exception to the GCS before printing it; with the GCS gone that
+call waits 60 s and Ray then ends the process, message unprinted. ``fast_teardown`` and ``graceful_teardown``
+put Python's own hook back once Ray is stopped.
 
 ``RayProcesses`` remembers the processes a local Ray started for this driver (its descendants in
 ``/proc``, with their start times so that a reused pid is never hit) while they can still be found;
@@ -158,14 +164,12 @@ def _is_running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def fast_teardown(procs: RayProcesses, shutdown_timeout_s: float = 5.0) -> None:
-    """Kill the recorded Ray processes, then ``ray.shutdown()`` bounded by ``shutdown_timeout_s`` (it waits on
-    a GCS that may be gone; a thread that does not return in time is left behind, as a daemon)."""
+def bounded_ray_shutdown(timeout_s: float) -> bool:
+    """``ray.shutdown()`` in a daemon thread, waited for at most ``timeout_s`` (it waits on a GCS that may be gone;
+    a thread that does not return in time is left behind). Then Python's own ``sys.excepthook`` is put back
+    (``restore_excepthook``). Returns whether it returned in time."""
     import ray
 
-    procs.record()
-    killed = procs.kill()
-    logger.info("teardown: killed %d Ray process(es)", len(killed))
     done = threading.Event()
 
     def _shutdown():
@@ -175,9 +179,36 @@ def fast_teardown(procs: RayProcesses, shutdown_timeout_s: float = 5.0) -> None:
             done.set()
 
     threading.Thread(target=_shutdown, daemon=True, name="ray-shutdown").start()
-    if not done.wait(shutdown_timeout_s):
-        logger.warning("teardown: ray.shutdown() did not return within %.0f s; going on without it",
-                       shutdown_timeout_s)
+    ok = done.wait(timeout_s)
+    if not ok:
+        logger.warning("teardown: ray.shutdown() did not return within %.0f s; going on without it", timeout_s)
+    restore_excepthook()
+    return ok
+
+
+def restore_excepthook() -> None:
+    """Put Python's ``sys.excepthook`` back where Ray's is installed: Ray's reports the exception to the GCS first,
+    which, once Ray is torn down, waits 60 s and then ends the process without printing anything."""
+    if getattr(sys.excepthook, "__module__", "").startswith("ray."):
+        sys.excepthook = sys.__excepthook__
+
+
+def fast_teardown(procs: RayProcesses, shutdown_timeout_s: float = 5.0) -> None:
+    """Kill the recorded Ray processes, then ``bounded_ray_shutdown(shutdown_timeout_s)``."""
+    procs.record()
+    killed = procs.kill()
+    logger.info("teardown: killed %d Ray process(es)", len(killed))
+    bounded_ray_shutdown(shutdown_timeout_s)
+
+
+def graceful_teardown(workers, procs: RayProcesses, timeout_s: float = 5.0) -> None:
+    """The end of a run whose actors may still answer (done, or Ctrl-C): ``workers.shutdown(timeout_s)`` (each
+    group's shutdown call waits at most ``timeout_s``: an actor busy with an interrupted call is ended anyway),
+    ``bounded_ray_shutdown(timeout_s)``, then the Ray processes that outlive it are killed."""
+    if workers is not None:
+        workers.shutdown(timeout_s)
+    bounded_ray_shutdown(timeout_s)
+    procs.kill()  # Ray's agents that outlive ray.shutdown()
 
 
 _FORK_HOOK = False
@@ -190,8 +221,15 @@ def _drop_wakeup_fd() -> None:
         pass
 
 
-class SigtermWatchdog:
-    """Kill the recorded Ray processes on SIGTERM and make sure the process exits with 143 within ``grace_s``.
+class SignalWatchdog:
+    """Make sure the process ends soon after SIGTERM (code 143) or Ctrl-C (code 130), even with the main thread
+    blocked in Ray.
+
+    SIGTERM: the recorded Ray processes are killed at once; if the process still runs ``grace_s`` later, the
+    resume hint is printed and the process exits with 143. Ctrl-C: the notice that a second Ctrl-C ends the run at
+    once is printed and the main thread cleans up (``absorb_interrupts`` keeps a second Ctrl-C from interrupting
+    that cleanup); a second Ctrl-C, or a process still running ``interrupt_grace_s`` later, kills the Ray
+    processes, prints the resume hint and exits with 130.
 
     Uses ``signal.set_wakeup_fd``: the C-level signal handler writes the signal number to a pipe even while
     the main thread is blocked in native code; a daemon thread reads it. A Python handler for SIGTERM must be
@@ -201,15 +239,20 @@ class SigtermWatchdog:
         procs: the run's Ray processes.
         hint: returns what to print before a forced exit (the resume hint).
         grace_s: seconds the main thread gets to end the process itself after SIGTERM.
+        interrupt_grace_s: seconds it gets after Ctrl-C (a graceful cleanup: the actors are asked to shut down).
     """
 
-    def __init__(self, procs: RayProcesses, hint: Callable[[], str], grace_s: float = 10.0):
-        self.procs, self.hint, self.grace_s = procs, hint, grace_s
-        self.fired = threading.Event()
+    def __init__(self, procs: RayProcesses, hint: Callable[[], str], grace_s: float = 10.0,
+                 interrupt_grace_s: float = 20.0):
+        self.procs, self.hint, self.grace_s, self.interrupt_grace_s = procs, hint, grace_s, interrupt_grace_s
+        self.fired = threading.Event()  # SIGTERM
+        self.interrupted = threading.Event()  # Ctrl-C
         self._read_fd = self._write_fd = None
         self._old_fd = -1
+        self._old_sigint = None
 
-    def start(self) -> "SigtermWatchdog":
+    def start(self) -> "SignalWatchdog":
+        """Start watching (main thread only: ``signal.set_wakeup_fd``)."""
         global _FORK_HOOK
         if not _FORK_HOOK:  # a forked child (the reward's pebble workers) must not write its signals to our pipe
             os.register_at_fork(after_in_child=_drop_wakeup_fd)
@@ -217,49 +260,107 @@ class SigtermWatchdog:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._old_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, daemon=True, name="sigterm-watchdog").start()
+        threading.Thread(target=self._watch, daemon=True, name="signal-watchdog").start()
         return self
 
     def _watch(self) -> None:
-        fd = self._read_fd
+        fd, deadline = self._read_fd, None
         while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                ready, _, _ = select.select([fd], [], [])
-                data = os.read(fd, 64) if ready else b""
+                ready, _, _ = select.select([fd], [], [], wait)
+                data = os.read(fd, 64) if ready else None
             except (OSError, ValueError):  # closed by stop()
                 return
+            if data is None:  # the Ctrl-C countdown ran out
+                self._exit(130, f"interrupted (Ctrl-C); cleanup did not finish within {self.interrupt_grace_s:.0f} s")
             if not data:
                 return
             if signal.SIGTERM in data:
                 break
+            for _ in range(data.count(signal.SIGINT)):  # two Ctrl-C may come in one read
+                if self.interrupted.is_set():
+                    self._exit(130, "interrupted (second Ctrl-C); stopped at once")
+                self.interrupted.set()
+                deadline = time.monotonic() + self.interrupt_grace_s
+                print("interrupted (Ctrl-C): cleaning up; press Ctrl-C again to stop at once", file=sys.stderr,
+                      flush=True)
         self.fired.set()
         self.procs.kill(wait_s=2.0)  # the actors run in sessions of their own: the group's SIGTERM missed them
         time.sleep(self.grace_s)
+        self._exit(143, f"terminated (SIGTERM); cleanup did not finish within {self.grace_s:.0f} s")
+
+    def _exit(self, code: int, why: str) -> None:
+        """Kill the Ray processes, print ``why`` and the resume hint, end the process with ``code``."""
         try:
-            print(f"terminated (SIGTERM); cleanup did not finish within {self.grace_s:.0f} s; {self.hint()}",
-                  file=sys.stderr, flush=True)
+            self.procs.kill(wait_s=2.0)
+            print(f"{why}; {self.hint()}", file=sys.stderr, flush=True)
         finally:
-            os._exit(143)
+            os._exit(code)
+
+    def absorb_interrupts(self) -> None:
+        """After the first Ctrl-C (main thread): a second one no longer raises ``KeyboardInterrupt`` in the main
+        thread's cleanup; the watchdog ends the process instead. ``stop`` puts the old handler back."""
+        if self._write_fd is not None and threading.current_thread() is threading.main_thread():
+            self._old_sigint = signal.signal(signal.SIGINT, lambda signum, frame: None)
 
     def stop(self) -> None:
-        """Stop watching (a watchdog that fired keeps counting down: the exit it guards is under way)."""
-        if self.fired.is_set() or self._write_fd is None:
+        """Stop watching. A watchdog that got SIGTERM or Ctrl-C keeps counting down (the exit it guards is under
+        way) and keeps the second Ctrl-C's exit."""
+        if self.fired.is_set() or self.interrupted.is_set() or self._write_fd is None:
             return
+        if self._old_sigint is not None:
+            signal.signal(signal.SIGINT, self._old_sigint)
         signal.set_wakeup_fd(self._old_fd)
         os.close(self._write_fd)  # the reader sees EOF and returns
         self._write_fd = None
 
 
 def actor_names(workers) -> dict[str, str]:
-    """``{actor id (hex): "PolicyWorker rank r" | "GenerationWorker"}`` for a ``trainer.Workers``'s Ray actors
-    (empty for backends that run in this process)."""
+    """``{actor id (hex): "PolicyWorker rank r" | "GenerationWorker engine i (node <ip>, CPU)"}`` for a
+    ``trainer.Workers``'s Ray actors (empty for backends that run in this process, or no workers)."""
     names = {}
-    for r, w in enumerate(getattr(workers.policy, "workers", None) or []):
+    for r, w in enumerate(getattr(getattr(workers, "policy", None), "workers", None) or []):
         names[w._actor_id.hex()] = f"PolicyWorker rank {r}"
-    engine = getattr(workers.generation, "worker", None)
-    if engine is not None and hasattr(engine, "_actor_id"):
-        names[engine._actor_id.hex()] = "GenerationWorker"
+    generation = getattr(workers, "generation", None)
+    engines = getattr(generation, "workers", None) or []
+    labels = getattr(generation, "labels", None) or [f"engine {i}" for i in range(len(engines))]
+    for w, label in zip(engines, labels):
+        if hasattr(w, "_actor_id"):
+            names[w._actor_id.hex()] = f"GenerationWorker {label}"
     return names
+
+
+def describe_failure(err: BaseException, names: dict[str, str] | None = None) -> tuple[str, bool]:
+    """One line naming what ended a run, and whether its traceback helps (an unexpected error, not a dead process
+    or a full disk).
+
+    ``RayActorError``: the actor that died (``describe_dead_actor``). ``RunFailed`` (``EngineError``, a
+    checkpoint that could not be written, the reward scorer's error): its class (a subclass) and its own message,
+    which names the part. ``RayTaskError``: the actor that raised and its exception. Anything else: its type and
+    message.
+    """
+    import ray
+
+    from nemo_fp8.utils.run_dir import RunFailed
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        return f"the Ray worker {describe_dead_actor(err, names)} died", False
+    if isinstance(err, RunFailed):
+        cause = err.__cause__
+        known = cause is None or isinstance(cause, (OSError, ray.exceptions.RayActorError))  # died, full disk
+        return (str(err) if type(err) is RunFailed else f"{type(err).__name__}: {err}"), not known
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = getattr(err, "cause", None) or err
+        actor_id, title = re.search(r"actor_id=([0-9a-f]+)", str(err)), re.search(r"ray::(\w+)", str(err))
+        actor = (names or {}).get(actor_id.group(1) if actor_id else "") or (title.group(1) if title else "?")
+        return f"the Ray worker {actor} raised {type(cause).__name__}: {first_line(cause)}", True
+    return f"{type(err).__name__}: {first_line(err)}", True
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of ``str(err)`` (Ray's errors run over many lines), at most 300 characters."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), "")[:300]
 
 
 def describe_dead_actor(err: BaseException, names: dict[str, str] | None = None) -> str:

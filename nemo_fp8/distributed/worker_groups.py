@@ -413,10 +413,28 @@ class PolicyGroup:
     def load(self, path) -> None:
         ray.get([w.load.remote(str(path)) for w in self.workers])
 
-    def shutdown(self) -> None:
-        ray.get([w.shutdown.remote() for w in self.workers])
-        for w in self.workers:
-            ray.kill(w)
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Shut every rank's backend down, then end the rank actors (also when a call fails or is late).
+
+        Args:
+            timeout_s: how long to wait for the ranks' shutdown calls (a rank still busy with the call a Ctrl-C
+                interrupted runs it only after that one); None: no limit.
+
+        Raises:
+            TimeoutError: ranks that did not answer within ``timeout_s`` (named; their actors are ended anyway).
+            ray.exceptions.RayError: a rank's shutdown raised or its process died.
+        """
+        refs = [w.shutdown.remote() for w in self.workers]
+        try:
+            done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            ray.get(done)
+            if late:
+                ranks = [r for r, ref in enumerate(refs) if ref in late]
+                raise TimeoutError(f"policy ranks {ranks} did not finish their shutdown within {timeout_s:.0f} s "
+                                   "(busy with an interrupted call); ending them")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
 
 
 def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, generation_spec: GenerationSpec,

@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from nemo_fp8.utils.run_dir import RunSetupError
+from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, write_failure_reason
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,11 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(RunSetupError):
     """A checkpoint is missing or corrupt; the message names the file and what is wrong."""
+
+
+class CheckpointWriteError(RunFailed):
+    """A checkpoint could not be written (a full disk, a read-only file system); the message names the folder and
+    why. The half-written ``step_<N>.tmp`` is removed; the previous checkpoints are untouched."""
 
 
 class CheckpointManager:
@@ -80,21 +85,46 @@ class CheckpointManager:
         except (OSError, ValueError):
             return None
 
+    def remove_partial(self) -> list[Path]:
+        """Delete the ``step_<N>.tmp`` folders a save left (killed, or a full disk): never resumable, and on a full
+        disk they hold the space the next write needs. Call only while holding the folder's lock. Returns them."""
+        if not self.root.is_dir():
+            return []
+        partial = [p for p in self.root.iterdir() if re.match(r"^step_\d+\.tmp$", p.name) and p.is_dir()]
+        for p in partial:
+            shutil.rmtree(p, ignore_errors=True)
+            logger.warning("removed the partial checkpoint %s (a save that did not finish)", p)
+        return partial
+
     def save(self, step: int, policy, trainer_state: dict[str, Any], config_yaml: str,
              before_commit: Optional[Callable[[], None]] = None) -> Path:
         """Write policy weights + optimizer and ``trainer_state.json`` for ``step``; prune this run's old ones.
 
         ``before_commit`` runs once the files are written, just before the rename that makes the
         checkpoint visible (the trainer writes the step's metrics row there; module docstring).
+
+        Raises:
+            CheckpointWriteError: the files could not be written (a full disk, a read-only file system: names the
+                folder and why, ``write_failure_reason``); ``step_<N>.tmp`` is removed, the earlier checkpoints
+                stay. Other errors of the writers are raised as they are, also after removing it.
         """
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        policy.save(tmp / "policy")
-        state = {"step": step, **({"run_id": self.run_id} if self.run_id else {}), **trainer_state}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        (tmp / "config.yaml").write_text(config_yaml)
+        try:
+            tmp.mkdir(parents=True)
+            policy.save(tmp / "policy")
+            state = {"step": step, **({"run_id": self.run_id} if self.run_id else {}), **trainer_state}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            (tmp / "config.yaml").write_text(config_yaml)
+        except Exception as e:  # also a Ray worker's error from policy.save (RayTaskError(<the writer's error>))
+            reason = write_failure_reason(e, self.root)  # while the partial files still hold the space
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk must not stay full of a checkpoint never used
+            if reason is None:
+                raise
+            raise CheckpointWriteError(
+                f"checkpoint step_{step} could not be written to checkpointing.checkpoint_dir={self.root}: "
+                f"{reason}; free space there or choose another checkpointing.checkpoint_dir") from None
         if before_commit is not None:
             before_commit()
         shutil.rmtree(final, ignore_errors=True)

@@ -14,6 +14,7 @@ A run owns its folders for its whole life:
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import fcntl
 import hashlib
 import json
@@ -55,8 +56,53 @@ def read_marker(folder: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def write_marker(folder: str | Path, run_id: str, cfg_hash: str, resumed: bool) -> None:
-    """Write (or, on resume, update) ``run.json`` in ``folder`` atomically."""
+def os_error_reason(err: BaseException) -> str:
+    """Why a file could not be written, for a user: ``the disk is full`` (ENOSPC, EDQUOT), ``the file system is
+    read-only`` (EROFS), else the error's own text. ``err`` may be a Ray task error wrapping an ``OSError``."""
+    cause = getattr(err, "cause", None) if isinstance(getattr(err, "cause", None), OSError) else err
+    code = getattr(cause, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full ([Errno {code}] {os.strerror(code)})"
+    if code == errno.EROFS:
+        return f"the file system is read-only ([Errno {code}] {os.strerror(code)})"
+    return f"{type(cause).__name__}: {cause}"
+
+
+FULL_BELOW_BYTES = 16 * 2**20
+
+
+def write_failure_reason(err: BaseException, folder: str | Path) -> str | None:
+    """Why writing under ``folder`` failed, when it is the file system's fault; None for other errors.
+
+    Writers report a full disk in their own ways: an ``OSError`` (ENOSPC), safetensors' ``SafetensorError``
+    ("No space left on device (os error 28)"), torch's ``RuntimeError`` ("unexpected pos ..."), each maybe
+    wrapped by Ray. So besides the error, the free space is asked: less than ``FULL_BELOW_BYTES`` left after a
+    failed write is a full disk. Call before the partial files are removed (they hold the space).
+    """
+    cause = getattr(err, "cause", None) or err
+    if isinstance(cause, OSError):
+        return os_error_reason(cause)
+    text = (str(cause).splitlines() or [""])[0][:200]
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if "No space left on device" in text or "os error 28" in text or (free is not None and free < FULL_BELOW_BYTES):
+        left = f"{free / 2**20:.1f} MiB left; " if free is not None else ""
+        return f"the disk is full ({left}{type(cause).__name__}: {text})"
+    return None
+
+
+def write_marker(folder: str | Path, run_id: str, cfg_hash: str, resumed: bool, key: str = "") -> None:
+    """Write (or, on resume, update) ``run.json`` in ``folder`` atomically.
+
+    Args:
+        key: the config key that names ``folder`` (``logger.log_dir``), for the error.
+
+    Raises:
+        RunSetupError: the marker could not be written (names the key, the folder and why: a full disk, a
+            read-only file system); no partial ``run.json.tmp`` is left.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -66,8 +112,13 @@ def write_marker(folder: str | Path, run_id: str, cfg_hash: str, resumed: bool) 
     if resumed:
         marker.setdefault("resumes", []).append({"at": now, "config_hash": cfg_hash, "pid": os.getpid()})
     tmp = folder / f"{MARKER}.tmp"
-    tmp.write_text(json.dumps(marker, indent=2))
-    tmp.replace(folder / MARKER)
+    try:
+        tmp.write_text(json.dumps(marker, indent=2))
+        tmp.replace(folder / MARKER)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunSetupError(f"{key + ': ' if key else ''}cannot write {folder / MARKER}: {os_error_reason(e)}; "
+                            "free space on it or choose another folder") from None
 
 
 class FolderLock:
@@ -181,8 +232,9 @@ def claim_fresh(log_dir: Path, checkpoint_dir: Path | None, overwrite: bool) -> 
 
 
 class RunFailed(RuntimeError):
-    """A run stopped by a failure outside the config (a Ray worker died); the message names the part that
-    failed and how to continue (``--resume``). The entry point exits with code 1."""
+    """A run stopped by a failure outside the config (a Ray worker or engine died, a checkpoint could not be
+    written, the reward scorer raised); the message names the part that failed and how to continue
+    (``--resume``). The entry point exits with code 1."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -1,5 +1,5 @@
 """Ending a run's processes without Ray's help: the record from /proc, the reaper after a kill -9 of the
-driver, the SIGTERM watchdog, naming a dead actor."""
+driver, the SIGTERM and Ctrl-C watchdog, Ray's excepthook, naming a dead actor."""
 
 import os
 import signal
@@ -48,14 +48,14 @@ def test_watchdog_kills_at_once_and_exits_143_when_the_cleanup_hangs():
     # The main thread gets Terminated, then its cleanup hangs (as ray.shutdown() waiting on a dead GCS).
     driver = textwrap.dedent("""
         import subprocess, threading
-        from nemo_fp8.distributed.teardown import RayProcesses, SigtermWatchdog
+        from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
         from nemo_fp8.utils.run_dir import Terminated, raise_on_sigterm
         raise_on_sigterm()
         procs = RayProcesses()
         child = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)
         procs.record()
-        SigtermWatchdog(procs, lambda: "continue with --resume", grace_s=1.0).start()
+        SignalWatchdog(procs, lambda: "continue with --resume", grace_s=1.0).start()
         lock = threading.Lock()
         lock.acquire()
         try:  # the pid line inside the try: a SIGTERM arriving right after it is still this test's case
@@ -81,3 +81,91 @@ def test_dead_actor_is_named():
     err = type("ActorDiedError", (Exception,), {"actor_id": "abc123"})(msg)
     assert describe_dead_actor(err, {"abc123": "PolicyWorker rank 1"}).startswith("PolicyWorker rank 1 (pid 4242)")
     assert describe_dead_actor(err).startswith("PolicyWorker (pid 4242)")
+
+
+# The main thread gets KeyboardInterrupt, then its graceful cleanup hangs (as a shutdown call queued behind the
+# interrupted step's call on an actor).
+CTRL_C_DRIVER = textwrap.dedent("""
+    import subprocess, threading
+    from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
+    procs = RayProcesses()
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    procs.record()
+    watchdog = SignalWatchdog(procs, lambda: "continue with --resume", interrupt_grace_s=GRACE).start()
+    lock = threading.Lock()
+    lock.acquire()
+    try:
+        print(child.pid, procs.known[child.pid], flush=True)
+        lock.acquire()
+    except KeyboardInterrupt:
+        watchdog.absorb_interrupts()
+        print("cleanup", flush=True)
+        lock.acquire()  # the cleanup that never ends
+""")
+
+
+def start_ctrl_c_driver(grace_s: float):
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_DRIVER.replace("GRACE", str(grace_s))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    pid, start = map(int, proc.stdout.readline().split())
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "cleanup"
+    return proc, pid, start
+
+
+def test_second_ctrl_c_ends_a_hanging_cleanup_at_once_with_130():
+    proc, pid, start = start_ctrl_c_driver(grace_s=300)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 5, err
+    assert "press Ctrl-C again to stop at once" in err and "second Ctrl-C" in err, err
+    assert "continue with --resume" in err and "Traceback" not in err, err
+    assert gone_within(pid, start, 5)
+
+
+def test_ctrl_c_watchdog_ends_a_hanging_cleanup_after_its_grace():
+    proc, pid, start = start_ctrl_c_driver(grace_s=2)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 10, err
+    assert "cleanup did not finish within 2 s" in err and "continue with --resume" in err, err
+    assert gone_within(pid, start, 5)
+
+
+def test_rays_excepthook_is_replaced_once_ray_is_torn_down():
+    # Ray's hook reports an uncaught exception to the GCS before printing it: with the GCS gone that waits 60 s
+    # and Ray then ends the process, the error unprinted.
+    driver = textwrap.dedent("""
+        import sys
+        import ray
+        from nemo_fp8.distributed.teardown import bounded_ray_shutdown
+        assert sys.excepthook.__module__.startswith("ray."), sys.excepthook
+        bounded_ray_shutdown(5.0)
+        print(sys.excepthook is sys.__excepthook__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+
+
+def test_failures_are_named_in_one_line():
+    import ray
+
+    from nemo_fp8.distributed.engines import EngineError
+    from nemo_fp8.distributed.teardown import describe_failure
+    from nemo_fp8.utils.checkpoint import CheckpointWriteError
+
+    try:
+        raise EngineError("generate: engine 1 (node 10.0.0.1, CPU) died: GenerationWorker (pid 7)") \
+            from ray.exceptions.RayActorError()
+    except EngineError as e:
+        assert describe_failure(e) == ("EngineError: generate: engine 1 (node 10.0.0.1, CPU) died: "
+                                       "GenerationWorker (pid 7)", False)
+    try:
+        raise CheckpointWriteError("checkpoint step_2: the disk is full") from OSError(28, "No space left")
+    except CheckpointWriteError as e:
+        assert describe_failure(e) == ("CheckpointWriteError: checkpoint step_2: the disk is full", False)
+    assert describe_failure(ValueError("bad\nmore")) == ("ValueError: bad", True)

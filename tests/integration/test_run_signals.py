@@ -18,8 +18,11 @@ from tests.integration.test_run_safety import CONFIG, SCRIPT, SMALL
 pytestmark = pytest.mark.slow
 
 
-def start_job(model_dir, out: Path, *args) -> subprocess.Popen:
-    cmd = [sys.executable, str(SCRIPT), "--config", str(CONFIG), f"policy.model_name={model_dir}",
+def start_job(model_dir, out: Path, *args, driver: str | None = None) -> subprocess.Popen:
+    """The main job in a session of its own; ``driver``: Python code run with ``-c`` instead, the script and
+    arguments in its ``sys.argv[1:]`` (to inject a fault, then run the script)."""
+    cmd = [sys.executable, *(["-c", driver] if driver else []), str(SCRIPT), "--config", str(CONFIG),
+           f"policy.model_name={model_dir}",
            "policy.tiny_model.build_if_missing=false", f"logger.log_dir={out / 'logs'}",
            f"checkpointing.checkpoint_dir={out / 'ckpt'}", *SMALL, "checkpointing.save_period=1", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -50,9 +53,9 @@ def assert_none_left(procs: dict[int, int], within_s=10.0):
     pytest.fail(f"processes left behind: {names}")
 
 
-def resume_finishes(model_dir, out: Path):
+def resume_finishes(model_dir, out: Path, *args):
     last = max(int(p.name.split("_")[1]) for p in (out / "ckpt").glob("step_*") if p.name[5:].isdigit())
-    proc = start_job(model_dir, out, "--resume", f"grpo.max_num_steps={last + 1}")
+    proc = start_job(model_dir, out, "--resume", f"grpo.max_num_steps={last + 1}", *args)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     steps = [json.loads(x)["step"] for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
