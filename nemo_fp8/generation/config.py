@@ -136,7 +136,8 @@ class GenerationConfig(StrictConfig):
     backend: Literal["torch", "vllm"] = "torch"
     # the torch reference engine's high-precision dtype (what vLLM runs in bf16: attention, norms, embeddings,
     # lm_head, and FP8 layers' outputs); float64 makes a CPU run the same on every CPU type, whichever kernels torch
-    # picks there (FP8 layers then accumulate exactly), with policy.precision: float64 (docs/first-run.md)
+    # picks there (FP8 layers then accumulate exactly), with policy.precision: float64 (docs/first-run.md).
+    # vLLM ignores it, as the torch engine ignores vllm_cfg's engine-only keys
     reference_dtype: Literal["bfloat16", "float64"] = "bfloat16"
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -155,9 +156,6 @@ class GenerationConfig(StrictConfig):
         if self.top_p != 1.0 or self.top_k is not None:
             errs.append("top_p/top_k: must be 1.0/null; the trainer's log-probs cannot reproduce a truncated sampling "
                         "distribution, so IS correction would be wrong")
-        if self.backend == "vllm" and self.reference_dtype != "bfloat16":
-            errs.append(f"reference_dtype: {self.reference_dtype!r} is the torch reference engine's; vLLM runs in "
-                        "bfloat16 (valid with backend 'vllm': bfloat16)")
         tp = self.vllm_cfg.tensor_parallel_size
         if self.backend == "vllm" and tp not in SUPPORTED_TENSOR_PARALLEL_SIZES:
             errs.append(f"vllm_cfg.tensor_parallel_size: {tp} is not supported (valid: "

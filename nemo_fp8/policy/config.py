@@ -311,8 +311,9 @@ class PolicyConfig(StrictConfig):
     model_name: str
     tokenizer: TokenizerConfig = TokenizerConfig()
     tiny_model: TinyModelConfig = TinyModelConfig()
-    # float64: the torch trainer only, for CPU runs that are the same on every CPU type (with
-    # policy.generation.reference_dtype: float64)
+    # float64: the torch trainer, for CPU runs that are the same on every CPU type (with
+    # policy.generation.reference_dtype: float64); the megatron backend trains float64 as float32, in fp32
+    # (policy/megatron/settings.py: bf16 only with optimizer.bf16 or precision bfloat16)
     precision: Literal["float32", "bfloat16", "float64"] = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     data_parallel_size: int = Field(1, ge=1)
@@ -380,10 +381,6 @@ class PolicyConfig(StrictConfig):
     def config_errors(self) -> list[str]:
         gbs, mbs, dp = self.train_global_batch_size, self.train_micro_batch_size, self.data_parallel_size
         errs = self._packing_errors()
-        if self.precision == "float64" and self.megatron_cfg.enabled:
-            errs.append("precision: 'float64' is the torch reference trainer's (kernel-independent CPU runs); the "
-                        "megatron backend trains in float32 or bfloat16 (valid with megatron_cfg.enabled: float32, "
-                        "bfloat16)")
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")

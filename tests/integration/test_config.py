@@ -138,10 +138,16 @@ def test_override_values_yaml_cannot_parse_are_text_or_clear_errors():
     assert cfg.policy.megatron_cfg.env_vars == {"A": "b"}
 
 
-def test_float64_is_the_torch_reference_only():
-    cfg = load_config(TINY, ["policy.precision=float64", "policy.generation.reference_dtype=float64"])
+def test_float64_is_the_torch_reference_and_the_engines_keep_their_dtypes():
+    cfg = load_config(TINY)  # the CPU default: float64 trainer and reference engine
     assert cfg.policy.precision == "float64" and cfg.policy.generation.reference_dtype == "float64"
-    msg = _error("policy.precision=float64", "policy.megatron_cfg.enabled=true")
-    assert "policy.precision: 'float64' is the torch reference trainer's" in msg, msg
-    msg = _error("policy.generation.reference_dtype=float64", "policy.generation.backend=vllm")
-    assert "policy.generation.reference_dtype: 'float64'" in msg and "vLLM runs in bfloat16" in msg, msg
+    import torch
+
+    from nemo_fp8.policy.megatron.settings import train_dtype
+
+    on_gpu = ["policy.megatron_cfg.enabled=true", "policy.generation.backend=vllm"]
+    for bf16 in ("true", "false"):  # megatron trains the CPU default's float64 as it trained float32
+        gpu = load_config(TINY, [*on_gpu, f"policy.megatron_cfg.optimizer.bf16={bf16}"])
+        was = load_config(TINY, [*on_gpu, f"policy.megatron_cfg.optimizer.bf16={bf16}", "policy.precision=float32"])
+        assert train_dtype(gpu.policy) == train_dtype(was.policy) == (torch.bfloat16 if bf16 == "true" else
+                                                                      torch.float32)
