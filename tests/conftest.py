@@ -40,14 +40,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_cfg(tiny_model_dir, tmp_path):
     """The shipped tiny FP8 config pointed at the session model and a temporary output folder, dynamic
-    sampling off (the session model's groups mostly score alike: it would drop them and train nothing)."""
+    sampling off (the session model's groups mostly score alike: it would drop them and train nothing), in the
+    dtypes of the GPU engines' path: an fp32 trainer and a bf16 reference engine (the shipped CPU default's
+    float64 is pinned by the golden run, the config tests and the main-job tests)."""
     from nemo_fp8.config import load_config
 
     def make(*overrides: str, config: str = "grpo_math_tiny_fp8.yaml"):
         return load_config(REPO / "examples" / "configs" / config, [
             f"policy.model_name={tiny_model_dir}", "policy.tiny_model.build_if_missing=false",
             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-            "logger.tensorboard_enabled=false", "grpo.use_dynamic_sampling=false", *overrides])
+            "logger.tensorboard_enabled=false", "grpo.use_dynamic_sampling=false", "policy.precision=float32",
+            "policy.generation.reference_dtype=bfloat16", *overrides])
 
     return make
 

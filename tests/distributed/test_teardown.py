@@ -13,6 +13,8 @@ import pytest
 
 from nemo_fp8.distributed.teardown import _is_running, _start_time, describe_dead_actor
 
+from tests.signals import sigint_default
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux /proc")
 
@@ -107,7 +109,7 @@ CTRL_C_DRIVER = textwrap.dedent("""
 
 def start_ctrl_c_driver(grace_s: float):
     proc = subprocess.Popen([sys.executable, "-c", CTRL_C_DRIVER.replace("GRACE", str(grace_s))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     pid, start = map(int, proc.stdout.readline().split())
     proc.send_signal(signal.SIGINT)

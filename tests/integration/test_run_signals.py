@@ -15,6 +15,8 @@ import pytest
 from nemo_fp8.distributed.teardown import descendants
 from tests.integration.test_run_safety import CONFIG, SCRIPT, SMALL
 
+from tests.signals import sigint_default
+
 pytestmark = pytest.mark.slow
 
 
@@ -26,7 +28,8 @@ def start_job(model_dir, out: Path, *args, driver: str | None = None) -> subproc
            "policy.tiny_model.build_if_missing=false", f"logger.log_dir={out / 'logs'}",
            f"checkpointing.checkpoint_dir={out / 'ckpt'}", *SMALL, "checkpointing.save_period=1", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=Path(SCRIPT).parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            cwd=Path(SCRIPT).parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=sigint_default)
 
 
 def wait_for_checkpoint(proc, out: Path, timeout=240) -> dict[int, int]:
