@@ -37,6 +37,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(sft_steps=20, sft_batch_size=32))
 
 
+@pytest.fixture(scope="session")
+def shipped_tiny_model(tmp_path_factory) -> Path:
+    """The tiny model with the shipped weights: the same bytes on every machine (a warm start built here, as
+    ``tiny_model_dir``, depends on this CPU's kernels), for tests whose numbers must not."""
+    from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model, find_shipped_weights
+
+    assert find_shipped_weights(TinyModelSpec()) is not None, "the default tiny model's weights must ship"
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "shipped", TinyModelSpec())
+
+
 @pytest.fixture
 def tiny_cfg(tiny_model_dir, tmp_path):
     """The shipped tiny FP8 config pointed at the session model and a temporary output folder, dynamic

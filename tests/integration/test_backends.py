@@ -83,10 +83,19 @@ def test_max_total_sequence_length_caps_responses(tiny_cfg, tok):
         gen.generate([list(range(5, 27))], SamplingParams(max_new_tokens=2))
 
 
-def test_trainer_scores_the_same_distribution_as_the_sampler(tiny_cfg, tok):
-    """bf16 engine vs fp32 trainer: tiny differences; an FP8 engine differs more but stays close."""
-    cfg = tiny_cfg("policy.generation.temperature=0.7")
+def test_trainer_scores_the_same_distribution_as_the_sampler(tiny_cfg, shipped_tiny_model):
+    """bf16 engine vs fp32 trainer: tiny differences; an FP8 engine differs more but stays close.
+
+    The shipped model (the same weights on every machine) with seeded noise: a warm start built on this CPU
+    answers these prompts with probability ~1 on some machines, where every log-prob is ~0 and both engines agree
+    with the trainer to 1e-5."""
+    cfg = tiny_cfg("policy.generation.temperature=0.7", f"policy.model_name={shipped_tiny_model}")
+    tok = load_tokenizer(str(shipped_tiny_model))
     pol = TorchPolicyBackend(cfg.policy, CPU, temperature=0.7)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=noise))
     errors = {}
     for precision in ("bfloat16", "fp8"):
         gen = make_generation(cfg, tok, precision=precision)
@@ -97,7 +106,7 @@ def test_trainer_scores_the_same_distribution_as_the_sampler(tiny_cfg, tok):
         m = batch.token_mask.bool()
         errors[precision] = (prev - out.generation_logprobs)[m].abs().mean().item()
         assert (prev[~m] == 0).all()
-    # Measured on the tiny model: bf16 ~1e-3, fp8 ~3e-3 (nats per token).
+    # Measured with the native kernels and ATEN_CPU_CAPABILITY=default alike: bf16 0.0068, fp8 0.025 (nats per token).
     assert errors["bfloat16"] < 0.02 and errors["fp8"] < 0.05, errors
     assert errors["fp8"] > errors["bfloat16"], errors
 

@@ -35,16 +35,6 @@ REL = 2e-4
 VARIANTS = {"aten-default": ("ATEN_CPU_CAPABILITY", "default"), "mkl-compatible": ("MKL_CBWR", "COMPATIBLE")}
 
 
-@pytest.fixture(scope="module")
-def shipped_tiny_model(tmp_path_factory):
-    """The tiny model with the shipped weights (the same bytes on every machine; a warm start built here would
-    depend on this CPU's kernels)."""
-    from nemo_fp8.models.tiny import TinyModelSpec, build_tiny_model, find_shipped_weights
-
-    assert find_shipped_weights(TinyModelSpec()) is not None, "the default tiny model's weights must ship"
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec())
-
-
 def mismatches(got: dict[int, tuple[float, ...]]) -> list[str]:
     """Each value of ``got`` outside its pin, as ``step N key: got != pinned``."""
     out = []
