@@ -151,10 +151,6 @@ def _validation_lines(err: ValidationError) -> list[str]:
     return lines
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    return f"invalid configuration ({source}):\n" + "\n".join(_validation_lines(err))
-
-
 # Keys holding local paths. Relative ones are read against where they were written: in a YAML file,
 # the repository that holds it (``config_root``), so a job started from any folder uses the same model,
 # data, logs and checkpoints; in a command-line override, the working directory, as for any command.
@@ -225,15 +221,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterC
     data, compat_errors = translate(data, MasterConfig, root, cli_keys)  # NeMo-RL's keys -> ours
     cli_keys |= {canonical_key(k) for k in cli_keys} - {None}
     data = resolve_paths(data, root, cli_keys)
-    lines = [f"  - {e}" for e in compat_errors]
-    try:
-        with deferred_checks():
-            cfg = MasterConfig.model_validate(data)
-    except ValidationError as e:
-        lines.extend(_validation_lines(e))
-    if lines:
-        raise ConfigError(f"invalid configuration ({path}):\n" + "\n".join(lines))
-    return cfg
+    return validate_config(data, source=str(path), extra_errors=compat_errors)
 
 
 def _annotation(key: str) -> Any:
@@ -294,13 +282,22 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
     return merged
 
 
-def validate_config(data: dict, source: str = "<dict>") -> MasterConfig:
-    """Validate a plain dict; see ``load_config``."""
+def validate_config(data: dict, source: str = "<dict>", extra_errors: list[str] | tuple = ()) -> MasterConfig:
+    """Validate a plain dict; see ``load_config``.
+
+    Raises:
+        ConfigError: one line per problem: ``extra_errors`` (the NeMo-RL keys refused before validation) first,
+            then the schema's.
+    """
+    lines = [f"  - {e}" for e in extra_errors]
     try:
         with deferred_checks():
-            return MasterConfig.model_validate(data)
+            cfg = MasterConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
+        lines.extend(_validation_lines(e))
+    if lines:
+        raise ConfigError(f"invalid configuration ({source}):\n" + "\n".join(lines))
+    return cfg
 
 
 def config_to_yaml(cfg: MasterConfig) -> str:
