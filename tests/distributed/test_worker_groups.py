@@ -1,5 +1,6 @@
 """Ray worker groups: object-store refit (correct, bounded memory), data parallelism, cluster plan."""
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -163,11 +164,14 @@ def test_refit_peak_extra_memory_is_one_bucket_not_a_model_copy(ray_cluster, tin
 def test_memory_watch_sees_a_copy():
     from nemo_fp8.utils.memory import MemoryWatch
 
+    # Fresh anonymous pages from mmap, each one written: a tensor from malloc can land on pages a
+    # freed allocation left resident (in a full-suite run only 4 KiB showed), which is not a copy.
+    region = mmap.mmap(-1, 64 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     watch = MemoryWatch()
     watch.start()
-    copy = torch.ones(64 * MiB // 4)  # 64 MiB of private memory, touched
+    torch.frombuffer(region, dtype=torch.uint8).fill_(1)
     peaks = watch.stop()
-    del copy
+    region.close()
     assert peaks["anon_extra"] >= 60 * MiB, peaks
 
 
