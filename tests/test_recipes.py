@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from recipe import arm_overrides, main as recipe_main
 
-from nemo_fp8.config import ConfigError, config_diff, load_config
+from nemo_fp8.config import config_diff, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "examples" / "configs" / "recipes" / "llm"
 ARMS = RECIPES / "arms"
 SUITES = sorted((REPO / "tests" / "test_suites" / "llm").glob("*.sh"))
 CONFIGS = sorted(p for p in RECIPES.rglob("*.yaml") if ARMS not in p.parents)
-RECIPE_TOOL = REPO / "tools" / "recipe.py"
 
 
 def _suite_code(suite: Path) -> str:
@@ -81,20 +81,13 @@ def test_every_recipe_and_arm_is_read_by_a_suite():
     assert unused == []
 
 
-def _arm_overrides(*arms: str) -> list[str]:
-    out = subprocess.run([sys.executable, str(RECIPE_TOOL), "overrides", *(str(ARMS / f"{a}.yaml") for a in arms)],
-                         capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.splitlines()
-
-
 def test_fp8_arm_is_what_the_fp8_config_changes():
     configs = REPO / "examples" / "configs"
     want = config_diff(load_config(configs / "grpo_math_8B_megatron.yaml").model_dump(mode="json"),
                        load_config(configs / "grpo_math_8B_megatron_fp8.yaml").model_dump(mode="json"))
     for layout in sorted(RECIPES.glob("mission-8b*/*.yaml")):
         bf16 = load_config(layout).model_dump(mode="json")
-        fp8 = load_config(layout, _arm_overrides("fp8")).model_dump(mode="json")
+        fp8 = load_config(layout, arm_overrides([ARMS / "fp8.yaml"])).model_dump(mode="json")
         got = config_diff(bf16, fp8)
         assert got == {k: v for k, v in want.items() if k not in ("logger.log_dir", "checkpointing.checkpoint_dir")}
 
@@ -136,20 +129,21 @@ def test_mission_suite_refuses_an_unknown_layout_and_run(tmp_path):
         assert res.returncode == 2 and says in res.stdout + res.stderr
 
 
-def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path):
+def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path, capsys):
     recipe = RECIPES / "grpo-tiny-megatron-fp8" / "bf16.yaml"
-    ok = subprocess.run([sys.executable, str(RECIPE_TOOL), "get", str(recipe), "grpo.max_num_steps",
-                         "policy.generation.vllm_cfg.precision", "policy.megatron_cfg.fp8_cfg.enabled"],
-                        capture_output=True, text=True)
-    assert ok.stdout.split() == ["5", "bfloat16", "false"]
-    bad_key = subprocess.run([sys.executable, str(RECIPE_TOOL), "get", str(recipe), "grpo.max_steps"],
-                             capture_output=True, text=True)
-    assert bad_key.returncode == 2 and "grpo.max_steps" in bad_key.stderr
+    assert recipe_main(["get", str(recipe), "grpo.max_num_steps", "policy.generation.vllm_cfg.precision",
+                        "policy.megatron_cfg.fp8_cfg.enabled"]) == 0
+    assert capsys.readouterr().out.split() == ["5", "bfloat16", "false"]
+    assert recipe_main(["get", str(recipe), "grpo.max_steps"]) == 2
+    assert "no key grpo.max_steps" in capsys.readouterr().err
+    assert recipe_main(["get", str(RECIPES / "no-such-suite" / "x.yaml"), "grpo.seed"]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    assert recipe_main(["overrides", str(ARMS / "fp8.yaml"), str(ARMS / "fp8-kv-cache.yaml")]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == ["policy.generation.vllm_cfg.use_deep_gemm=true",
+                                                          "policy.generation.vllm_cfg.kv_cache_dtype=fp8"]
     arm = tmp_path / "arm.yaml"
     for text, says in [("defaults: fp8.yaml\n", "defaults"), ("policy:\n  x: [1, 2]\n", "policy.x is a list"),
                        ("- a\n", "mapping")]:
         arm.write_text(text)
-        res = subprocess.run([sys.executable, str(RECIPE_TOOL), "overrides", str(arm)], capture_output=True, text=True)
-        assert res.returncode == 2 and says in res.stderr
-    with pytest.raises(ConfigError, match="config file not found"):
-        load_config(RECIPES / "no-such-suite" / "x.yaml")
+        assert recipe_main(["overrides", str(arm)]) == 2
+        assert says in capsys.readouterr().err
