@@ -19,6 +19,9 @@
    ``small_model_spec.json`` (shape, parameters, accuracy, throughput, times, ``weights_sha256``
    of the saved bf16 weights, the torch / CUDA versions and the GPU).
 
+Steps 2-5 are :func:`train_and_save`, shared by any task's data (``lab.chains``: the arithmetic-chain task with
+long written-out solutions, ``make_small_model.py --task chains``).
+
 The prompt is what GRPO will show the model: ``SMALL_PROMPT_TEMPLATE`` through the chat template
 (``data.use_chat_template: true``), so SFT and RL see the same text. Responses end in
 ``Answer: <number>``, the format ``nemo_fp8.rewards.math_reward`` reads.
