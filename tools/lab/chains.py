@@ -12,7 +12,7 @@ with the intermediate result, and ends in ``Answer: N``, the format ``nemo_fp8.r
               Answer: 320
 
 With the small model's tokenizer (digits one per token) a step costs about 25 tokens, so 6-10 steps give responses
-of about 170-280 tokens (``tests/tools/test_chains.py`` pins the range for the default spec).
+of about 130-300 tokens, mean ~220 (``tests/tools/test_reasoning_task.py`` checks 100-400 for the default task).
 
 Difficulty knobs (:class:`ChainTask`): the number of steps (``min_steps``..``max_steps``, drawn uniformly), the
 operand size (``max_operand``: added and subtracted numbers in [2, max_operand]), the multiplier
