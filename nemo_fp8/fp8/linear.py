@@ -19,6 +19,12 @@ accumulators of limited precision (about 14 bits on H800 per the DeepSeek-V3 rep
 which is why it promotes to fp32 every 128 elements); here the partial products are
 fp32 bmm results, so this reference is at least as accurate as the kernels and
 differs from them far below the FP8 quantization error.
+
+float64 activations (the CPU runs that must be the same on every CPU type) take another route to the same
+values: both operands are dequantized exactly in float64 (an e4m3 value times an fp32 scale needs 28 of
+float64's 53 mantissa bits) and multiplied in one float64 GEMM. The sum then differs from the blockwise
+one only by float64 rounding (about 1e-16 relative), as every other float64 op of those runs does, and
+costs one plain GEMM instead of a [Kb, M, N] batch of partial products.
 """
 
 import math
@@ -57,8 +63,8 @@ def w8a8_block_linear(
     Numerics of vLLM `apply_w8a8_block_fp8_linear` / DeepGEMM (see module docstring):
     x is quantized per 1 x bk group along K (bk = weight_block_size[1]), each K block
     contributes (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[n // bn, b], and the
-    contributions are summed in fp32. K and N need not be multiples of the block size
-    (K is zero-padded; scales are cropped to N).
+    contributions are summed in fp32 (float64 x: one float64 GEMM, see the module docstring). K and N
+    need not be multiples of the block size (K is zero-padded; scales are cropped to N).
 
     Args:
         x: [..., K] bf16/fp16/fp32 activations.
@@ -68,8 +74,8 @@ def w8a8_block_linear(
         weight_block_size: (bn, bk) = rows x cols of one weight block.
         act_scale_mode: "fp32" or "pow2" scales for the activation groups.
         out_dtype: output dtype; defaults to x.dtype.
-        prepared: ``_weight_blocks(qweight, weight_scale_inv, weight_block_size)`` computed earlier (the same
-            values, kept by ``Fp8BlockLinear`` between refits); None computes it here.
+        prepared: ``prepare_weight(qweight, weight_scale_inv, weight_block_size, x.dtype)`` computed earlier
+            (the same values, kept by ``Fp8BlockLinear`` between refits); None computes it here.
 
     Returns:
         [..., N] tensor of out_dtype.
@@ -107,13 +113,42 @@ def w8a8_block_linear(
     x2 = x.reshape(-1, K)  # [M, K]
     x_q, x_s = _quantize_last_dim_groups(x2, bk, E4M3, act_scale_mode)  # [M, K], [M, Kb]
 
-    # 2. lay out FP8 values (exactly representable in fp32) as K blocks
-    w_blocks, w_s = _weight_blocks(qweight, weight_scale_inv, (bn, bk)) if prepared is None else prepared
-    # float64 activations (the kernel-independent reference runs of the tests) accumulate in float64, where the
-    # sums of e4m3 products are exact and so independent of the summation order the CPU's kernels choose
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = _block_scaled_matmul(x_q, x_s, w_blocks, w_s, bias, bk, acc_dtype)
+    # 2. the weight as the matmul takes it: fp32 K blocks, or dequantized in float64 (module docstring)
+    if prepared is None:
+        prepared = prepare_weight(qweight, weight_scale_inv, (bn, bk), x.dtype)
+    if x.dtype == torch.float64:
+        out = _dequantized_matmul(x_q, x_s, prepared, bias, bk)
+    else:
+        w_blocks, w_s = prepared
+        out = _block_scaled_matmul(x_q, x_s, w_blocks, w_s, bias, bk)
     return out.to(out_dtype).reshape(*lead_shape, N)
+
+
+def prepare_weight(qweight: torch.Tensor, weight_scale_inv: torch.Tensor, weight_block_size: tuple[int, int],
+                   x_dtype: torch.dtype):
+    """The FP8 weight laid out for ``w8a8_block_linear`` with activations of ``x_dtype``: a pure function of the
+    weight and its scales, which ``Fp8BlockLinear`` keeps between refits.
+
+    Returns:
+        float64 activations: the dequantized weight [N, K] float64 (exact: e4m3 value x fp32 scale);
+        otherwise ``(w_blocks [Kb, bk, N] fp32, w_s [Kb, N] fp32)`` (``_weight_blocks``).
+    """
+    if x_dtype != torch.float64:
+        return _weight_blocks(qweight, weight_scale_inv, weight_block_size)
+    bn, bk = weight_block_size
+    N, K = qweight.shape
+    scale = weight_scale_inv.double().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]  # [N, K]
+    return qweight.double() * scale  # [N, K]
+
+
+def _dequantized_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor | None,
+                        bk: int) -> torch.Tensor:
+    """(x_q * x_s) @ w_deq.T (+ bias) in float64 -> [M, N]; x_q [M, K] fp8, x_s [M, Kb], w_deq [N, K] float64."""
+    M, K = x_q.shape
+    x_scale = x_s.double().repeat_interleave(bk, dim=1)[:, :K]  # [M, K]
+    x_deq = x_q.double() * x_scale  # [M, K], exact
+    out = x_deq @ w_deq.t()  # [M, N]
+    return out + bias.double() if bias is not None else out
 
 
 def _weight_blocks(qweight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -131,13 +166,12 @@ def _weight_blocks(qweight: torch.Tensor, weight_scale_inv: torch.Tensor,
 
 
 def _block_scaled_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_blocks: torch.Tensor, w_s: torch.Tensor,
-                         bias: torch.Tensor | None, bk: int, acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """sum_b (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[b] in ``acc_dtype`` (fp32, or float64 for the
-    kernel-independent reference) -> [M, N] (``w8a8_block_linear``'s step 3)."""
+                         bias: torch.Tensor | None, bk: int) -> torch.Tensor:
+    """sum_b (x_q[:, b] @ w_q[:, b].T) * x_s[:, b] * w_s[b] in fp32 -> [M, N] (``w8a8_block_linear``'s step 3)."""
+    acc_dtype = torch.float32
     M, K = x_q.shape
     Kb, _, N = w_blocks.shape
     pad_k = Kb * bk - K
-    w_blocks, w_s = w_blocks.to(acc_dtype), w_s.to(acc_dtype)  # exact: FP8 values and fp32 scales
     # 3. per-block partial products, scaled and summed over K blocks
     out = torch.empty(M, N, dtype=acc_dtype, device=x_q.device)  # [M, N]
     rows_per_chunk = max(1, _MAX_PARTIAL_ELEMENTS // max(1, Kb * N))
@@ -285,18 +319,19 @@ class Fp8BlockLinear(nn.Module):
             )
         self.bias.copy_(bias)
 
-    def _prepared(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight's fp32 K-block layout (``_weight_blocks``), kept until the weight or its scales change.
+    def _prepared(self, x_dtype: torch.dtype):
+        """The weight as the matmul takes it (``prepare_weight``: fp32 K blocks, or float64 dequantized for float64
+        activations), kept until the weight or its scales change.
 
         Converting the FP8 weight to fp32 on every call was most of an emulated forward's time on CPU; the
         layout is a pure function of the two buffers, so it is rebuilt only when either has been written in
         place (a refit's ``load_weight``, ``copy_`` or ``load_state_dict``: torch's ``_version`` counter) or
-        replaced. Costs 4 bytes per weight element while held.
+        replaced. Costs 4 bytes (float64: 8) per weight element while held.
         """
         key = (self.weight.data_ptr(), self.weight._version, self.weight.device,
-               self.weight_scale_inv.data_ptr(), self.weight_scale_inv._version)
+               self.weight_scale_inv.data_ptr(), self.weight_scale_inv._version, x_dtype == torch.float64)
         if getattr(self, "_prepared_key", None) != key:
-            self._prepared_value = _weight_blocks(self.weight, self.weight_scale_inv, self.weight_block_size)
+            self._prepared_value = prepare_weight(self.weight, self.weight_scale_inv, self.weight_block_size, x_dtype)
             self._prepared_key = key
         return self._prepared_value
 
@@ -309,7 +344,7 @@ class Fp8BlockLinear(nn.Module):
             self.bias,
             self.weight_block_size,
             act_scale_mode=self.act_scale_mode,
-            prepared=self._prepared(),
+            prepared=self._prepared(x.dtype),
         )
 
     def extra_repr(self) -> str:

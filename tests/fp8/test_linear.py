@@ -75,6 +75,31 @@ def test_w8a8_matches_dequantized_reference_and_bound(M, N, K, scale_mode):
         assert rel < 0.045, rel  # measured 0.035..0.038
 
 
+@pytest.mark.parametrize("M,N,K", [(33, 200, 300), (5, 72, 129), (64, 256, 512)])
+def test_w8a8_float64_is_the_blockwise_sum_to_float64_rounding(M, N, K):
+    """float64 activations take one float64 GEMM of the exactly dequantized operands; it equals the kernel's
+    blockwise definition up to float64 rounding, through the function and through the module's weight cache."""
+    torch.manual_seed(M * N + K)
+    x = torch.randn(M, K, dtype=torch.float64)
+    w = torch.randn(N, K) / math.sqrt(K)
+    b = torch.randn(N, dtype=torch.float64)
+    qw, w_s = quantize_weight_blockwise(w)
+    ref = _reference_loop(x, qw, w_s, (128, 128), "fp32") + b
+    y = w8a8_block_linear(x, qw, w_s, b)
+    assert y.dtype == torch.float64
+    scale = (x.abs() @ w.double().abs().t()).max()
+    assert (y - ref).abs().max() <= 1e-13 * scale
+    lin = torch.nn.Linear(K, N, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    mod = Fp8BlockLinear.from_linear(lin)
+    torch.testing.assert_close(mod(x), y, rtol=0, atol=0)
+    # the cache follows the activations' dtype: float32 input takes the fp32 blockwise path again
+    y32 = mod(x.float())
+    assert y32.dtype == torch.float32 and (y32.double() - y).abs().max() <= 1e-5 * scale
+
+
 def test_w8a8_bias_out_dtype_and_leading_dims():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 256).bfloat16()
