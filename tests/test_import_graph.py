@@ -17,7 +17,8 @@ Layers, bottom to top (a module may import its own layer and the layers below, n
 5. distributed  ``nemo_fp8.distributed``: Ray worker groups, weight sync between policy and engines
 6. assembly     ``nemo_fp8.config`` (MasterConfig: the sections together), ``nemo_fp8.preflight``,
                 ``nemo_fp8.env_check``
-7. loop         ``nemo_fp8.algorithms.grpo``: one GRPO step over the interfaces, reading the MasterConfig
+7. loop         ``nemo_fp8.algorithms.grpo``: one GRPO step over the interfaces, reading the MasterConfig;
+                ``nemo_fp8.algorithms.async_grpo``: the asynchronous loop built on it
 8. top          ``nemo_fp8.trainer`` (setup -> train -> cleanup) and the package's own ``__init__``
 
 A module is placed by the longest matching prefix. Every import counts, the ones inside functions and under
@@ -41,7 +42,7 @@ LAYERS = [
     ("engines", ["nemo_fp8.generation", "nemo_fp8.policy"]),
     ("distributed", ["nemo_fp8.distributed"]),
     ("assembly", ["nemo_fp8.config", "nemo_fp8.preflight", "nemo_fp8.env_check"]),
-    ("loop", ["nemo_fp8.algorithms.grpo"]),
+    ("loop", ["nemo_fp8.algorithms.grpo", "nemo_fp8.algorithms.async_grpo"]),
     ("top", ["nemo_fp8.trainer", "nemo_fp8"]),
 ]
 
