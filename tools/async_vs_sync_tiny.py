@@ -26,10 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from nemo_fp8.utils.logger import read_metrics
 
-from nemo_fp8.utils.logger import read_metrics  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_one(folder: Path, seed: int, extra: list[str]) -> float:

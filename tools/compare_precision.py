@@ -9,7 +9,7 @@
     python tools/compare_precision.py --backend gpu --parallel 7                            # all variants at once, one GPU
     python tools/compare_precision.py --backend gpu --variants fp8+tis-seed2,bf16-seed3     # any variant, another seed
     python tools/compare_precision.py --backend gpu --devices 0,1,2,3 \\
-        --config examples/configs/recipes/llm/parity-reasoning-bf16.yaml   # one GPU per run, four at once
+        --config examples/configs/recipes/llm/parity-reasoning/bf16.yaml   # one GPU per run, four at once
 
 Each variant is a full ``examples/run_grpo_math.py`` run with the same config, seed, data and steps,
 plus the variant's overrides (``VARIANTS`` / ``GPU_VARIANTS`` below; every variant sets all the

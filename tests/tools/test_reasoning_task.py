@@ -171,7 +171,7 @@ def test_recipes_load_and_each_arm_is_the_base_plus_its_compare_precision_keys()
     from nemo_fp8.config import load_config
 
     cp = load_tool("compare_precision")
-    base_path = RECIPES / "parity-reasoning-bf16.yaml"
+    base_path = RECIPES / "parity-reasoning" / "bf16.yaml"
     base = load_config(base_path)
     assert base.policy.generation.max_new_tokens == 512 and base.grpo.max_val_samples == 1024
     assert base.data.max_input_seq_length + base.policy.generation.max_new_tokens <= \
@@ -180,10 +180,10 @@ def test_recipes_load_and_each_arm_is_the_base_plus_its_compare_precision_keys()
     assert Path(base.data.val_path).parent.parent == (REPO / base.policy.model_name).resolve()
     assert base.model_dump() == load_config(base_path, cp.variant_overrides("gpu", "bf16")).model_dump()
     for arm, stem in ARMS.items():
-        recipe = load_config(RECIPES / f"parity-reasoning-{stem}.yaml")
+        recipe = load_config(RECIPES / "parity-reasoning" / f"{stem}.yaml")
         assert recipe.model_dump() == load_config(base_path, cp.variant_overrides("gpu", arm)).model_dump(), arm
-    assert {p.name for p in RECIPES.glob("parity-reasoning-*.yaml")} == \
-        {"parity-reasoning-bf16.yaml", *(f"parity-reasoning-{s}.yaml" for s in ARMS.values())}
+    assert {p.name for p in (RECIPES / "parity-reasoning").glob("*.yaml")} == \
+        {"bf16.yaml", *(f"{s}.yaml" for s in ARMS.values())}
 
 
 def _run_rows(start: float, final: float, kl: float, length: float, trunc: float | None, steps: int = 20):

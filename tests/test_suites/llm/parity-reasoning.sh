@@ -16,6 +16,8 @@
 # Checks (issue 51): every arm ran 3 seeds; BF16 gains >= 15 points of validation accuracy and >= 5 standard errors;
 # BF16's responses average >= 100 tokens; FP8 + TIS ends within 1.5 points of BF16 (mean of final validations over
 # seeds); FP8 + TIS's gen_kl_error <= 1e-3. The no-correction arm is measured (parity.md), not judged.
+# Each arm's config, as compare_precision.py's variant keys make it from the base recipe (a CPU test keeps them equal):
+# examples/configs/recipes/llm/parity-reasoning/{bf16,fp8-tis,fp8,fp8kv-tis,fp8-e2e-tis}.yaml
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-7200}  # four waves of ~150-step runs; common.sh's default is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init parity-reasoning
 MODEL=${MODEL:-models/reasoning-qwen3}
@@ -34,7 +36,7 @@ PY
 ARMS="bf16 fp8+tis bf16-seed2 fp8+tis-seed2 bf16-seed3 fp8+tis-seed3 fp8 fp8-seed2 fp8-seed3 fp8kv+tis fp8kv+tis-seed2"
 ARMS="$ARMS fp8kv+tis-seed3 fp8-e2e+tis fp8-e2e+tis-seed2 fp8-e2e+tis-seed3"
 timeout "$SUITE_TIMEOUT" "$PYTHON" tools/compare_precision.py --backend gpu --out-dir "$OUT" \
-  --config examples/configs/recipes/llm/parity-reasoning-bf16.yaml --devices "${DEVICES:-0,1,2,3}" --stagger-s 20 \
+  --config examples/configs/recipes/llm/parity-reasoning/bf16.yaml --devices "${DEVICES:-0,1,2,3}" --stagger-s 20 \
   --variants "${VARIANTS:-${ARMS// /,}}" policy.model_name="$MODEL" data.train_path="$MODEL/data/rl_train.jsonl" \
   data.val_path="$MODEL/data/val.jsonl" checkpointing.enabled=false ${PARITY_ARGS:-} > "$OUT/parity.log" 2>&1
 tail -60 "$OUT/parity.log"
