@@ -94,4 +94,6 @@ def test_sigterm_stops_both_sides_and_resume_continues(shipped_tiny_model, tmp_p
     assert time.monotonic() - t0 < 20, err[-3000:]
     assert "continue with --resume" in err and "Traceback" not in err, err[-3000:]
     assert_none_left(procs)
-    resume_finishes(shipped_tiny_model, tmp_path, *args)
+    # Not bit for bit: the rollouts made ahead are dropped at a checkpoint (docs/async-grpo.md), so the resumed
+    # step trains on rollouts of the checkpoint's weights where the uninterrupted run's were one step older.
+    resume_finishes(shipped_tiny_model, tmp_path, *args, same_as_straight=False)
