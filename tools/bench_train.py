@@ -331,7 +331,9 @@ def run_rl_child(a) -> dict:
 
     cfg = rl_policy_cfg(a, a.recipe, a.packed)
     rank = int(os.environ.get("RANK", "0"))  # --tp > 1: one of torch.distributed.run's ranks, one GPU each
-    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))), rank=rank, world_size=a.tp, dist_init_method="env://" if a.tp > 1 else None, load_weights=False)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, device), rank=rank, world_size=a.tp,
+                               dist_init_method="env://" if a.tp > 1 else None, load_weights=False)
     batch = rl_batch(a, QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"])
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     lp_s, train_s, metrics = [], [], {}

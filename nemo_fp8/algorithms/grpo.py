@@ -100,7 +100,8 @@ class RefitController:
             step's activation peak) goes back to the device for the engine.
     """
 
-    def __init__(self, policy: PolicyBackend, generation: GenerationBackend, weight_sync, version: int = 0, kv_scales: Optional[KvScales] = None,
+    def __init__(self, policy: PolicyBackend, generation: GenerationBackend, weight_sync, version: int = 0,
+                 kv_scales: Optional[KvScales] = None,
                  requires_kv_scales: bool = False, offload_trainer: bool = True, colocated: bool = True):
         self.policy, self.generation, self.weight_sync = policy, generation, weight_sync
         self.requires_kv_scales = requires_kv_scales

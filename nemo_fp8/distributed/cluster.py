@@ -24,8 +24,9 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
+    env_vars = {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
-                                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}})
+                                  runtime_env={"env_vars": env_vars})
     if address:
         ray.init(address=address, **kwargs)
     else:  # "local": a cluster of this run's own; with None Ray joins the newest other local run's cluster

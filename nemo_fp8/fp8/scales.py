@@ -1,6 +1,7 @@
 """FP8 scales (``scale_inv``) from a region's amax, and the input checks the quantizers share.
 
-Convention: ``dequant = q.float() * scale_inv`` (``nemo_fp8.fp8.quantize``). The scale of a region is computed from its current amax ("current scaling"):
+Convention: ``dequant = q.float() * scale_inv`` (``nemo_fp8.fp8.quantize``). The scale of a region is computed
+from its current amax ("current scaling"):
 
     fp32 mode: scale_inv = amax / fmt.max
     pow2 mode: scale_inv = 2 ** ceil(log2(amax / fmt.max))  (UE8M0 / E8M0 scales)

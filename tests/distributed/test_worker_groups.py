@@ -142,7 +142,8 @@ def test_refit_peak_extra_memory_is_one_bucket_not_a_model_copy(ray_cluster, tin
     workers = start_workers(cfg, tok)
     try:
         sync, gen_actor = workers.refitter.weight_sync, workers.generation.worker
-        model_bytes = sum(p.numel() * 4 for p in TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).model.parameters())  # fp32 sent
+        model = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).model
+        model_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 sent
         largest = 2048 * 512 * 4
 
         sync.sync(version=1)  # warm-up: first-use allocations of the transport

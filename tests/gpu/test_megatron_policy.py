@@ -120,7 +120,8 @@ def _reference_logprobs(path, batch) -> dict[str, torch.Tensor]:
 
     out = {}
     for precision in ("bfloat16", "float32"):
-        ref = TorchPolicyBackend(PolicySpec.from_config(_policy_cfg(path, megatron=False).model_copy(update={"precision": precision}), torch.device("cuda", 0)))
+        ref_cfg = _policy_cfg(path, megatron=False).model_copy(update={"precision": precision})
+        ref = TorchPolicyBackend(PolicySpec.from_config(ref_cfg, torch.device("cuda", 0)))
         out[precision] = ref.get_logprobs(batch)
         del ref
     gc.collect()
@@ -602,7 +603,8 @@ def _tp_rank(rank: int, world: int, port: int, path: str, tp: int, out):
 
     torch.cuda.set_device(rank)
     cfg = _policy_cfg(path, tensor_model_parallel_size=tp)
-    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", rank)), rank=rank, world_size=world, dist_init_method=f"tcp://127.0.0.1:{port}")
+    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", rank)), rank=rank, world_size=world,
+                               dist_init_method=f"tcp://127.0.0.1:{port}")
     lp = be.get_logprobs(_batch())
     names = {n: t.cpu() for n, t in be.named_weights()}
     if rank == 0:

@@ -68,7 +68,8 @@ def test_refit_over_nccl_into_an_engine_on_its_own_gpu(tiny_cfg, tmp_path):
                    "policy.weight_sync.method=nccl", "policy.weight_sync.bucket_size_mb=1",
                    "policy.generation.vllm_cfg.gpu_memory_utilization=0.3", "policy.device=cuda")
     tok = load_tokenizer(cfg.policy.model_name)
-    start = dict(TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).named_weights())  # what the policy rank loads: fp32
+    # what the policy rank loads: fp32
+    start = dict(TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).named_weights())
     changed_state = save_perturbed_policy(cfg.policy, tmp_path / "changed")
     plan, _ = build_refit_plan(cfg.policy.generation.vllm_cfg, cfg.policy.model_name)
     sent = [(n, t) for n, t in start.items() if n != "lm_head.weight"]  # tied: the engine skips it

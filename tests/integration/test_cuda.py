@@ -22,7 +22,8 @@ CUDA = torch.device("cuda")
 
 def backends(cfg, device):
     tok = load_tokenizer(cfg.policy.model_name)
-    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, device, temperature=cfg.policy.generation.temperature))
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, device,
+                                                       temperature=cfg.policy.generation.temperature))
     gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, device, tok.pad_token_id,
                                  tok.eos_token_id, cfg.policy.max_total_sequence_length, batch_size=64)
     gen.update_weights(policy.named_weights())

@@ -27,7 +27,8 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "po
 def setup(cfg):
     tok = load_tokenizer(cfg.policy.model_name)
     train, _ = prepare_prompts(cfg, tok)
-    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0))
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU,
+                                                       keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0))
     gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,
                                  tok.eos_token_id, cfg.policy.max_total_sequence_length, batch_size=16)
     refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20))  # stale: first

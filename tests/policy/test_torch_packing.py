@@ -48,10 +48,10 @@ def backends(tiny_cfg):
 
 
 def test_packed_logprobs_loss_and_gradients_equal_unpacked(backends):
-    (cfg, plain), (pcfg, packed) = backends
+    (cfg, plain), (_, packed) = backends
     batch = make_batch(plain.model.config.vocab_size)
-    mbs = logprob_micro_batches(PolicySpec.from_config(pcfg.policy, CPU), batch)
-    assert len(mbs) < len(logprob_micro_batches(PolicySpec.from_config(cfg.policy, CPU), batch)) and max(map(len, mbs)) > 1  # really packed
+    mbs = logprob_micro_batches(packed.spec, batch)
+    assert len(mbs) < len(logprob_micro_batches(plain.spec, batch)) and max(map(len, mbs)) > 1  # really packed
     lp = plain.get_logprobs(batch)
     torch.testing.assert_close(packed.get_logprobs(batch), lp, rtol=0, atol=1e-5)
     batch.prev_logprobs = lp
@@ -72,9 +72,9 @@ def test_packed_logprobs_loss_and_gradients_equal_unpacked(backends):
 
 
 def test_changing_one_sequence_never_changes_another_in_its_bin(backends):
-    _, (pcfg, packed) = backends
+    _, (_, packed) = backends
     batch = make_batch(packed.model.config.vocab_size, seed=1)
-    bins = [b for b in logprob_micro_batches(PolicySpec.from_config(pcfg.policy, CPU), batch) if len(b) > 1]
+    bins = [b for b in logprob_micro_batches(packed.spec, batch) if len(b) > 1]
     assert bins
     before = packed.get_logprobs(batch)
     for b in bins:
@@ -83,7 +83,7 @@ def test_changing_one_sequence_never_changes_another_in_its_bin(backends):
         victim = b[0]
         n = int(batch.prompt_lengths[victim] + batch.response_lengths[victim])
         changed.token_ids[victim, :n] = (changed.token_ids[victim, :n] + 7) % packed.model.config.vocab_size
-        assert logprob_micro_batches(PolicySpec.from_config(pcfg.policy, CPU), changed) == logprob_micro_batches(PolicySpec.from_config(pcfg.policy, CPU), batch)
+        assert logprob_micro_batches(packed.spec, changed) == logprob_micro_batches(packed.spec, batch)
         after = packed.get_logprobs(changed)
         others = [i for i in b if i != victim]
         assert torch.equal(after[others], before[others])

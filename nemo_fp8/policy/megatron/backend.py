@@ -100,7 +100,8 @@ class MegatronPolicyBackend:
         if world_size != cfg.data_parallel_size * tp:
             raise ValueError(f"megatron: {world_size} ranks, but policy.data_parallel_size={cfg.data_parallel_size} x "
                              f"policy.megatron_cfg.tensor_model_parallel_size={tp} = {cfg.data_parallel_size * tp}")
-        self.spec, self.cfg, self.temperature, self.rank, self.world_size = spec, cfg, spec.temperature, rank, world_size
+        self.spec, self.cfg, self.temperature = spec, cfg, spec.temperature
+        self.rank, self.world_size = rank, world_size
         os.environ.update(settings.block_scaling_env(cfg))  # read by TE at import: before any TE import
         self.device = torch.device("cuda", 0 if device.index is None else device.index)  # Ray: the visible GPU
         torch.cuda.set_device(self.device)
