@@ -48,8 +48,10 @@ def gather(refs: Sequence, what: str = "call", labels: Optional[Sequence[str]] =
     pending = list(refs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=wait)
+        if deadline is None:
+            done, pending = ray.wait(pending, num_returns=1)
+        else:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             late = ", ".join(labels[index[r]] for r in pending)
             raise (error or TimeoutError)(f"{what}: {late} did not answer within {timeout_s:.0f} s")
