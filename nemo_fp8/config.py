@@ -88,6 +88,11 @@ def cross_field_errors(cfg: MasterConfig) -> list[str]:
     if rollout % gbs != 0:
         errs.append(f"policy.train_global_batch_size: {gbs} must divide grpo.num_prompts_per_step * "
                     f"grpo.num_generations_per_prompt = {rollout}")
+    if cfg.grpo.async_grpo.enabled and cfg.policy.generation.colocated.enabled:
+        errs.append("policy.generation.colocated.enabled: grpo.async_grpo.enabled=true generates while the trainer "
+                    "trains, on engines of their own; set policy.generation.colocated.enabled=false (on GPUs with "
+                    "policy.generation.colocated.resources.gpus_per_node / num_nodes for the engines), or "
+                    "grpo.async_grpo.enabled=false")
     if cfg.data.max_input_seq_length > cfg.policy.max_total_sequence_length:  # equal: NeMo-RL's upper bound
         errs.append(f"data.max_input_seq_length: {cfg.data.max_input_seq_length} leaves no room to generate within "
                     f"policy.max_total_sequence_length={cfg.policy.max_total_sequence_length} (valid: at most that; "

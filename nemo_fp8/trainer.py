@@ -207,8 +207,10 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     colocated = gen_cfg.colocated.enabled
     plan = plan_from_config(cfg.policy, cfg.cluster, device.type == "cuda")
     pg = create_placement_group(plan)
-    # Engine and trainer take turns (never run at once); data-parallel ranks train side by side.
-    threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // cfg.policy.data_parallel_size)
+    # Engine and trainer take turns (never run at once); data-parallel ranks train side by side. Asynchronous
+    # GRPO runs the engines beside the ranks: the CPUs are shared among all of them.
+    side_by_side = cfg.policy.data_parallel_size + (plan.num_engines if cfg.grpo.async_grpo.enabled else 0)
+    threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // side_by_side)
     policy, generation = start_groups(pg, plan, policy_spec(cfg, device), generation_spec(cfg, tokenizer, device),
                                       torch_threads=threads)
     weight_sync = make_weight_sync(cfg, policy, generation)
@@ -487,9 +489,12 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
         scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
                                   max_seconds_per_step=cfg.env.math.max_seconds_per_step)
-        out = grpo_train(cfg, workers.policy, workers.generation, GuardedScorer(scorer), tokenizer, dataloader, val,
-                         RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
-                         workers.refitter)
+        train = grpo_train
+        if cfg.grpo.async_grpo.enabled:  # generation ahead of training on engines of their own
+            from nemo_fp8.algorithms.async_grpo import async_grpo_train as train
+        out = train(cfg, workers.policy, workers.generation, GuardedScorer(scorer), tokenizer, dataloader, val,
+                    RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
+                    workers.refitter)
         graceful_wait_s = 30.0
         return out
     except BaseException as e:

@@ -11,8 +11,8 @@ whole folders or top-level modules, each section schema (``<part>/config.py``) i
 3. components   ``nemo_fp8/data/``, ``nemo_fp8/rewards/``, ``nemo_fp8/models/``
 4. engines      ``nemo_fp8/generation/``, ``nemo_fp8/policy/``: interfaces, specs, backends (torch, vLLM, Megatron)
                 and their Ray worker groups (NeMo-RL's ``lm_policy`` split)
-5. algorithms   ``nemo_fp8/algorithms/``: loss, IS corrections, advantages, mismatch metrics, and the GRPO loop over
-                the backend interfaces
+5. algorithms   ``nemo_fp8/algorithms/``: loss, IS corrections, advantages, mismatch metrics, and the GRPO loops
+                (``grpo``, ``async_grpo``) over the backend interfaces
 6. assembly     ``nemo_fp8/config.py`` (MasterConfig: the sections together), ``nemo_fp8/preflight.py``,
                 ``nemo_fp8/env_check.py``
 7. top          ``nemo_fp8/trainer.py`` (setup -> train -> cleanup) and the package's own ``__init__``

@@ -8,6 +8,8 @@
     python tools/compare_precision.py --backend gpu --report-only --also logs/compare/gpu-b  # + another host's runs
     python tools/compare_precision.py --backend gpu --parallel 7                            # all variants at once, one GPU
     python tools/compare_precision.py --backend gpu --variants fp8+tis-seed2,bf16-seed3     # any variant, another seed
+    python tools/compare_precision.py --backend gpu --devices 0,1,2,3 \\
+        --config examples/configs/recipes/llm/parity-reasoning-bf16.yaml   # one GPU per run, four at once
 
 Each variant is a full ``examples/run_grpo_math.py`` run with the same config, seed, data and steps,
 plus the variant's overrides (``VARIANTS`` / ``GPU_VARIANTS`` below; every variant sets all the
@@ -17,10 +19,15 @@ The report, ``<out-dir>/parity.png`` (validation accuracy, reward, gen_kl_error,
 token_mult_prob_error; a curve per variant) and ``<out-dir>/parity.md`` (final and best accuracy,
 mean mismatch, seconds per step split into generation / refit / log-probs / training, ratios to
 ``bf16``; below it each run's training reward minus ``bf16``'s, paired by step), is written from
-whatever variants have a ``metrics.jsonl``; a failed variant is reported and the others still run.
+whatever variants have a ``metrics.jsonl``; a failed variant is reported and the others still run. With several
+seeds of a variant the report adds validation accuracy over seeds with standard errors, the gain over the run, the
+difference from ``bf16``, TIS truncation and response length over training, also written to ``parity.json`` for
+``tools/check_metrics.py <out-dir>/parity.json --by variant 'bf16/gain >= 0.15'``.
 """
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 import time
@@ -29,7 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from nemo_fp8.utils.logger import read_metrics
-from lab.parity_report import parity_table, reward_gap_table, seed_group_table, summarize_run
+from lab.parity_report import (parity_table, reward_gap_table, seed_group_table, seed_summaries, seed_summary_table,
+                               summarize_run)
 from nemo_fp8.utils.plots import plot_parity, split_seed
 
 _BF16 = ["policy.generation.vllm_cfg.precision=bfloat16", "policy.generation.vllm_cfg.kv_cache_dtype=auto"]
@@ -149,34 +157,50 @@ def parallel_overrides(overrides: list[str], parallel: int, kv_cache_gib: float)
 
 
 def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 1,
-                 stagger_s: float = 0.0, poll_s: float = 1.0) -> list[str]:
-    """Run each variant's command, at most ``parallel`` at once, starts ``stagger_s`` apart; returns the failed.
+                 stagger_s: float = 0.0, poll_s: float = 1.0, devices: list[str] | None = None) -> list[str]:
+    """Run each variant's command, starts ``stagger_s`` apart; returns the failed.
 
-    Each run's output goes to ``<out_dir>/<variant>/run.log``; a failed variant's last output is
-    printed and the others go on.
+    Without ``devices`` at most ``parallel`` run at once and see every GPU of the machine. With ``devices`` (GPU
+    indices) each run sees one of them (``CUDA_VISIBLE_DEVICES``, the least loaded at its start), at most
+    ``parallel`` runs per device: ``devices=["0", "1", "2", "3"]``, ``parallel=1`` runs four variants at once, one
+    GPU each. Each run's output goes to ``<out_dir>/<variant>/run.log`` (its first line names its device); a
+    failed variant's last output is printed and the others go on.
     """
     pending, running, failed = list(commands), {}, []
+    load = {d: 0 for d in devices or []}
+    capacity = parallel * len(load) if load else parallel
     last_start = -float("inf")
     while pending or running:
-        for name, (proc, log) in list(running.items()):
+        for name, (proc, log, dev) in list(running.items()):
             rc = proc.poll()
             if rc is None:
                 continue
             log.close()
             del running[name]
+            if dev is not None:
+                load[dev] -= 1
             if rc != 0:
                 tail = (out_dir / name / "run.log").read_text(errors="replace")[-3000:]
                 print(f"[{name}] failed (exit {rc}); last output:\n{tail}", file=sys.stderr, flush=True)
                 failed.append(name)
             else:
                 print(f"[{name}] done", flush=True)
-        if pending and len(running) < parallel and time.monotonic() - last_start >= stagger_s:
+        if pending and len(running) < capacity and time.monotonic() - last_start >= stagger_s:
             name = pending.pop(0)
             (out_dir / name).mkdir(parents=True, exist_ok=True)
             log = open(out_dir / name / "run.log", "w")
-            running[name] = (subprocess.Popen(commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log)
+            dev, env = None, None
+            if load:
+                dev = min(load, key=load.get)
+                load[dev] += 1
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": dev}
+                log.write(f"[compare_precision] CUDA_VISIBLE_DEVICES={dev}\n")
+                log.flush()
+            proc = subprocess.Popen(commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[name] = (proc, log, dev)
             last_start = time.monotonic()
-            print(f"[{name}] started ({len(running)} running, {len(pending)} waiting)", flush=True)
+            print(f"[{name}] started{'' if dev is None else ' on GPU ' + dev} ({len(running)} running, "
+                  f"{len(pending)} waiting)", flush=True)
             continue
         time.sleep(poll_s)
     return failed
@@ -245,6 +269,15 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     if seeds:
         notes += ("\nOver sampling seeds (`<variant>-seed<N>`), each run's mean training reward over its last 40% of "
                   "steps; the difference from " + baseline + " with its standard error across seeds:\n\n" + seeds)
+    over_seeds = seed_summaries(runs, baseline)
+    if over_seeds:
+        notes += ("\nValidation over sampling seeds (each variant's runs `<variant>`, `<variant>-seed<N>`): means over "
+                  "seeds; se of the final accuracy: the validation set's binomial error and the spread across seeds; "
+                  "gain: final minus start; the difference from " + baseline + ": Welch's se across seeds (the set's "
+                  "error is shared); TIS-clamped tokens: fraction of tokens whose IS weight was clamped (and of steps "
+                  "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`):\n\n"
+                  + seed_summary_table(over_seeds, baseline))
+        (out_dir / "parity.json").write_text(json.dumps(over_seeds, indent=1))
     if concurrency > 1:
         notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "
                   "so compare them within this table only; a timing claim comes from a run with --parallel 1.\n")
@@ -275,6 +308,8 @@ def main(argv=None) -> int:
                    help="variants run at once (GPU: on the same GPU, each engine's gpu_memory_utilization "
                         "set to 0.45/N and its KV cache to --kv-cache-gib unless given; step times then include "
                         "the sharing)")
+    p.add_argument("--devices", help="GPU indices, e.g. 0,1,2,3: each run on one of them (CUDA_VISIBLE_DEVICES), at "
+                                     "most --parallel runs per device (default: every run sees every GPU)")
     p.add_argument("--stagger-s", type=float, default=None,
                    help="seconds between two starts (default: 45 on gpu, to spread the engines' start-up work: "
                         "compilation, CUDA graph capture; 0 on cpu)")
@@ -287,8 +322,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
+    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+    if devices is not None and (not all(d.isdigit() for d in devices) or len(set(devices)) != len(devices)):
+        p.error(f"--devices must be distinct GPU indices separated by commas, e.g. 0,1,2,3; got {args.devices!r}")
     if args.stagger_s is None:
-        args.stagger_s = 45.0 if args.backend == "gpu" and args.parallel > 1 else 0.0
+        args.stagger_s = 45.0 if args.backend == "gpu" and (args.parallel > 1 or devices) else 0.0
     table = GPU_VARIANTS if args.backend == "gpu" else VARIANTS
     names = args.variants.split(",") if args.variants else list(table)
     unknown = []
@@ -313,7 +351,7 @@ def main(argv=None) -> int:
             print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
         if args.dry_run:
             return 0
-        failed = run_variants(commands, out_dir, args.parallel, args.stagger_s)
+        failed = run_variants(commands, out_dir, args.parallel, args.stagger_s, devices=devices)
     also = [Path(a).resolve() for a in args.also]
     bad = [str(a) for a in also if not a.is_dir()]
     if bad:

@@ -41,7 +41,7 @@ What the loader does (`nemo_fp8/config.py`, `nemo_fp8/utils/nemo_rl_compat.py`):
   it), is dropped at a value that changes nothing here (**off**: the value that means "off", or NeMo-RL's
   default; **inert**: any value; **feature**: a section switched off by its `enabled`), or is refused with one
   error naming the key and the value that would be accepted, e.g.
-  `grpo.async_grpo.enabled: true: asynchronous GRPO is not supported by nemo-fp8; set it to false`.
+  `grpo.max_rollout_turns: 2: multi-turn rollouts is not supported by nemo-fp8; set it to 1`.
 - The resolved `config.yaml` a run writes beside its logs and checkpoints holds only our keys, so `--resume`
   (with the same command, or with `--config` that `config.yaml`) compares like with like.
 - While `policy.megatron_cfg.enabled` is false, the megatron backend's settings in the files

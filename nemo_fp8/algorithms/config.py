@@ -28,6 +28,25 @@ class RewardShapingConfig(StrictConfig):
     max_response_length: Optional[int] = Field(None, ge=1)
 
 
+class AsyncGRPOConfig(StrictConfig):
+    """Asynchronous GRPO (NeMo-RL's ``grpo.async_grpo``; ``nemo_fp8.algorithms.async_grpo``, docs/async-grpo.md).
+
+    Attributes:
+        enabled: generation runs on engines of their own (``policy.generation.colocated.enabled: false``) ahead of
+            training, into a bounded trajectory buffer; false: the synchronous loop.
+        max_trajectory_age_steps: NeMo-RL's bound: a rollout made with the weights of version ``v`` (the weights
+            after step ``v``) may train at the step that updates version ``t`` only if ``t - v <= max age``; step
+            ``s`` updates version ``s - 1``, so at 1 the collector generates one step ahead. >= 1.
+        wait_for_current_weights: the collector makes step ``s``'s rollouts only with the weights of version
+            ``s - 1`` (age 0 always): synchronous GRPO on engines of their own, step for step the colocated loop's
+            numbers. For tests and for measuring what running ahead buys; not a NeMo-RL key.
+    """
+
+    enabled: StrictBool = False
+    max_trajectory_age_steps: int = Field(1, ge=1)
+    wait_for_current_weights: StrictBool = False
+
+
 class GRPOConfig(StrictConfig):
     num_prompts_per_step: int = Field(32, ge=1)
     num_generations_per_prompt: int = Field(16, ge=1)
@@ -44,6 +63,7 @@ class GRPOConfig(StrictConfig):
     val_batch_size: int = Field(256, ge=1)
     val_greedy: bool = True
     seed: int = 42
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
 
     def config_errors(self) -> list[str]:
         return ["num_generations_per_prompt: the leave-one-out baseline (use_leave_one_out_baseline=true) "

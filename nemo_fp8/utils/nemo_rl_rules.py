@@ -397,9 +397,14 @@ RULES: dict[str, Rule] = {
     "grpo.seq_logprob_error_threshold": off(None, what="masking sequences by log-prob error"),
     "grpo.invalid_tool_call_advantage": off(None, what="tool calls"),
     "grpo.malformed_thinking_advantage": off(None, what="a <think>-tag advantage"),
-    "grpo.async_grpo": feature("asynchronous GRPO", ("max_trajectory_age_steps", "max_generation_failures",
-                                                       "in_flight_weight_updates",
-                                                       "recompute_kv_cache_after_weight_updates")),
+    # grpo.async_grpo.enabled / max_trajectory_age_steps are ours (docs/async-grpo.md); the engines take new
+    # weights between generation rounds only, and an engine error stops the run
+    "grpo.async_grpo.in_flight_weight_updates": off(False, what="in-flight weight updates (new weights reach the "
+                                                    "engines between generation rounds)"),
+    "grpo.async_grpo.recompute_kv_cache_after_weight_updates": off(False, what="recomputing the KV cache after "
+                                                                   "in-flight weight updates"),
+    "grpo.async_grpo.max_generation_failures": off(0, what="tolerating failed generation rounds (an engine error "
+                                                   "stops the run)"),
     "reward_penalties": off(None, what="NeMo-Gym reward penalties"),
     **_off_all("reward_penalties", "NeMo-Gym reward penalties", penalize_duplicated_reasoning=False,
                penalize_empty_final_answer=False, penalize_unwanted_tokens=False, penalize_malformed_think_tag=False,

@@ -66,7 +66,7 @@ def test_nemo_rl_configs_load_with_zero_errors_and_keep_their_meaning(name, loca
 def test_resolved_config_shows_only_our_keys(local_data):
     cfg = _load("grpo_math_8B_megatron_fp8", *local_data, *CPU)
     text = config_to_yaml(cfg)
-    for nemo_rl_key in ("async_grpo", "dtensor_cfg", "scheduler", "dynamic_batching", "max_rollout_turns",
+    for nemo_rl_key in ("in_flight_weight_updates", "dtensor_cfg", "scheduler", "dynamic_batching", "max_rollout_turns",
                         "dataset_name", "prompt_file", "keep_top_k", "mlflow", "val_temperature", "data_plane"):
         assert nemo_rl_key not in text, nemo_rl_key
     assert load_config(_write(local_data, text)).model_dump() == cfg.model_dump()  # config.yaml loads as itself
@@ -97,10 +97,11 @@ def test_unchanged_nemo_rl_configs_are_refused_only_for_what_cannot_run_here():
 @pytest.mark.parametrize("name", NAMES)
 def test_a_feature_switched_on_is_refused_by_name(name, local_data):
     with pytest.raises(ConfigError) as e:
-        _load(name, *local_data, *CPU, "grpo.async_grpo.enabled=true", "grpo.max_rollout_turns=2",
+        _load(name, *local_data, *CPU, "grpo.async_grpo.in_flight_weight_updates=true", "grpo.max_rollout_turns=2",
               "policy.dynamic_batching.enabled=true", "loss_fn.use_cispo=true")
     assert sorted(_lines(e.value)) == [
-        "grpo.async_grpo.enabled: true: asynchronous GRPO is not supported by nemo-fp8; set it to false",
+        "grpo.async_grpo.in_flight_weight_updates: true: in-flight weight updates (new weights reach the engines "
+        "between generation rounds) is not supported by nemo-fp8; set it to false",
         "grpo.max_rollout_turns: 2: multi-turn rollouts is not supported by nemo-fp8; set it to 1",
         "loss_fn.use_cispo: true: CISPO is not supported by nemo-fp8; set it to false",
         "policy.dynamic_batching.enabled: true: dynamic batching (policy.sequence_packing packs by token budget) is "
@@ -114,7 +115,7 @@ def test_typos_are_still_caught_with_the_nearest_key(name, local_data):
               "policy.generation.vllm_cfg.use_tqmd=false", "policy.dtensor_cfg.tensor_paralel_size=2")
     lines = sorted(_lines(e.value))
     assert len(lines) == 4, lines
-    assert lines[0].startswith("grpo.async_grpo.enable: true: unknown key (did you mean 'enabled'?)")
+    assert lines[0].startswith("grpo.async_grpo.enable: unknown key (did you mean 'enabled'?)")
     assert lines[1].startswith("grpo.num_prompt_per_step: unknown key (did you mean 'num_prompts_per_step'?)")
     assert lines[2].startswith("policy.dtensor_cfg.tensor_paralel_size: unknown key (did you mean "
                                "'tensor_parallel_size'?)")
@@ -180,7 +181,7 @@ def test_nemo_rl_config_runs_its_first_step_on_cpu_and_resumes(name, tiny_model_
     proc = _run(FIXTURES / f"{name}.yaml", *args)
     assert "done: 1 steps" in proc.stdout
     saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "logs" / "config.yaml"))
-    assert "dtensor_cfg" not in saved["policy"] and "async_grpo" not in saved["grpo"]
+    assert "dtensor_cfg" not in saved["policy"] and "in_flight_weight_updates" not in saved["grpo"]["async_grpo"]
     assert saved["data"]["dataset"] == "problem_answer" and saved["data"]["use_chat_template"] is True
     if name != "grpo_math_1B":
         return  # one resume is enough for the CPU budget

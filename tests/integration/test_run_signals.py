@@ -56,13 +56,40 @@ def assert_none_left(procs: dict[int, int], within_s=10.0):
     pytest.fail(f"processes left behind: {names}")
 
 
+#: The metrics of a step that depend only on the weights, the data and the seeds (not on time or the host).
+LEARNING_KEYS = ("train/", "loss/", "mismatch/", "reward/")
+_STRAIGHT: dict[tuple, dict] = {}
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def straight_row(model_dir, root: Path, step: int, *args) -> dict:
+    """Step ``step``'s metrics row of an uninterrupted run with ``args`` (run once per process and arguments)."""
+    key = (str(model_dir), step, args)
+    if key not in _STRAIGHT:
+        out = root / f"straight-{len(_STRAIGHT)}"
+        proc = start_job(model_dir, out, f"grpo.max_num_steps={step}", *args)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        _STRAIGHT[key] = _rows(out)[-1]
+    return _STRAIGHT[key]
+
+
 def resume_finishes(model_dir, out: Path, *args):
+    """``--resume`` from the newest checkpoint runs one more step, and that step is bit for bit the step an
+    uninterrupted run takes (the float64 CPU job is deterministic: same weights, optimizer state, data, seeds)."""
     last = max(int(p.name.split("_")[1]) for p in (out / "ckpt").glob("step_*") if p.name[5:].isdigit())
     proc = start_job(model_dir, out, "--resume", f"grpo.max_num_steps={last + 1}", *args)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    steps = [json.loads(x)["step"] for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, last + 2)), steps
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, last + 2)), [r["step"] for r in rows]
+    straight = straight_row(model_dir, out.parent / "straight-runs", last + 1, *args)
+    learning = lambda row: {k: v for k, v in row.items() if k.startswith(LEARNING_KEYS)}  # noqa: E731
+    assert learning(rows[-1]) == learning(straight), {k: (v, straight.get(k)) for k, v in learning(rows[-1]).items()
+                                                      if v != straight.get(k)}
 
 
 def test_sigterm_to_the_process_group_exits_143_at_once_and_resumes(tiny_model_dir, tmp_path):

@@ -6,7 +6,8 @@
 #   check_runs <check...>             the same across every run of the suite, each named by its folder (fp8:key)
 #   report_runs [--baseline NAME]     the results table of every run (tools/mission_report.py): $OUT/report.md
 # Environment: PYTHON (the interpreter with the GPU stack, default python3), SUITE_TIMEOUT (seconds for the suite's main command, default 560), OUT (default
-# logs/suites/<name>), STEPS (GRPO steps where a suite has a default). The GPU stack: where /tmp/gpu-site/env.sh
+# logs/suites/<name>). A run's config is a recipe, examples/configs/recipes/llm/<suite>/*.yaml (tools/recipe.py get
+# reads its values, e.g. the step count a check counts). The GPU stack: where /tmp/gpu-site/env.sh
 # is missing and .stage/install.sh is there (../shared/gpu-host/stage.sh wrote it), it is installed first;
 # elsewhere (the container, a host of your own) vLLM / TransformerEngine / megatron-core must be importable.
 set -uo pipefail

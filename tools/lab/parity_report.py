@@ -271,3 +271,134 @@ def side_by_side_table(summaries: dict[str, dict], peaks: dict[str, dict[int, fl
                   _ratio(s["tokens_per_s"], base and base["tokens_per_s"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def run_stats(rows: list[dict], window: tuple[float, float] = (0.6, 1.0)) -> dict:
+    """One run's learning and mismatch numbers for :func:`seed_summaries` (None where the run logged no such metric).
+
+    Returns:
+        dict: ``start_acc`` / ``final_acc`` (first / last ``val/accuracy``), ``val_samples`` (last
+        ``val/num_samples``), ``late_reward`` (mean ``train/reward_mean`` over ``window`` of the training steps),
+        ``gen_kl_error`` / ``gen_kl_error_max`` / ``token_mult_prob_error`` (mean / max over steps),
+        ``response_length_mean`` / ``_first`` / ``_last`` (mean ``train/response_length_mean`` over all steps, the
+        first 10% and the last 10%: tokens per response over training), ``is_frac_tokens_truncated`` (mean over
+        steps of the fraction of tokens whose IS weight TIS clamped) and ``is_steps_truncating`` (fraction of steps
+        with any such token).
+
+    Raises:
+        ValueError: no training-step rows, or no ``val/accuracy``.
+    """
+    steps = sorted((r for r in rows if _num(r.get("train/reward_mean"))), key=lambda r: r["step"])
+    vals = [r for r in sorted(rows, key=lambda r: r.get("step", 0)) if _num(r.get("val/accuracy"))]
+    if not steps or not vals:
+        raise ValueError("a run needs training steps (train/reward_mean) and validations (val/accuracy)")
+
+    def series(key: str, part: tuple[float, float] = (0.0, 1.0)) -> list[float]:
+        sel = steps[int(part[0] * len(steps)):max(int(part[1] * len(steps)), int(part[0] * len(steps)) + 1)]
+        return [r[key] for r in sel if _num(r.get(key))]
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    trunc = series("loss/is_frac_tokens_truncated")
+    return {"start_acc": vals[0]["val/accuracy"], "final_acc": vals[-1]["val/accuracy"],
+            "val_samples": vals[-1].get("val/num_samples"), "late_reward": mean(series("train/reward_mean", window)),
+            "gen_kl_error": mean(series("mismatch/gen_kl_error")),
+            "gen_kl_error_max": max(series("mismatch/gen_kl_error"), default=None),
+            "token_mult_prob_error": mean(series("mismatch/token_mult_prob_error")),
+            "response_length_mean": mean(series("train/response_length_mean")),
+            "response_length_first": mean(series("train/response_length_mean", (0.0, 0.1))),
+            "response_length_last": mean(series("train/response_length_mean", (0.9, 1.0))),
+            "is_frac_tokens_truncated": mean(trunc),
+            "is_steps_truncating": mean([float(x > 0) for x in trunc])}
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    m = sum(xs) / len(xs)
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+
+
+def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[dict]:
+    """One row per variant over its sampling seeds (``<variant>``, ``<variant>-seed<N>``): issue 51's numbers.
+
+    Standard errors. Validation is greedy on a fixed set of ``n`` problems, so a run's accuracy ``p`` carries the
+    set's sampling error ``p(1 - p) / n`` (binomial) besides the spread across seeds. ``final_acc_se`` =
+    sqrt(p(1-p)/n + sd^2/seeds) (sd: across seeds); the gain (final minus start, each run's own start) has
+    ``gain_se`` = sqrt(p0(1-p0)/n + p1(1-p1)/n + sd_gain^2/seeds), the two validations counted as independent
+    (conservative: the same problems are scored twice). Between two variants on the same set the binomial part
+    is shared, so ``diff_final_se`` is Welch's across seeds, sqrt(sd_a^2/n_a + sd_b^2/n_b) (None below two seeds
+    each); the same for ``diff_late_reward``.
+
+    Returns:
+        list of dicts, input order of first appearance: ``variant`` (``+`` written ``_``, the run-name convention
+        of ``tools/check_metrics.py``), ``label`` (as named), ``seeds``, the means over seeds of
+        :func:`run_stats`' numbers, ``final_acc_sd``, ``final_acc_se``, ``gain``, ``gain_se``, ``gain_z`` and,
+        for variants other than ``baseline`` when it ran, ``diff_final`` / ``diff_final_se`` /
+        ``diff_late_reward`` / ``diff_late_reward_se``. A run without validations is left out.
+    """
+    groups: dict[str, list[dict]] = {}
+    for base, labels in _seed_groups(runs).items():
+        for label in labels:
+            try:
+                groups.setdefault(base, []).append(run_stats(runs[label]))
+            except ValueError:
+                continue
+    out = []
+    for base, stats in groups.items():
+        row: dict = {"variant": base.replace("+", "_"), "label": base, "seeds": len(stats)}
+        for key in stats[0]:
+            xs = [s[key] for s in stats if s[key] is not None]
+            row[key] = sum(xs) / len(xs) if xs else None
+        n = row["val_samples"] or float("inf")
+        p0, p1 = row["start_acc"], row["final_acc"]
+        _, sd = _mean_sd([s["final_acc"] for s in stats])
+        gain, sd_gain = _mean_sd([s["final_acc"] - s["start_acc"] for s in stats])
+        row["final_acc_sd"] = sd
+        row["final_acc_se"] = math.sqrt(p1 * (1 - p1) / n + sd ** 2 / len(stats))
+        row["gain"] = gain
+        row["gain_se"] = math.sqrt(p0 * (1 - p0) / n + p1 * (1 - p1) / n + sd_gain ** 2 / len(stats))
+        row["gain_z"] = gain / row["gain_se"] if row["gain_se"] > 0 else None
+        out.append(row)
+    ref = next((r for r in out if r["label"] == baseline), None)
+    for row in out:
+        if ref is None or row is ref:
+            continue
+        for key, diff in (("final_acc", "diff_final"), ("late_reward", "diff_late_reward")):
+            a = [s[key] for s in groups[row["label"]] if s[key] is not None]
+            b = [s[key] for s in groups[baseline] if s[key] is not None]
+            if not a or not b:
+                continue
+            row[diff] = sum(a) / len(a) - sum(b) / len(b)
+            row[diff + "_se"] = (math.sqrt(_mean_sd(a)[1] ** 2 / len(a) + _mean_sd(b)[1] ** 2 / len(b))
+                                 if len(a) > 1 and len(b) > 1 else None)
+    return out
+
+
+def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
+    """Markdown table of :func:`seed_summaries`: validation accuracy with standard errors, the gain, the difference
+    from ``baseline``, the mismatch, TIS truncation and response length over training; empty without rows."""
+    if not rows:
+        return ""
+
+    def f(v, fmt: str = "{:.4f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    def pm(v, se, fmt: str = "{:+.4f}") -> str:
+        return "-" if v is None else fmt.format(v) + ("" if se is None else f" +- {se:.4f}")
+
+    head = ["variant", "seeds", "start acc", "final acc +- se", "gain +- se (z)", f"final - {baseline} +- se",
+            f"late reward - {baseline} +- se", "gen_kl_error (max)", "mult_prob_err", "TIS-clamped tokens (steps)",
+            "response tokens first -> last"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["label"], str(r["seeds"]), f(r["start_acc"]), pm(r["final_acc"], r["final_acc_se"], "{:.4f}"),
+                 pm(r["gain"], r["gain_se"]) + ("" if r["gain_z"] is None else f" ({r['gain_z']:+.1f})"),
+                 pm(r.get("diff_final"), r.get("diff_final_se")),
+                 pm(r.get("diff_late_reward"), r.get("diff_late_reward_se")),
+                 f(r["gen_kl_error"], "{:.2e}") + f" ({f(r['gen_kl_error_max'], '{:.1e}')})",
+                 f(r["token_mult_prob_error"]),
+                 f(r["is_frac_tokens_truncated"], "{:.2e}") + f" ({f(r['is_steps_truncating'], '{:.0%}')})",
+                 f"{f(r['response_length_first'], '{:.0f}')} -> {f(r['response_length_last'], '{:.0f}')}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

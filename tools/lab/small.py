@@ -19,6 +19,9 @@
    ``small_model_spec.json`` (shape, parameters, accuracy, throughput, times, ``weights_sha256``
    of the saved bf16 weights, the torch / CUDA versions and the GPU).
 
+Steps 2-5 are :func:`train_and_save`, shared by any task's data (``lab.chains``: the arithmetic-chain task with
+long written-out solutions, ``make_small_model.py --task chains``).
+
 The prompt is what GRPO will show the model: ``SMALL_PROMPT_TEMPLATE`` through the chat template
 (``data.use_chat_template: true``), so SFT and RL see the same text. Responses end in
 ``Answer: <number>``, the format ``nemo_fp8.rewards.math_reward`` reads.
@@ -32,7 +35,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -406,7 +409,8 @@ def train_sft(model, prompts: list[list[int]], responses: list[list[int]], sourc
 
 @torch.no_grad()
 def evaluate_greedy(model, tokenizer, examples: Sequence[MathExample], formatter: PromptFormatter,
-                    max_new_tokens: int, batch_size: int, device: torch.device) -> dict:
+                    max_new_tokens: int, batch_size: int, device: torch.device,
+                    group_of: Callable[[MathExample], str] | None = None) -> dict:
     """Greedy accuracy of ``model`` on ``examples`` with the project's reward (``score_response``).
 
     Prompts are formatted as in GRPO, left-padded, decoded with ``skip_special_tokens``; a
@@ -414,7 +418,9 @@ def evaluate_greedy(model, tokenizer, examples: Sequence[MathExample], formatter
 
     Returns:
         dict: ``accuracy`` in [0, 1], ``num_samples``, ``by_source`` ({data_source: accuracy}),
-        ``seconds``, ``samples`` (the first 3 (prompt, response, gold, reward) for a look).
+        ``seconds``, ``samples`` (the first 3 (prompt, response, gold, reward) for a look); with
+        ``group_of`` also ``by_group`` ({group_of(example): accuracy}, e.g. by number of steps) and
+        ``response_tokens_mean`` (generated tokens per response, EOS included).
 
     Raises:
         ValueError: no examples.
@@ -425,7 +431,7 @@ def evaluate_greedy(model, tokenizer, examples: Sequence[MathExample], formatter
         raise ValueError("evaluate_greedy: no examples")
     t0 = time.perf_counter()
     model.eval()
-    scores, samples = [], []
+    scores, samples, groups, lengths = [], [], [], []
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     for s in range(0, len(examples), batch_size):
         chunk = examples[s: s + batch_size]
@@ -443,14 +449,24 @@ def evaluate_greedy(model, tokenizer, examples: Sequence[MathExample], formatter
             response = tokenizer.decode(row, skip_special_tokens=True)
             r = score_response(response, ex.answer)
             scores.append((ex.data_source, r))
+            groups.append((group_of(ex) if group_of else None, r))
+            lengths.append(row.index(eos) + 1 if eos in row else len(row))
             if len(samples) < 3:
                 samples.append({"prompt": text, "response": response, "gold": ex.answer, "reward": r})
-    by_source: dict[str, list[float]] = {}
-    for src, r in scores:
-        by_source.setdefault(src, []).append(r)
-    return {"accuracy": sum(r for _, r in scores) / len(scores), "num_samples": len(scores),
-            "by_source": {k: sum(v) / len(v) for k, v in by_source.items()},
-            "seconds": round(time.perf_counter() - t0, 1), "samples": samples}
+    out = {"accuracy": sum(r for _, r in scores) / len(scores), "num_samples": len(scores),
+           "by_source": _mean_by_key(scores), "seconds": round(time.perf_counter() - t0, 1), "samples": samples}
+    if group_of is not None:
+        out["by_group"] = _mean_by_key(groups)
+        out["response_tokens_mean"] = sum(lengths) / len(lengths)
+    return out
+
+
+def _mean_by_key(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """(key, value) pairs -> {key: mean value}, keys in sorted order."""
+    by: dict[str, list[float]] = {}
+    for k, v in pairs:
+        by.setdefault(k, []).append(v)
+    return {k: sum(by[k]) / len(by[k]) for k in sorted(by)}
 
 
 def software_versions(device: torch.device) -> dict:
@@ -472,29 +488,55 @@ def build_small_model(out_dir: str | Path, spec: SmallModelSpec | None = None,
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
 
     Returns:
-        dict: the report also written to ``small_model_spec.json`` (spec, parameters, tokenizer
-        size, training stats, held-out accuracy, seconds per phase).
+        dict: the report also written to ``small_model_spec.json`` (:func:`train_and_save`).
 
     Raises:
         FileExistsError: ``out_dir`` exists. ValueError: invalid spec. FileNotFoundError: GSM8K
         files missing. RuntimeError: ``device='cuda'`` without CUDA.
     """
+    spec = spec or SmallModelSpec()
+    check_spec(spec)
+    if Path(out_dir).exists():
+        raise FileExistsError(f"{out_dir} exists; remove it or pick another folder")
+    t = time.perf_counter()
+    data = build_data(spec, gsm8k_dir)
+    return train_and_save(out_dir, spec, data, device, times={"data_s": round(time.perf_counter() - t, 1)})
+
+
+def train_and_save(out_dir: str | Path, spec: SmallModelSpec, data: SmallData, device: str = "auto",
+                   times: dict | None = None, extra_report: dict | None = None,
+                   group_of: Callable[[MathExample], str] | None = None) -> dict:
+    """From data to checkpoint: the BPE tokenizer, the SFT of a fresh Qwen3 of ``spec``'s shape on ``data.sft``,
+    the greedy evaluation on ``data.val`` and the save (module docstring, steps 2-5), for any task's data.
+
+    Args:
+        out_dir: output folder; must not exist.
+        spec: shape and training budgets (its data fields are the caller's business).
+        data: the task's SFT pairs, validation and RL problems (:class:`SmallData`).
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+        times: seconds of the caller's phases (``data_s``), joined to the report's ``times``.
+        extra_report: more entries of the report (a task's description).
+        group_of: groups of the evaluation (``eval.by_group``), e.g. a chain's number of steps.
+
+    Returns:
+        dict: the report also written to ``small_model_spec.json`` (spec, parameters, tokenizer
+        size, training stats, held-out accuracy, seconds per phase, ``weights_sha256``, software).
+
+    Raises:
+        FileExistsError: ``out_dir`` exists. ValueError: invalid spec, or every SFT row longer than
+        ``spec.max_seq_len``. RuntimeError: ``device='cuda'`` without CUDA.
+    """
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     from nemo_fp8.models.hf import resolve_device
 
-    spec = spec or SmallModelSpec()
     check_spec(spec)
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists; remove it or pick another folder")
     dev = resolve_device(device)
-    times: dict[str, float] = {}
-    t = time.perf_counter()
+    times = dict(times or {})
     torch.manual_seed(spec.seed)
-    data = build_data(spec, gsm8k_dir)
-    times["data_s"] = round(time.perf_counter() - t, 1)
-
     t = time.perf_counter()
     formatter = PromptFormatter(SMALL_PROMPT_TEMPLATE, use_chat_template=True)
     tokenizer = train_bpe_tokenizer(tokenizer_corpus(data), spec.vocab_size)
@@ -527,14 +569,17 @@ def build_small_model(out_dir: str | Path, spec: SmallModelSpec | None = None,
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(ENDOFTEXT)], do_sample=False)
-    ev = evaluate_greedy(model, tokenizer, data.val, formatter, spec.eval_max_new_tokens, spec.eval_batch_size, dev)
+    ev = evaluate_greedy(model, tokenizer, data.val, formatter, spec.eval_max_new_tokens, spec.eval_batch_size, dev,
+                         group_of=group_of)
     print(f"[small] held-out greedy accuracy {ev['accuracy']:.4f} on {ev['num_samples']} "
-          f"({', '.join(f'{k} {v:.4f}' for k, v in ev['by_source'].items())}) in {ev['seconds']} s", flush=True)
+          f"({', '.join(f'{k} {v:.4f}' for k, v in {**ev['by_source'], **ev.get('by_group', {})}.items())}) "
+          f"in {ev['seconds']} s", flush=True)
     report = {"spec": asdict(spec), "parameters": n_params, "tokenizer_vocab": len(tokenizer),
               "prompt_template": SMALL_PROMPT_TEMPLATE, "use_chat_template": True, "train": train,
-              "eval": {k: v for k, v in ev.items()}, "times": times, "device": str(dev),
+              "eval": ev, "times": times, "device": str(dev),
               "weights_sha256": weights_sha256, "software": software_versions(dev),
-              "data": {"sft_rows": len(prompts), "val": len(data.val), "rl_train": len(data.rl_train)}}
+              "data": {"sft_rows": len(prompts), "val": len(data.val), "rl_train": len(data.rl_train)},
+              **(extra_report or {})}
     save_checkpoint_atomically(out_dir, model, tokenizer, SPEC_FILE, report,
                                extra_files={"data/val.jsonl": examples_jsonl(data.val),
                                             "data/rl_train.jsonl": examples_jsonl(data.rl_train)})

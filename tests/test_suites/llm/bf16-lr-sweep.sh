@@ -1,7 +1,8 @@
 #!/bin/bash
 # BF16-only GRPO runs of the parity config side by side on one GPU, to pick the learning rate / batch at which the
 # BF16 baseline learns before a parity run (docs/learning-parity.md). Builds the small model if missing.
-#   SWEEP="name key=value ...;name key=value ..."  one run per ';' item, all at once
+#   SWEEP="name key=value ...;name key=value ..."  one run per ';' item, all at once, each item's overrides on top
+#   of the recipe examples/configs/recipes/llm/bf16-lr-sweep/variants-base.yaml (the parity config, checkpoints off)
 # Prints each run's train reward by 10 steps and its validation accuracy per data source.
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init bf16-lr-sweep
@@ -11,7 +12,7 @@ n=$(echo "${SWEEP:?SWEEP=\"name key=value ...;...\"}" | tr ";" "\n" | grep -c .)
 echo "$SWEEP" | tr ";" "\n" | grep . | while read -r name over; do
   # --parallel $n: compare_precision sizes each engine (fixed KV cache) for $n runs sharing the GPU
   timeout "$SUITE_TIMEOUT" "$PYTHON" tools/compare_precision.py --backend gpu --variants bf16 --parallel "$n" \
-    --out-dir "$OUT/$name" checkpointing.enabled=false $over > "$OUT/$name.log" 2>&1 &
+    --config examples/configs/recipes/llm/bf16-lr-sweep/variants-base.yaml --out-dir "$OUT/$name" $over > "$OUT/$name.log" 2>&1 &
   sleep 15  # spread the engines start-up
 done
 wait
