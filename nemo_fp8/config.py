@@ -78,7 +78,7 @@ def cross_field_errors(cfg: MasterConfig) -> list[str]:
                     "needs true, to correct the rollout/trainer mismatch; set "
                     "loss_fn.allow_fp8_rollout_without_is_correction=true to run uncorrected on purpose")
     dp = cfg.policy.data_parallel_size
-    if vllm_cfg.kv_cache_dtype == "fp8" and vllm_cfg.kv_calibration_max_samples is not None \
+    if vllm_cfg.kv_cache_is_fp8 and vllm_cfg.kv_calibration_max_samples is not None \
             and vllm_cfg.kv_calibration_max_samples < dp:
         errs.append(f"policy.generation.vllm_cfg.kv_calibration_max_samples: {vllm_cfg.kv_calibration_max_samples} "
                     f"leaves some of policy.data_parallel_size={dp} ranks without a sequence to calibrate on "

@@ -443,7 +443,7 @@ def config_support_errors(cfg, report: Optional[EnvReport] = None) -> list[str]:
             if vcfg.precision == "fp8" and not sup["fp8_rollout"].ok:
                 errs.append(f"policy.generation.vllm_cfg.precision: 'fp8' cannot run here: {sup['fp8_rollout'].reason} "
                             "(valid here: 'bfloat16')")
-            elif vcfg.kv_cache_dtype == "fp8" and not sup["fp8_kv_cache"].ok:
+            elif vcfg.kv_cache_is_fp8 and not sup["fp8_kv_cache"].ok:
                 errs.append(f"policy.generation.vllm_cfg.kv_cache_dtype: 'fp8' cannot run here: "
                             f"{sup['fp8_kv_cache'].reason} (valid here: 'auto')")
             if vcfg.precision == "fp8" and vcfg.use_deep_gemm and sup["fp8_rollout"].ok and not sup["deep_gemm"].ok:

@@ -24,6 +24,8 @@ from nemo_fp8.data import (MathExample, PromptDataloader, PromptFormatter, Promp
                            make_arithmetic_problems, tokenize_prompts)
 from nemo_fp8.generation.spec import GenerationSpec
 from nemo_fp8.models.hf import load_tokenizer, resolve_device
+from nemo_fp8.policy.spec import PolicySpec
+from nemo_fp8.rewards.interfaces import RewardScorer
 from nemo_fp8.utils.checkpoint import CheckpointManager
 from nemo_fp8.utils.logger import MetricsLogger
 
@@ -136,7 +138,8 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     """
     from nemo_fp8.distributed.weight_sync import (CudaIpcWeightSync, InProcessWeightSync, NcclWeightSync,
                                                   ObjectStoreWeightSync)
-    from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
+    from nemo_fp8.generation.group import GenerationGroup
+    from nemo_fp8.policy.group import PolicyGroup
 
     ws = cfg.policy.weight_sync
     bucket_bytes = int(ws.bucket_size_mb * 2**20)
@@ -175,6 +178,14 @@ def generation_spec(cfg: MasterConfig, tokenizer, device: Optional[torch.device]
         else None)
 
 
+def policy_spec(cfg: MasterConfig, device: torch.device) -> PolicySpec:
+    """Every policy rank's backend arguments for ``cfg`` (built inside the rank actors, ``build_policy_backend``):
+    the ``policy`` section, the rollout's temperature, a reference model when the KL penalty is on, the seed, and
+    the facts derived from them once (``PolicySpec.from_config``)."""
+    return PolicySpec.from_config(cfg.policy, device, temperature=cfg.policy.generation.temperature,
+                                  keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0, seed=cfg.grpo.seed)
+
+
 def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     """Start Ray, the placement groups, the policy's ranks and the engines (``start_groups``'s order).
 
@@ -185,9 +196,10 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     formed once both groups exist; the engines hold no weights until the first refit (the ``RefitController``
     starts stale, so that refit, of ``version``, runs before the first rollout).
     """
+    from nemo_fp8.distributed.cluster import init_ray
     from nemo_fp8.distributed.placement import create_placement_group, plan_from_config
     from nemo_fp8.distributed.weight_sync import NcclWeightSync
-    from nemo_fp8.distributed.worker_groups import init_ray, start_groups
+    from nemo_fp8.policy.group import start_groups
 
     device = resolve_device(cfg.policy.device)
     init_ray(cfg.cluster.address, cfg.cluster.num_cpus)
@@ -199,18 +211,13 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     # GRPO runs the engines beside the ranks: the CPUs are shared among all of them.
     side_by_side = cfg.policy.data_parallel_size + (plan.num_engines if cfg.grpo.async_grpo.enabled else 0)
     threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // side_by_side)
-    policy, generation = start_groups(
-        pg, plan,
-        policy_kwargs=dict(megatron=cfg.policy.megatron_cfg.enabled, cfg=cfg.policy, device=device,
-                           temperature=gen_cfg.temperature, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0,
-                           seed=cfg.grpo.seed),
-        generation_spec=generation_spec(cfg, tokenizer, device),
-        torch_threads=threads, tp_size=cfg.policy.tensor_parallel_size)
+    policy, generation = start_groups(pg, plan, policy_spec(cfg, device), generation_spec(cfg, tokenizer, device),
+                                      torch_threads=threads)
     weight_sync = make_weight_sync(cfg, policy, generation)
     if isinstance(weight_sync, NcclWeightSync):
         weight_sync.connect()
     refitter = RefitController(policy, generation, weight_sync, version=version,
-                               requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_dtype == "fp8",
+                               requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_is_fp8,
                                offload_trainer=gen_cfg.colocated.moves_trainer_state,
                                colocated=colocated)
     return Workers(policy, generation, refitter, pg)
@@ -312,11 +319,11 @@ class RewardStatsLogger:
     """Wraps a ``MetricsLogger``: each logged step also gets the reward scorer's counts since the
     last one (``reward/num_timeouts``, ``reward/num_over_step_budget``, ``reward/num_errors``)."""
 
-    def __init__(self, inner, scorer):
+    def __init__(self, inner, scorer: RewardScorer):
         self.inner, self.scorer = inner, scorer
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        stats = self.scorer.pop_stats() if hasattr(self.scorer, "pop_stats") else {}
+        stats = self.scorer.pop_stats()
         self.inner.log(step, {**metrics, **{f"reward/{k}": v for k, v in stats.items()}})
 
     def close(self):
@@ -431,7 +438,7 @@ def _end_ray(procs, watchdog, workers: Optional[Workers], graceful_wait_s: Optio
 def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str, float]:
     """The body of ``run`` once the folders are owned and the preflight passed."""
     from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
-    from nemo_fp8.distributed.worker_groups import init_ray
+    from nemo_fp8.distributed.cluster import init_ray
     from nemo_fp8.preflight import check_cluster
     from nemo_fp8.rewards import MathRewardScorer
     from nemo_fp8.utils.run_dir import RunSetupError, Terminated, raise_on_sigterm

@@ -1,27 +1,23 @@
 """The package's import graph (parsed with ``ast``, nothing imported): no cycles, and no import runs up the house.
 
-Layers, bottom to top (a module may import its own layer and the layers below, never a layer above):
+Layers, bottom to top (a module may import its own layer and the layers below, never a layer above). Each layer is
+whole folders or top-level modules, each section schema (``<part>/config.py``) in its part's folder:
 
-0. foundation   ``nemo_fp8.utils.*``, ``nemo_fp8.batch``: run folders, checkpoints, logging, typed batches; and
-                ``nemo_fp8.policy.packing`` where it exists (pure-torch bin packing that the policy schema reads),
-                ``nemo_fp8.policy.schedule`` (the learning-rate formulas, plain math, whose checks the schema runs),
-                ``nemo_fp8.algorithms.is_corrections`` (the IS corrections registry, torch only, whose names the loss
-                schema lists)
-1. schemas      every section config ``nemo_fp8.<part>.config``: pydantic classes on ``utils.config``'s
-                StrictConfig (they may compose one another: ``policy.weight_sync`` is
-                ``distributed.config.WeightSyncConfig``)
-2. numerics     ``nemo_fp8.fp8``: formats, quantization, the W8A8 reference linear, KV scales; torch only
-3. components   ``nemo_fp8.algorithms`` (loss, advantages, metrics), ``nemo_fp8.data``, ``nemo_fp8.rewards``,
-                ``nemo_fp8.models``
-4. engines      ``nemo_fp8.generation``, ``nemo_fp8.policy``: interfaces and backends (torch, vLLM, Megatron)
-5. distributed  ``nemo_fp8.distributed``: Ray worker groups, weight sync between policy and engines
-6. assembly     ``nemo_fp8.config`` (MasterConfig: the sections together), ``nemo_fp8.preflight``,
-                ``nemo_fp8.env_check``
-7. loop         ``nemo_fp8.algorithms.grpo``: one GRPO step over the interfaces, reading the MasterConfig;
-                ``nemo_fp8.algorithms.async_grpo``: the asynchronous loop built on it
-8. top          ``nemo_fp8.trainer`` (setup -> train -> cleanup) and the package's own ``__init__``
+0. foundation   ``nemo_fp8/utils/``, ``nemo_fp8/batch.py``: run folders, checkpoints, logging, the strict config
+                base, metric accumulation; typed batches
+1. numerics     ``nemo_fp8/fp8/``: formats, quantization, the W8A8 reference linear, KV scales; torch only
+2. distributed  ``nemo_fp8/distributed/``, generic: Ray init, placement groups, the Ray fan-out, bounded teardown,
+                the weight-sync transports (and the cluster / weight-sync schemas)
+3. components   ``nemo_fp8/data/``, ``nemo_fp8/rewards/``, ``nemo_fp8/models/``
+4. engines      ``nemo_fp8/generation/``, ``nemo_fp8/policy/``: interfaces, specs, backends (torch, vLLM, Megatron)
+                and their Ray worker groups (NeMo-RL's ``lm_policy`` split)
+5. algorithms   ``nemo_fp8/algorithms/``: loss, IS corrections, advantages, mismatch metrics, and the GRPO loops
+                (``grpo``, ``async_grpo``) over the backend interfaces
+6. assembly     ``nemo_fp8/config.py`` (MasterConfig: the sections together), ``nemo_fp8/preflight.py``,
+                ``nemo_fp8/env_check.py``
+7. top          ``nemo_fp8/trainer.py`` (setup -> train -> cleanup) and the package's own ``__init__``
 
-A module is placed by the longest matching prefix. Every import counts, the ones inside functions and under
+A module is placed by its folder. Every import counts, the ones inside functions and under
 ``TYPE_CHECKING`` too: a lazy import is still a dependency. ``from package import name`` where ``name`` is a
 module of the package is an edge to that module.
 """
@@ -34,16 +30,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "nemo_fp8"
 
 LAYERS = [
-    ("foundation", ["nemo_fp8.utils", "nemo_fp8.batch", "nemo_fp8.policy.packing", "nemo_fp8.policy.schedule",
-                    "nemo_fp8.algorithms.is_corrections"]),
-    ("schemas", []),  # the section configs, matched by _layer_of
-    ("numerics", ["nemo_fp8.fp8"]),
-    ("components", ["nemo_fp8.algorithms", "nemo_fp8.data", "nemo_fp8.rewards", "nemo_fp8.models"]),
-    ("engines", ["nemo_fp8.generation", "nemo_fp8.policy"]),
-    ("distributed", ["nemo_fp8.distributed"]),
-    ("assembly", ["nemo_fp8.config", "nemo_fp8.preflight", "nemo_fp8.env_check"]),
-    ("loop", ["nemo_fp8.algorithms.grpo", "nemo_fp8.algorithms.async_grpo"]),
-    ("top", ["nemo_fp8.trainer", "nemo_fp8"]),
+    ("foundation", ["utils/", "batch.py"]),
+    ("numerics", ["fp8/"]),
+    ("distributed", ["distributed/"]),
+    ("components", ["data/", "rewards/", "models/"]),
+    ("engines", ["generation/", "policy/"]),
+    ("algorithms", ["algorithms/"]),
+    ("assembly", ["config.py", "preflight.py", "env_check.py"]),
+    ("top", ["trainer.py", "__init__.py"]),
 ]
 
 
@@ -83,16 +77,14 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
 
 
 def _layer_of(mod: str) -> int:
-    parts = mod.split(".")
-    if len(parts) == 3 and parts[2] == "config" and parts[1] != "utils":
-        return 1  # a section schema: nemo_fp8.<part>.config (utils.config, their StrictConfig base, is foundation)
-    best, layer = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
-                best, layer = len(p), i
-    assert layer is not None, f"{mod} has no layer: add it to LAYERS in {__file__}"
-    return layer
+    """The layer of a package module: by its folder under ``nemo_fp8/`` (a top-level module: by its file name)."""
+    parts = mod.split(".")[1:]  # drop "nemo_fp8"
+    where = f"{parts[0]}/" if len(parts) > 1 or (parts and (PACKAGE / parts[0]).is_dir()) else \
+        (f"{parts[0]}.py" if parts else "__init__.py")
+    for i, (_, places) in enumerate(LAYERS):
+        if where in places:
+            return i
+    raise AssertionError(f"{mod} ({where}) has no layer: add it to LAYERS in {__file__}")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -72,7 +72,7 @@ def bench(a, model: Path, num_engines: int, shares: tuple[int, ...] = ()) -> dic
     as fast as one engine on its share (the engine's own ceiling at that batch, measured in the same run)."""
     import torch
 
-    from nemo_fp8.distributed.engines import GenerationGroup
+    from nemo_fp8.generation.group import GenerationGroup
     from nemo_fp8.distributed.placement import create_placement_group
     from nemo_fp8.generation import GenerationSpec, SamplingParams
     from nemo_fp8.generation.config import VllmConfig
@@ -165,7 +165,7 @@ def main(argv=None) -> list[dict]:
     """Run every engine count of ``--engines``; prints each row as JSON, then the table; returns the rows."""
     import ray
 
-    from nemo_fp8.distributed.worker_groups import init_ray
+    from nemo_fp8.distributed.cluster import init_ray
 
     a = parse_args(argv)
     model = Path(a.model) if a.model else write_model(a.shape, Path(tempfile.mkdtemp(prefix="bench_engines_")),

@@ -72,6 +72,7 @@ import time
 from pathlib import Path
 
 from lab.random_checkpoint import QWEN3_SHAPES, write_shape_config
+from nemo_fp8.policy.spec import PolicySpec
 
 # (shape in lab.random_checkpoint.QWEN3_SHAPES, decoder layers kept)
 SHAPES = {"dense": ("qwen3-8b", 8), "moe": ("qwen3-30b-a3b", 4)}
@@ -226,7 +227,8 @@ def run_child(a) -> dict:
     from nemo_fp8.algorithms.loss import ClippedPGLossFn
     from nemo_fp8.batch import TrainBatch
     from nemo_fp8.policy.config import PolicyConfig
-    from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend, _unwrap
+    from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend
+    from nemo_fp8.policy.megatron.te_model import unwrap
 
     cfg = PolicyConfig(model_name=a.model, precision="bfloat16", device="cuda",
                        train_global_batch_size=a.batch * a.micro_batches, train_micro_batch_size=a.batch,
@@ -234,7 +236,7 @@ def run_child(a) -> dict:
                        megatron_cfg=recipe_megatron_cfg(a.recipe, a.logprob_kernel),
                        generation={"vllm_cfg": {"precision": "fp8"}})
     t0 = time.perf_counter()
-    be = MegatronPolicyBackend(cfg, torch.device("cuda", 0), load_weights=False)
+    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", 0)), load_weights=False)
     build_s = time.perf_counter() - t0
     vocab = QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -276,7 +278,7 @@ def run_child(a) -> dict:
     out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, fused_ms=fused_s * 1e3,
                te_ms=te_s * 1e3, step_ms=step_s * 1e3, micro_batches=a.micro_batches, logprob_kernel=a.logprob_kernel,
                tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
-               params_b=sum(p.numel() for p in _unwrap(model).parameters()) / 1e9)
+               params_b=sum(p.numel() for p in unwrap(model).parameters()) / 1e9)
     if prof:
         out["profile"] = prof
     be.shutdown()
@@ -329,8 +331,9 @@ def run_rl_child(a) -> dict:
 
     cfg = rl_policy_cfg(a, a.recipe, a.packed)
     rank = int(os.environ.get("RANK", "0"))  # --tp > 1: one of torch.distributed.run's ranks, one GPU each
-    be = MegatronPolicyBackend(cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), rank=rank,
-                               world_size=a.tp, dist_init_method="env://" if a.tp > 1 else None, load_weights=False)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, device), rank=rank, world_size=a.tp,
+                               dist_init_method="env://" if a.tp > 1 else None, load_weights=False)
     batch = rl_batch(a, QWEN3_SHAPES[SHAPES[a.shape][0]]["vocab_size"])
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     lp_s, train_s, metrics = [], [], {}

@@ -35,28 +35,28 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from nemo_fp8.algorithms.grpo import (RefitController, RewardFn, _concat_batches, _log_row, compute_advantages,
-                                      rollout, sum_engine_metrics, validate)
+from nemo_fp8.algorithms.grpo import (LoopConfig, RefitController, RewardFn, _concat_batches, _log_row,
+                                      compute_advantages, rollout, sum_engine_metrics, validate)
 from nemo_fp8.algorithms.loss import ClippedPGLossFn, importance_sampling_weights
 from nemo_fp8.algorithms.metrics import mismatch_metrics
 from nemo_fp8.algorithms.trajectory_buffer import POLL_S, StepRollouts, TrajectoryBuffer
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.config import MasterConfig
 from nemo_fp8.fp8.kv_scales import calibration_rows
-from nemo_fp8.generation.interfaces import SamplingParams
+from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
+from nemo_fp8.policy.interfaces import PolicyBackend
 from nemo_fp8.utils.timer import Timer
 
 logger = logging.getLogger(__name__)
 
 
-def effective_max_age(cfg: MasterConfig) -> int:
+def effective_max_age(cfg: LoopConfig) -> int:
     """The age limit the collector and buffer enforce: ``grpo.async_grpo.max_trajectory_age_steps``, or 0 with
     ``wait_for_current_weights`` (every rollout made with the weights it trains)."""
     a = cfg.grpo.async_grpo
     return 0 if a.wait_for_current_weights else a.max_trajectory_age_steps
 
 
-def step_sampling(cfg: MasterConfig, step: int, round_idx: int) -> SamplingParams:
+def step_sampling(cfg: LoopConfig, step: int, round_idx: int) -> SamplingParams:
     """Sampling of generation round ``round_idx`` of step ``step``: the synchronous ``grpo_step``'s seeds, so a step
     made ahead samples exactly what the synchronous loop would at that step."""
     g, gen_cfg = cfg.grpo, cfg.policy.generation
@@ -79,7 +79,7 @@ class TrajectoryCollector:
         max_age: ``effective_max_age(cfg)``.
     """
 
-    def __init__(self, cfg: MasterConfig, generation, reward_fn: RewardFn, tokenizer, dataloader,
+    def __init__(self, cfg: LoopConfig, generation: GenerationBackend, reward_fn: RewardFn, tokenizer, dataloader,
                  buffer: TrajectoryBuffer, start_step: int, max_age: int):
         self.cfg, self.generation, self.reward_fn, self.tokenizer = cfg, generation, reward_fn, tokenizer
         self.dataloader, self.buffer, self.max_age = dataloader, buffer, max_age
@@ -229,7 +229,7 @@ def age_metrics(batch: TrainBatch, ages: torch.Tensor, loss_cfg) -> dict[str, fl
     return out
 
 
-def train_on_rollouts(step: int, made: StepRollouts, policy, cfg: MasterConfig, tokenizer, timer: Timer,
+def train_on_rollouts(step: int, made: StepRollouts, policy: PolicyBackend, cfg: LoopConfig, tokenizer, timer: Timer,
                       refitter: RefitController) -> dict[str, float]:
     """The training half of ``grpo_step`` on rollouts made ahead: batch, ``prev_logprobs`` with the current
     weights, mismatch and age metrics, the update, FP8 KV calibration; then ``refitter.mark_stale(step)``.
@@ -285,8 +285,8 @@ def train_on_rollouts(step: int, made: StepRollouts, policy, cfg: MasterConfig, 
     return metrics
 
 
-def async_grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, tokenizer, dataloader,
-                     val_samples, metrics_logger, checkpointer, start_step: int, config_yaml: str,
+def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: GenerationBackend, reward_fn: RewardFn,
+                     tokenizer, dataloader, val_samples, metrics_logger, checkpointer, start_step: int, config_yaml: str,
                      refitter: RefitController) -> dict[str, float]:
     """``grpo_train`` with the collector running ahead (module docstring); returns the last step's metrics.
 
@@ -351,7 +351,7 @@ def async_grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn,
     return last
 
 
-def _save_or_log(cfg: MasterConfig, checkpointer, metrics_logger, policy, step: int, metrics: dict[str, float],
+def _save_or_log(cfg: LoopConfig, checkpointer, metrics_logger, policy, step: int, metrics: dict[str, float],
                  timer: Timer, t0: float, made: StepRollouts, config_yaml: str) -> None:
     """Write the step's row, inside a checkpoint's commit when one is due (``grpo_train``'s order). The checkpoint
     saves the prompt loader's position after this step's prompts, not the collector's (which is ahead)."""

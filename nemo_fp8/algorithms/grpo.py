@@ -19,24 +19,38 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from tqdm import tqdm
 
 from nemo_fp8.algorithms.advantages import dynamic_sampling_keep_mask, grpo_advantages, overlong_penalty
+from nemo_fp8.algorithms.config import ClippedPGLossConfig, GRPOConfig
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.algorithms.metrics import mismatch_metrics
 from nemo_fp8.batch import GenerationOutput, TrainBatch, concat_padded
-from nemo_fp8.config import MasterConfig
 from nemo_fp8.data import PromptSample
 from nemo_fp8.fp8.kv_scales import KvScales, calibration_rows
-from nemo_fp8.generation.interfaces import SamplingParams
+from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
+from nemo_fp8.policy.config import PolicyConfig
+from nemo_fp8.policy.interfaces import PolicyBackend
+from nemo_fp8.utils.config import CheckpointingConfig, LoggerConfig
 from nemo_fp8.utils.timer import Timer
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
+
+
+class LoopConfig(Protocol):
+    """The config sections the loop reads: ``nemo_fp8.config.MasterConfig`` has them (the loop sits below the
+    assembled config and names only the sections it needs)."""
+
+    grpo: GRPOConfig
+    loss_fn: ClippedPGLossConfig
+    policy: PolicyConfig  # train_global_batch_size, generation (sampling, FP8 KV calibration)
+    checkpointing: CheckpointingConfig
+    logger: LoggerConfig  # num_val_samples_to_print
 
 
 @dataclass
@@ -48,14 +62,6 @@ class Rollout:
     responses: list[str]
     rewards: torch.Tensor
     engine_metrics: dict[str, float] = field(default_factory=dict)
-
-
-def engine_metrics(generation) -> dict[str, float]:
-    """``generation/engines`` and per-engine tokens and seconds since the last call: a data-parallel group's
-    ``pop_engine_metrics`` (``nemo_fp8.distributed.engines.GenerationGroup``); one engine in this process
-    reports just the count."""
-    pop = getattr(generation, "pop_engine_metrics", None)
-    return pop() if pop is not None else {"generation/engines": 1.0}
 
 
 def sum_engine_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -94,7 +100,8 @@ class RefitController:
             step's activation peak) goes back to the device for the engine.
     """
 
-    def __init__(self, policy, generation, weight_sync, version: int = 0, kv_scales: Optional[KvScales] = None,
+    def __init__(self, policy: PolicyBackend, generation: GenerationBackend, weight_sync, version: int = 0,
+                 kv_scales: Optional[KvScales] = None,
                  requires_kv_scales: bool = False, offload_trainer: bool = True, colocated: bool = True):
         self.policy, self.generation, self.weight_sync = policy, generation, weight_sync
         self.requires_kv_scales = requires_kv_scales
@@ -178,11 +185,11 @@ def decode_responses(output: GenerationOutput, tokenizer) -> list[str]:
     return texts
 
 
-def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn, tokenizer,
+def rollout(prompts: list[PromptSample], n: int, generation: GenerationBackend, reward_fn: RewardFn, tokenizer,
             sampling: SamplingParams, timer: Timer) -> Rollout:
     """Generate ``n`` responses per prompt (grouped consecutively) and score them: the reward reads each
     prompt's ``response_prefix`` (the prefilled start of the answer, ``data.response_prefix``) followed by
-    its response."""
+    its response. ``engine_metrics``: the engines' ``pop_engine_metrics`` (tokens and seconds of this round)."""
     with timer("generation"):
         out = generation.generate([s.prompt_token_ids for s in prompts for _ in range(n)], sampling)
     with timer("reward"):
@@ -190,10 +197,10 @@ def rollout(prompts: list[PromptSample], n: int, generation, reward_fn: RewardFn
         rows = [s for s in prompts for _ in range(n)]
         rewards = reward_fn([s.response_prefix + text for s, text in zip(rows, responses)],
                             [s.example.answer for s in rows])
-    return Rollout(out, responses, torch.tensor(rewards, dtype=torch.float32), engine_metrics(generation))
+    return Rollout(out, responses, torch.tensor(rewards, dtype=torch.float32), generation.pop_engine_metrics())
 
 
-def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(r: Rollout, cfg: LoopConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [B], keep [B] bool): shaped rewards -> group baseline -> optional std scaling.
 
     A reward of ``nan`` is an answer the reward's step budget left unscored (``MathRewardScorer``): not
@@ -227,8 +234,9 @@ def compute_advantages(r: Rollout, cfg: MasterConfig) -> tuple[torch.Tensor, tor
     return adv, keep
 
 
-def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy, generation, reward_fn: RewardFn,
-              tokenizer, cfg: MasterConfig, timer: Timer, refitter: RefitController) -> dict[str, float]:
+def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy: PolicyBackend,
+              generation: GenerationBackend, reward_fn: RewardFn, tokenizer, cfg: LoopConfig, timer: Timer,
+              refitter: RefitController) -> dict[str, float]:
     """One GRPO step; returns flat ``group/name`` metrics.
 
     With ``grpo.use_dynamic_sampling`` (DAPO), groups whose rewards are all equal carry no
@@ -307,8 +315,8 @@ def _concat_batches(parts: list[TrainBatch], pad_token_id: int) -> TrainBatch:
                       concat_padded([p.generation_logprobs for p in parts], 0.0))
 
 
-def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSample], cfg: MasterConfig,
-             step: int, refitter: RefitController, timer: Timer) -> dict[str, float]:
+def validate(generation: GenerationBackend, reward_fn: RewardFn, tokenizer, samples: list[PromptSample],
+             cfg: LoopConfig, step: int, refitter: RefitController, timer: Timer) -> dict[str, float]:
     """Accuracy (mean reward) on ``samples``: greedy when ``grpo.val_greedy``, one response each.
 
     Returns ``val/accuracy`` and ``val/num_samples``; when the samples come from more than one
@@ -344,8 +352,8 @@ def validate(generation, reward_fn: RewardFn, tokenizer, samples: list[PromptSam
     return out
 
 
-def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, tokenizer, dataloader,
-               val_samples: list[PromptSample], metrics_logger, checkpointer, start_step: int,
+def grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: GenerationBackend, reward_fn: RewardFn, tokenizer,
+               dataloader, val_samples: list[PromptSample], metrics_logger, checkpointer, start_step: int,
                config_yaml: str, refitter: RefitController) -> dict[str, float]:
     """Run steps ``start_step + 1 .. grpo.max_num_steps``; returns the last step's metrics.
 
@@ -381,7 +389,7 @@ def grpo_train(cfg: MasterConfig, policy, generation, reward_fn: RewardFn, token
     return last
 
 
-def _log_row(metrics_logger, step: int, metrics: dict[str, float], timer: Timer, t0: float, cfg: MasterConfig,
+def _log_row(metrics_logger, step: int, metrics: dict[str, float], timer: Timer, t0: float, cfg: LoopConfig,
              checkpoint_s: Optional[float] = None) -> None:
     """Add the step's phase timings (``timing/*``, ``timing/checkpoint``: the checkpoint's files, seconds) and
     rollout throughput to ``metrics`` and write its row."""

@@ -40,7 +40,7 @@ never read a tensor value on the host (no ``.item()``, ``float(t)``,
 ``bool(t)``, ``if t ...:``, ``.tolist()``, boolean-mask indexing), so on a GPU
 a micro-batch's loss is queued without stalling the CPU. Their metrics are
 0-dim float32 tensors on the device; combine them over micro-batches and
-ranks with :class:`nemo_fp8.algorithms.metrics.MetricAccumulator` (one host
+ranks with :class:`nemo_fp8.utils.metrics.MetricAccumulator` (one host
 transfer per step). ``tests/algorithms/test_loss.py`` checks this with
 :func:`nemo_fp8.utils.host_sync.count_host_syncs`.
 """
@@ -528,7 +528,7 @@ class ClippedPGLossFn:
         cfg: the :class:`ClippedPGLossConfig`.
         metric_reductions: :data:`~nemo_fp8.algorithms.metrics.LOSS_METRIC_REDUCTIONS`, how
             each returned metric combines over micro-batches; pass it to
-            :class:`~nemo_fp8.algorithms.metrics.MetricAccumulator`.
+            :class:`~nemo_fp8.utils.metrics.MetricAccumulator`.
     """
 
     def __init__(self, cfg: ClippedPGLossConfig):

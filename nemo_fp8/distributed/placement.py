@@ -9,7 +9,7 @@ Layout (``plan_cluster``): ``num_engines`` rollout engines of ``engine_gpus`` GP
   policy rank. Engine ``i`` runs on the GPUs of policy ranks ``i*n..(i+1)*n-1`` (``n = engine_gpus``;
   the world size is a multiple of ``n``): its actor takes half of rank ``i*n``'s GPU (that rank the
   other half) and, with ``n > 1``, sets ``CUDA_VISIBLE_DEVICES`` to those ranks' GPUs before anything
-  touches CUDA (one Ray actor cannot span bundles; ``nemo_fp8.distributed.engines``).
+  touches CUDA (one Ray actor cannot span bundles; ``nemo_fp8.generation.group``).
 * CUDA, not colocated: engine ``i`` gets a bundle of its own, ``{"CPU": 1, "GPU": n}``, and Ray gives
   its actor those GPUs.
 
@@ -28,7 +28,7 @@ from typing import Optional
 
 import ray
 
-from nemo_fp8.generation.config import colocated_engine_error
+from nemo_fp8.distributed.config import colocated_engine_error
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ store every step). The same design as NeMo-RL's ``weight_sync`` and verl's check
 (``send_weights`` / ``receive_weights`` in buckets).
 
 Transports (``policy.weight_sync.method``), each to every engine of the run
-(``nemo_fp8.distributed.engines``; every engine's version is checked, a failing one named):
+(``nemo_fp8.generation.group``; every engine's version is checked, a failing one named):
 
 * ``in_process``: policy and engine in one process; buckets are lists of views, no copy.
 * ``object_store``: Ray actors. The policy's rank 0 packs a bucket into one contiguous uint8
@@ -40,20 +40,34 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from nemo_fp8.distributed.fanout import call_all, call_each, gather
 from nemo_fp8.fp8.kv_scales import KvScales
-
-if TYPE_CHECKING:  # pragma: no cover
-    from nemo_fp8.generation.interfaces import WeightVersion
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 16  # bytes; every tensor starts at a multiple, so views of any dtype are legal
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """What the engine holds after a refit: the policy version of its weights and KV scales.
+
+    Attributes:
+        weights: GRPO step of the policy weights loaded (0: the initial weights), or -1 before
+            the first refit.
+        kv_scales: GRPO step of the FP8 KV scales loaded, or -1 when none were ever sent.
+        num_tensors: tensors received in the last update (weights and scales).
+    """
+
+    weights: int = -1
+    kv_scales: int = -1
+    num_tensors: int = 0
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
@@ -218,7 +232,7 @@ class WeightSync(Protocol):
         ...
 
 
-def _check_version(got: "WeightVersion", version: int, kv_scales: Optional[KvScales],
+def _check_version(got: WeightVersion, version: int, kv_scales: Optional[KvScales],
                    engine: str = "the engine") -> None:
     if got.weights != version:
         raise RuntimeError(f"refit: {engine} reports weights of version {got.weights} after an update to {version}")
@@ -246,12 +260,12 @@ def _sync_actors(generation_workers: Sequence, labels: Sequence[str], peers: Seq
 
     t0 = time.perf_counter()
     stats = SyncStats(version)
-    wait_all([w.start_weight_update.remote(version) for w in generation_workers])
+    call_all(generation_workers, "start_weight_update", version)
     draining = [p.drain_weights.remote() for p in peers]
     for num_tensors, nbytes in transfer():
         stats.add_bucket(num_tensors, nbytes)
     ray.get(draining)
-    held = wait_all([w.finish_weight_update.remote() for w in generation_workers])
+    held = call_all(generation_workers, "finish_weight_update")
     for got, label in zip(held, labels):
         _check_version(got, version, kv_scales, label)
     stats.seconds = time.perf_counter() - t0
@@ -310,7 +324,7 @@ class ObjectStoreWeightSync:
                 num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
             for ref in stream:
                 # The ref resolves inside each engine actor, straight from the object store.
-                loaded = wait_all([w.receive_packed_bucket.remote(ref) for w in self.generation_workers])
+                loaded = call_all(self.generation_workers, "receive_packed_bucket", ref)
                 del ref  # its object can be freed now
                 yield loaded[0]
 
@@ -351,26 +365,11 @@ class CudaIpcWeightSync:
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         def transfer():
-            sent = wait_all([p.send_weights_cuda_ipc.remote(g, self.bucket_bytes, kv_scales, self.packed)
-                             for p, g in zip(self.policy_workers, self.generation_workers)])
+            sent = call_each(self.policy_workers, "send_weights_cuda_ipc",
+                             [(g, self.bucket_bytes, kv_scales, self.packed) for g in self.generation_workers])
             return sent[0]  # every engine gets the same buckets: one engine's count
 
         return _sync_actors(self.generation_workers, self.labels, (), version, kv_scales, transfer)
-
-
-def wait_all(refs: Sequence) -> list:
-    """``ray.get`` of ``refs``, raising the first failure as soon as it happens.
-
-    For calls that block until their peers join (an NCCL group's set-up): a plain ``ray.get`` of the list
-    could wait forever on the side that still waits for the one that failed.
-    """
-    import ray
-
-    pending, out = list(refs), {}
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        out[done[0]] = ray.get(done[0])
-    return [out[r] for r in refs]
 
 
 class NcclWeightSync:
@@ -435,7 +434,7 @@ class NcclWeightSync:
         engines = [w.init_weight_transfer.remote(address, port, self.world_size, 1 + i * self.engine_gpus)
                    for i, w in enumerate(self.generation_workers)]
         trainer = self.policy_worker.init_weight_transfer_nccl.remote(address, port, self.world_size)
-        wait_all([*engines, trainer])
+        gather([*engines, trainer], "init_weight_transfer")
         logger.info("refit over NCCL: policy rank 0 + %d engine(s) x %d worker(s) joined at %s:%d",
                     len(self.generation_workers), self.engine_gpus, address, port)
 

@@ -15,9 +15,6 @@ from nemo_fp8.fp8.policy import (
 )
 from nemo_fp8.fp8.quantize import (
     Granularity,
-    ScaleMode,
-    check_finite,
-    compute_scale_inv,
     dequantize,
     dequantize_activation_per_group,
     dequantize_per_channel,
@@ -29,6 +26,7 @@ from nemo_fp8.fp8.quantize import (
     quantize_per_tensor,
     quantize_weight_blockwise,
 )
+from nemo_fp8.fp8.scales import ScaleMode, check_finite, compute_scale_inv
 from nemo_fp8.fp8.training import (
     Fp8LinearFunction,
     Fp8TrainingLinear,

@@ -34,14 +34,8 @@ import torch
 import torch.nn as nn
 
 from nemo_fp8.fp8.formats import E4M3, FP8_DTYPES
-from nemo_fp8.fp8.quantize import (
-    ScaleMode,
-    _block_size,
-    _check_high_precision,
-    _check_scale_mode,
-    _quantize_last_dim_groups,
-    quantize_weight_blockwise,
-)
+from nemo_fp8.fp8.quantize import _quantize_last_dim_groups, quantize_weight_blockwise
+from nemo_fp8.fp8.scales import ScaleMode, _block_size, _check_high_precision, _check_scale_mode
 
 # Upper bound on the fp32 elements of the [Kb, rows, N] partial-product buffer;
 # larger inputs are processed in row chunks to bound memory (128 MiB).

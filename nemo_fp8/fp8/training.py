@@ -41,15 +41,9 @@ import torch
 import torch.nn as nn
 
 from nemo_fp8.fp8.formats import E4M3, E5M2, Fp8Format
-from nemo_fp8.fp8.quantize import (
-    ScaleMode,
-    _quantize_2d_blocks,
-    _quantize_last_dim_groups,
-    _quantize_rows,
-    check_finite,
-    dequantize_activation_per_group,
-    dequantize_weight_blockwise,
-)
+from nemo_fp8.fp8.quantize import (_quantize_2d_blocks, _quantize_last_dim_groups, _quantize_rows,
+                                   dequantize_activation_per_group, dequantize_weight_blockwise)
+from nemo_fp8.fp8.scales import ScaleMode, check_finite
 
 FP8_MODES = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "blockwise")

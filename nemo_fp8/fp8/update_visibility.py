@@ -22,7 +22,8 @@ from typing import Sequence
 import torch
 
 from nemo_fp8.fp8.formats import E4M3, Fp8Format
-from nemo_fp8.fp8.quantize import ScaleMode, dequantize_weight_blockwise, quantize_weight_blockwise
+from nemo_fp8.fp8.quantize import dequantize_weight_blockwise, quantize_weight_blockwise
+from nemo_fp8.fp8.scales import ScaleMode
 
 STAT_KEYS = ("elements", "bf16_changed", "fp8_changed", "update_sq", "error_sq", "dot", "fp8_update_sq")
 

@@ -10,35 +10,10 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
+from nemo_fp8.distributed.config import SUPPORTED_TENSOR_PARALLEL_SIZES, colocated_engine_error  # noqa: F401
 from nemo_fp8.utils.config import StrictConfig
 
 SUPPORTED_WEIGHT_BLOCK_SIZE = [128, 128]
-SUPPORTED_TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
-
-
-def colocated_engine_error(tensor_parallel_size: int, policy_world_size: int) -> Optional[str]:
-    """Why colocated vLLM engines of ``tensor_parallel_size`` GPUs cannot run beside a policy of
-    ``policy_world_size`` ranks (None: they can).
-
-    Colocated engine ``i`` shares the GPUs of policy ranks ``i*n..(i+1)*n-1`` (``n = tensor_parallel_size``,
-    one GPU per rank, ``nemo_fp8.distributed.placement.plan_cluster``), so the policy needs at least ``n`` ranks
-    and a multiple of ``n``. The text follows ``policy.generation.vllm_cfg.tensor_parallel_size: `` in both
-    the config check and ``plan_cluster``'s error.
-    """
-    if tensor_parallel_size <= policy_world_size and policy_world_size % tensor_parallel_size == 0:
-        return None
-    valid = [n for n in SUPPORTED_TENSOR_PARALLEL_SIZES if n <= policy_world_size and policy_world_size % n == 0]
-    if tensor_parallel_size <= policy_world_size:
-        return (f"{tensor_parallel_size} with policy.generation.colocated.enabled=true runs one engine on the GPUs of "
-                f"each {tensor_parallel_size} consecutive policy ranks, but the policy world size {policy_world_size} "
-                "(policy.data_parallel_size x policy.megatron_cfg.tensor_model_parallel_size) is not a multiple of "
-                f"it; valid: {', '.join(map(str, valid))}, or a policy world size that is a multiple of "
-                f"{tensor_parallel_size}")
-    return (f"{tensor_parallel_size} with policy.generation.colocated.enabled=true runs the engine on the GPUs of "
-            f"policy ranks 0..{tensor_parallel_size - 1}, but the policy has {policy_world_size} rank(s) (policy world "
-            "size = policy.data_parallel_size x policy.megatron_cfg.tensor_model_parallel_size); valid: "
-            f"{', '.join(map(str, valid))}, or a policy world size >= {tensor_parallel_size}, or "
-            f"policy.generation.colocated.enabled=false (the engine then gets {tensor_parallel_size} GPUs of its own)")
 
 
 class VllmConfig(StrictConfig):
@@ -81,12 +56,17 @@ class VllmConfig(StrictConfig):
         "and an FP8 one V1 (vllm/config/vllm.py, use_v2_model_runner). v1 / v2: that runner for every precision, "
         "so FP8 and BF16 engines compare like for like")
 
+    @property
+    def kv_cache_is_fp8(self) -> bool:
+        """``kv_cache_dtype == "fp8"``: an FP8 KV cache, whose per-layer q/k/v scales every refit must carry."""
+        return self.kv_cache_dtype == "fp8"
+
     def config_errors(self) -> list[str]:
         errs = []
         if self.weight_block_size != SUPPORTED_WEIGHT_BLOCK_SIZE:
             errs.append(f"weight_block_size: {self.weight_block_size} is not supported (valid: "
                         f"{SUPPORTED_WEIGHT_BLOCK_SIZE}, the block size of vLLM/DeepGEMM block-scaled FP8 kernels)")
-        if self.kv_cache_dtype == "fp8" and self.precision != "fp8":
+        if self.kv_cache_is_fp8 and self.precision != "fp8":
             errs.append("kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8' "
                         "(valid with bfloat16 precision: 'auto')")
         return errs

@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 from torch import Tensor
 
 from nemo_fp8.batch import GenerationOutput
+from nemo_fp8.distributed.weight_sync import WeightVersion  # noqa: F401 (part of this interface)
 
 
 @dataclass(frozen=True)
@@ -51,26 +52,10 @@ def request_seed(seed: int, row: int) -> int:
     """The sampling seed of request ``row`` of a generate call seeded ``seed`` (``SamplingParams.seed``).
 
     A data-parallel rollout gives each request the seed of its row in the whole step's batch, so the samples do
-    not depend on which engine draws them (``nemo_fp8.distributed.engines``); vLLM takes it as the request's
+    not depend on which engine draws them (``nemo_fp8.generation.group``); vLLM takes it as the request's
     ``SamplingParams.seed``, the torch engine as the seed of the request's own generator.
     """
     return seed * 1_000_003 + row
-
-
-@dataclass(frozen=True)
-class WeightVersion:
-    """What the engine holds after a refit: the policy version of its weights and KV scales.
-
-    Attributes:
-        weights: GRPO step of the policy weights loaded (0: the initial weights), or -1 before
-            the first refit.
-        kv_scales: GRPO step of the FP8 KV scales loaded, or -1 when none were ever sent.
-        num_tensors: tensors received in the last update (weights and scales).
-    """
-
-    weights: int = -1
-    kv_scales: int = -1
-    num_tensors: int = 0
 
 
 class GenerationBackend(Protocol):
@@ -111,6 +96,12 @@ class GenerationBackend(Protocol):
 
     def finish_generation(self) -> None:
         """Sleep: free device memory for the trainer (colocated)."""
+        ...
+
+    def pop_engine_metrics(self) -> dict[str, float]:
+        """``generation/engines`` and, for a group of engines, each engine's generated tokens and generation seconds
+        since the last call (``generation/engine_<i>/tokens`` / ``seconds``, ``generation/engine_imbalance``);
+        resets the counts. Read after every generation round."""
         ...
 
     def shutdown(self) -> None:

@@ -1,7 +1,7 @@
 """What an engine actor needs to build its generation backend: one typed, frozen spec.
 
 The trainer builds a ``GenerationSpec`` from the config (``nemo_fp8.trainer.generation_spec``), the Ray
-engine actors receive it unchanged (``nemo_fp8.distributed.engines.GenerationWorker``) and
+engine actors receive it unchanged (``nemo_fp8.generation.group.GenerationWorker``) and
 ``build_generation_backend`` reads it field by field, so each knob can be followed from the YAML key to the
 backend's argument.
 """

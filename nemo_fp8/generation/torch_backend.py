@@ -87,7 +87,7 @@ class TorchGenerationBackend:
         self.offload_when_idle = offload_when_idle
         self.kv_scales: dict[str, Tensor] | None = None  # {'q'|'k'|'v': [num_layers] fp32}, from the refit
         # FP8 KV cache: attention runs on q/k/v through e4m3 with these static per-layer scales.
-        self._kv_modules = enable_fp8_kv_attention(self.model) if vllm_cfg.kv_cache_dtype == "fp8" else None
+        self._kv_modules = enable_fp8_kv_attention(self.model) if vllm_cfg.kv_cache_is_fp8 else None
         self._version = WeightVersion()
         self._pending: dict | None = None
         self._asleep = False
@@ -205,6 +205,10 @@ class TorchGenerationBackend:
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self._asleep = True
+
+    def pop_engine_metrics(self) -> dict[str, float]:
+        """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds)."""
+        return {"generation/engines": 1.0}
 
     def shutdown(self) -> None:
         """Drop the model (and its device memory)."""

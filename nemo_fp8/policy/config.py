@@ -11,8 +11,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from nemo_fp8.distributed.config import WeightSyncConfig
-from nemo_fp8.generation.config import GenerationConfig, colocated_engine_error
+from nemo_fp8.distributed.config import WeightSyncConfig, colocated_engine_error
+from nemo_fp8.generation.config import GenerationConfig
 from nemo_fp8.policy.packing import ALGORITHMS, PackingShape, packing_shape
 from nemo_fp8.policy.schedule import schedule_errors
 from nemo_fp8.utils.config import ProfileConfig, StrictConfig

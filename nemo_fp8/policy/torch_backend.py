@@ -26,15 +26,16 @@ import torch
 from torch import Tensor, nn
 
 from nemo_fp8.batch import TrainBatch, to_device
-from nemo_fp8.policy.config import PolicyConfig
-from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.fp8 import Fp8TrainingRecipe, apply_fp8_training, plan_layer_precision
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, token_logprobs
+from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
-from nemo_fp8.policy.packing import (PackedRows, block_causal_mask, pack_rows, packing_efficiency, plan_logprobs,
-                                     plan_train, round_up, unpack)
+from nemo_fp8.policy.packing import (PackedRows, PackingShape, block_causal_mask, pack_rows, packing_efficiency,
+                                     plan_logprobs, plan_train, round_up, unpack)
 from nemo_fp8.policy.schedule import scheduled_lr
+from nemo_fp8.policy.spec import PolicySpec
+from nemo_fp8.utils.metrics import MetricAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +73,13 @@ class ShardTrainResult:
     padded_tokens: list[int] = field(default_factory=list)  # per global batch: tokens the model computed
     memory: dict[str, float] = field(default_factory=dict)  # this rank's GPU memory over the call (``CudaMemoryWindow``)
 
-    def add_tokens(self, cfg: PolicyConfig, lengths: list[int], gb_rows: list[list[int]], row_multiple: int = 1) -> None:
-        """Record one global batch's micro-batch count, real tokens and computed tokens: with
-        ``sequence_packing`` each packed row's padded length, else rows x the micro-batch's width rounded
-        up to ``row_multiple`` (the megatron backend's recipe multiple). ``lengths``: CPU prompt + response
-        lengths of the shard's rows (no device read)."""
+    def add_tokens(self, shape: Optional[PackingShape], lengths: list[int], gb_rows: list[list[int]],
+                   row_multiple: int = 1) -> None:
+        """Record one global batch's micro-batch count, real tokens and computed tokens: with sequence packing
+        (``shape``: ``PolicySpec.train_packing``) each packed row's padded length, else rows x the micro-batch's
+        width rounded up to ``row_multiple`` (the megatron backend's recipe multiple). ``lengths``: CPU prompt +
+        response lengths of the shard's rows (no device read)."""
         real = padded = 0
-        shape = cfg.packing_shape("train") if cfg.sequence_packing.enabled else None
         for rows in gb_rows:
             lens = [lengths[i] for i in rows]
             real += sum(lens)
@@ -132,13 +133,14 @@ def row_index(rows: list[int]) -> slice | Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def logprob_micro_batches(cfg: PolicyConfig, batch: TrainBatch) -> list[list[int]]:
+def logprob_micro_batches(spec: PolicySpec, batch: TrainBatch) -> list[list[int]]:
     """Micro-batches (row indices) of ``get_logprobs`` / ``calibrate_kv_scales``: ``logprob_batch_size``
-    consecutive rows, or with ``policy.sequence_packing`` the rows packed into bins of ``logprob_mb_tokens``."""
-    if not cfg.sequence_packing.enabled:
-        return [list(range(i, min(i + cfg.logprob_batch_size, batch.size)))
-                for i in range(0, batch.size, cfg.logprob_batch_size)]
-    plan = plan_logprobs(batch.sequence_lengths(), 1, cfg.packing_shape("logprobs"))[0]
+    consecutive rows, or with sequence packing the rows packed into bins of ``logprob_mb_tokens``
+    (``spec.logprob_packing``)."""
+    if spec.logprob_packing is None:
+        size = spec.cfg.logprob_batch_size
+        return [list(range(i, min(i + size, batch.size))) for i in range(0, batch.size, size)]
+    plan = plan_logprobs(batch.sequence_lengths(), 1, spec.logprob_packing)[0]
     return [[plan.rows[i] for i in mb] for mb in plan.micro_batches[0]]
 
 
@@ -152,13 +154,12 @@ def micro_batches_on(batch: TrainBatch, micro_batches: list[list[int]], device: 
         yield batch.select(row_index(rows)).trimmed(max(lens)).to(device, non_blocking=True), lens
 
 
-def pack_micro_batch(cfg: PolicyConfig, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
+def pack_micro_batch(shape: PackingShape, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
     """``mb``'s rows as one THD row, as both policy backends pack a micro-batch: each sequence padded to the train
-    packing shape's ``seq_multiple`` (``sequence_length_round`` and the parallel layout's multiple), the row to its
-    ``total_multiple`` (the FP8 recipe's token multiple; ``PolicyConfig.packing_shape``). ``lengths``: the rows'
+    packing ``shape``'s ``seq_multiple`` (``sequence_length_round`` and the parallel layout's multiple), the row to
+    its ``total_multiple`` (the FP8 recipe's token multiple; ``PolicySpec.train_packing``). ``lengths``: the rows'
     prompt + response lengths as host ints; None reads them from ``mb`` (a host sync on a GPU: the micro-batch
     loops pass them, ``micro_batches_on``)."""
-    shape = cfg.packing_shape("train")
     if lengths is None:
         lengths = mb.sequence_lengths()
     return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
@@ -192,17 +193,18 @@ def row_micro_batches(size: int, global_batch_size: int, micro_batch_size: int) 
              for m in range(g, g + global_batch_size, micro_batch_size)] for g in range(0, size, global_batch_size)]
 
 
-def train_micro_batches(cfg: PolicyConfig, batch: TrainBatch, dp_size: int) -> tuple[TrainBatch, list[list[list[int]]]]:
+def train_micro_batches(spec: PolicySpec, batch: TrainBatch,
+                        dp_size: int) -> tuple[TrainBatch, list[list[list[int]]]]:
     """(rows in training order, micro-batches per global batch as row indices) of one rank's shard.
 
-    Without ``policy.sequence_packing``: the rows as given, ``train_micro_batch_size`` rows per micro-batch.
-    With it: each global batch's rows packed into bins of ``train_mb_tokens`` (``packing.plan_train`` on this
-    shard alone; ``PolicyGroup`` plans all ranks together and passes its plan instead)."""
-    gbs = cfg.train_global_batch_size // dp_size
-    if not cfg.sequence_packing.enabled:
-        return batch, row_micro_batches(batch.size, gbs, cfg.train_micro_batch_size)
+    Without sequence packing: the rows as given, ``train_micro_batch_size`` rows per micro-batch.
+    With it: each global batch's rows packed into bins of ``train_mb_tokens`` (``spec.train_packing``;
+    ``packing.plan_train`` on this shard alone; ``PolicyGroup`` plans all ranks together and passes its plan)."""
+    gbs = spec.global_batch_size // dp_size
+    if spec.train_packing is None:
+        return batch, row_micro_batches(batch.size, gbs, spec.cfg.train_micro_batch_size)
     lengths = batch.sequence_lengths()
-    plan = plan_train(lengths, gbs, 1, cfg.packing_shape("train"))[0]
+    plan = plan_train(lengths, gbs, 1, spec.train_packing)[0]
     return batch.select(torch.tensor(plan.rows, dtype=torch.long)), plan.micro_batches
 
 
@@ -240,19 +242,16 @@ class TorchPolicyBackend:
     """``PolicyBackend`` in pure torch (see the module docstring); one data-parallel rank.
 
     Args:
-        cfg: the ``policy`` config section (model, precision, batch sizes, optimizer, fp8_cfg).
-        device: torch device.
-        temperature: the generation temperature; logits are divided by it before log-softmax,
-            so trainer and rollout score the same distribution.
-        keep_reference: keep a frozen copy of the initial weights for the KL penalty.
+        spec: the rank's ``PolicySpec`` (``spec.cfg``: model, precision, batch sizes, optimizer, fp8_cfg;
+            ``spec.device``, ``spec.temperature``: logits are divided by it before log-softmax;
+            ``spec.keep_reference``: a frozen copy of the initial weights for the KL penalty; the packing shapes).
         dp_rank, dp_size: this rank and the number of data-parallel ranks.
         dist_init_method: ``tcp://host:port`` of rank 0, required when ``dp_size > 1``.
     """
 
-    def __init__(self, cfg: PolicyConfig, device: torch.device, temperature: float = 1.0,
-                 keep_reference: bool = False, dp_rank: int = 0, dp_size: int = 1,
-                 dist_init_method: Optional[str] = None):
-        self.cfg, self.device, self.temperature = cfg, device, temperature
+    def __init__(self, spec: PolicySpec, dp_rank: int = 0, dp_size: int = 1, dist_init_method: Optional[str] = None):
+        cfg, device, keep_reference = spec.cfg, spec.device, spec.keep_reference
+        self.spec, self.cfg, self.device, self.temperature = spec, cfg, device, spec.temperature
         self.dp_rank, self.dp_size = dp_rank, dp_size
         if dp_size > 1:
             if dist_init_method is None:
@@ -273,7 +272,7 @@ class TorchPolicyBackend:
     def _forward_logprobs(self, model: nn.Module, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """[b, t] float32 log-probs of ``mb``'s responses (on the device), 0 elsewhere; with sequence packing
         the rows run as one packed row (``_forward_packed``; ``lengths`` as in ``pack_micro_batch``)."""
-        if self.cfg.sequence_packing.enabled:
+        if self.spec.train_packing is not None:
             return self._forward_packed(model, mb, lengths)
         ids = mb.token_ids.to(self.device)
         attn = attention_mask_for(mb.prompt_lengths, mb.response_lengths, ids.shape[1]).to(self.device)
@@ -286,7 +285,7 @@ class TorchPolicyBackend:
         block-diagonal causal mask (``packing.block_causal_mask``, the HF model's 4-D attention mask), the
         CPU twin of the megatron backend's THD forward; log-probs unpacked to ``mb``'s ``[b, t]`` layout.
         A segment's first log-prob (scored from the previous segment) falls on a prompt token: masked."""
-        packed = pack_micro_batch(self.cfg, mb, lengths)
+        packed = pack_micro_batch(self.spec.train_packing, mb, lengths)
         ids = packed.token_ids.to(self.device)
         mask = block_causal_mask(packed.cu_seqlens_padded.to(self.device), packed.total_tokens)
         logits = model(input_ids=ids, attention_mask=mask[None, None], position_ids=packed.position_ids.to(self.device)
@@ -308,7 +307,7 @@ class TorchPolicyBackend:
         was_training = model.training
         model.eval()
         out = batched_logprobs(lambda mb, lengths: self._forward_logprobs(model, mb, lengths), batch,
-                               logprob_micro_batches(self.cfg, batch), self.device)
+                               logprob_micro_batches(self.spec, batch), self.device)
         model.train(was_training)
         return out
 
@@ -342,11 +341,11 @@ class TorchPolicyBackend:
         self.model.train()
         result = ShardTrainResult([], [])
         if micro_batches is None:
-            batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
+            batch, micro_batches = train_micro_batches(self.spec, batch, self.dp_size)
         lengths = batch.sequence_lengths()
         for gb_rows, (n_tokens, n_seqs, mbs) in zip(micro_batches,
                                                      global_batches(batch, micro_batches, self.device, self.dp_size)):
-            result.add_tokens(self.cfg, lengths, gb_rows)
+            result.add_tokens(self.spec.train_packing, lengths, gb_rows)
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
             for mb, mb_lengths in mbs:  # on the device: moved once, used twice

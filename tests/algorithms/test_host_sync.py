@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nemo_fp8.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn, clipped_pg_loss
-from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS, MetricAccumulator
+from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS
+from nemo_fp8.utils.metrics import MetricAccumulator
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.utils.host_sync import SYNC_METHODS, count_host_syncs
 

@@ -1,4 +1,4 @@
-"""Hand-computed checks for nemo_fp8.algorithms.metrics."""
+"""Hand-computed checks for nemo_fp8.algorithms.metrics and nemo_fp8.utils.metrics."""
 
 import math
 import pickle
@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from nemo_fp8.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn, clipped_pg_loss
-from nemo_fp8.algorithms.metrics import (
-    LOSS_METRIC_REDUCTIONS,
-    REDUCTION_KINDS,
-    MetricAccumulator,
-    masked_mean,
-    masked_sum,
-    mismatch_metrics,
-)
+from nemo_fp8.algorithms.metrics import LOSS_METRIC_REDUCTIONS, masked_mean, masked_sum, mismatch_metrics
+from nemo_fp8.utils.metrics import REDUCTION_KINDS, MetricAccumulator
 
 LN2 = math.log(2.0)
 

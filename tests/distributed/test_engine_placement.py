@@ -14,7 +14,9 @@ import ray
 import torch
 
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.distributed.worker_groups import create_placement_group, plan_cluster, start_groups
+from nemo_fp8.distributed.placement import create_placement_group, plan_cluster
+from nemo_fp8.policy.group import start_groups
+from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.generation import GenerationSpec, SamplingParams
 from nemo_fp8.models.hf import load_tokenizer
 
@@ -35,7 +37,7 @@ def ray_two_gpus():
 
 def _start(pg, plan, cfg, tok):
     return start_groups(
-        pg, plan, policy_kwargs=dict(megatron=False, cfg=cfg.policy, device=CPU, temperature=1.0, keep_reference=False),
+        pg, plan, policy_spec=PolicySpec.from_config(cfg.policy, CPU),
         generation_spec=GenerationSpec(backend="torch", model_name=cfg.policy.model_name,
                                        vllm_cfg=cfg.policy.generation.vllm_cfg, device=CPU,
                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -88,15 +90,15 @@ def test_policy_builds_after_the_engines_sleep_on_gpus_and_beside_them_on_cpu(ra
                                                                               use_gpu):
     """On GPUs the trainer must build after the engines measured their memory and went to sleep; on the CPU
     nothing is shared, so the policy's backend builds while the engines start (the first run's start-up)."""
-    from nemo_fp8.distributed import worker_groups as wg
+    from nemo_fp8.policy import group as wg
 
     order = []
     real_begin, real_start = wg.PolicyGroup.begin_setup, wg.GenerationGroup.start
     real_sleep = wg.GenerationGroup.finish_generation
 
-    def begin(self, kwargs):
+    def begin(self):
         order.append("policy setup")
-        return real_begin(self, kwargs)
+        return real_begin(self)
 
     def start(*a, **k):
         order.append("engines start")

@@ -8,15 +8,16 @@ import ray
 import torch
 
 from nemo_fp8.config import ConfigError, load_config
-from nemo_fp8.distributed.engines import EngineError, GenerationGroup, assign_bins, expected_tokens, plan_bins
+from nemo_fp8.generation.group import EngineError, GenerationGroup, assign_bins, expected_tokens, plan_bins
 from nemo_fp8.distributed.placement import create_placement_group, plan_cluster, plan_from_config
 from nemo_fp8.distributed.weight_sync import ObjectStoreWeightSync
-from nemo_fp8.distributed.worker_groups import init_ray
+from nemo_fp8.distributed.cluster import init_ray
 from nemo_fp8.generation import GenerationSpec, SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.generation.interfaces import request_seed
 from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.trainer import start_workers
+from nemo_fp8.policy.spec import PolicySpec
 
 CPU = torch.device("cpu")
 TINY_MEGATRON = "examples/configs/grpo_math_tiny_megatron_fp8.yaml"
@@ -197,7 +198,7 @@ def test_refit_reaches_every_engine_with_the_same_weights(ray_cluster, tiny_cfg,
                    "policy.train_micro_batch_size=8", "grpo.num_prompts_per_step=4",
                    "grpo.num_generations_per_prompt=4", "policy.generation.max_new_tokens=8",
                    "policy.generation_batch_size=4", "policy.weight_sync.bucket_size_mb=0.25", "cluster.num_cpus=8")
-    local = TorchPolicyBackend(cfg.policy, CPU)
+    local = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in local.model.parameters():
@@ -268,7 +269,8 @@ def test_preflight_warns_when_the_run_leaves_declared_gpus_idle():
 
 
 def test_step_metrics_sum_the_engines_over_generation_rounds():
-    from nemo_fp8.algorithms.grpo import engine_metrics, sum_engine_metrics
+    from nemo_fp8.algorithms.grpo import sum_engine_metrics
+    from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 
     rounds = [{"generation/engines": 2.0, "generation/engine_0/tokens": 10.0, "generation/engine_0/seconds": 1.0,
                "generation/engine_1/tokens": 30.0, "generation/engine_1/seconds": 3.0,
@@ -278,7 +280,8 @@ def test_step_metrics_sum_the_engines_over_generation_rounds():
     m = sum_engine_metrics(rounds)
     assert m["generation/engines"] == 2.0 and m["generation/engine_0/tokens"] == 30.0
     assert m["generation/engine_1/seconds"] == 3.0 and m["generation/engine_imbalance"] == 1.0  # 3 s each in sum
-    assert engine_metrics(object()) == {"generation/engines": 1.0}  # one engine in this process
+    # one engine in this process (the method reads no state)
+    assert TorchGenerationBackend.pop_engine_metrics(object()) == {"generation/engines": 1.0}
     group = GenerationGroup([object(), object()])
     group._tokens, group._seconds = [5, 7], [1.0, 3.0]
     assert group.pop_engine_metrics() == {"generation/engines": 2.0, "generation/engine_0/tokens": 5.0,
@@ -292,7 +295,7 @@ def test_too_few_bins_for_the_engines_warns_once_naming_the_key(ray_cluster, tin
     cfg = tiny_cfg()
     group, placement = _group(cfg, tok, 2, batch_size=16)
     try:
-        with caplog.at_level("WARNING", logger="nemo_fp8.distributed.engines"):
+        with caplog.at_level("WARNING", logger="nemo_fp8.generation.group"):
             group.generate(_prompts(tok, distinct=2, n=2), SamplingParams(max_new_tokens=2, seed=1))
             group.generate(_prompts(tok, distinct=2, n=2), SamplingParams(max_new_tokens=2, seed=2))
         warned = [r.getMessage() for r in caplog.records if "stay idle" in r.getMessage()]

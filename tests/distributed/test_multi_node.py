@@ -11,7 +11,8 @@ import torch
 
 from nemo_fp8.distributed.placement import create_placement_group, plan_cluster
 from nemo_fp8.distributed.weight_sync import ObjectStoreWeightSync
-from nemo_fp8.distributed.worker_groups import start_groups
+from nemo_fp8.policy.group import start_groups
+from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.generation import GenerationSpec, SamplingParams
 from nemo_fp8.models.hf import load_tokenizer
 
@@ -49,9 +50,8 @@ def test_each_engine_on_one_node_and_the_run_starts(two_nodes, tiny_cfg):
                               vllm_cfg=cfg.policy.generation.vllm_cfg, device=CPU, pad_token_id=tok.pad_token_id,
                               eos_token_id=tok.eos_token_id,
                               max_total_sequence_length=cfg.policy.max_total_sequence_length, batch_size=4)
-        policy, generation = start_groups(placement, plan, dict(megatron=False, cfg=cfg.policy, device=CPU,
-                                                                temperature=1.0, keep_reference=False),
-                                          spec, torch_threads=1)
+        policy, generation = start_groups(placement, plan, PolicySpec.from_config(cfg.policy, CPU), spec,
+                                          torch_threads=1)
         try:
             ranks = ray.get([w.gpu_ids.remote() for w in policy.workers])
             for e, w in enumerate(generation.workers):  # each engine sees the GPUs of its two policy ranks

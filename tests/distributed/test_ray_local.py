@@ -26,7 +26,7 @@ def test_a_second_run_starts_its_own_cluster_beside_a_running_one():
         (Path(tmp) / "ray").mkdir(exist_ok=True)
         (Path(tmp) / "ray" / "ray_current_cluster").write_text(address)
         # without address="local", ray.init finds the other run's cluster and refuses num_cpus for it
-        run = subprocess.run([sys.executable, "-c", "import ray; from nemo_fp8.distributed.worker_groups import "
+        run = subprocess.run([sys.executable, "-c", "import ray; from nemo_fp8.distributed.cluster import "
                               "init_ray; init_ray(None, 3); print(int(ray.cluster_resources()['CPU']))"],
                              env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]

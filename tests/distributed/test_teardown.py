@@ -156,7 +156,7 @@ def test_rays_excepthook_is_replaced_once_ray_is_torn_down():
 def test_failures_are_named_in_one_line():
     import ray
 
-    from nemo_fp8.distributed.engines import EngineError
+    from nemo_fp8.generation.group import EngineError
     from nemo_fp8.distributed.teardown import describe_failure
     from nemo_fp8.utils.checkpoint import CheckpointWriteError
 

@@ -15,6 +15,7 @@ from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+from nemo_fp8.policy.spec import PolicySpec
 
 CPU = torch.device("cpu")
 
@@ -72,7 +73,7 @@ def _engine(cfg, tok, precision):
 @pytest.mark.parametrize("precision", ["bfloat16", "fp8"])
 def test_in_process_sync_loads_every_weight_with_its_version(tiny_cfg, tok, precision):
     cfg = tiny_cfg()
-    policy = TorchPolicyBackend(cfg.policy, CPU)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     with torch.no_grad():
         for p in policy.model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # weights the engine has not seen
@@ -93,7 +94,7 @@ def test_in_process_sync_loads_every_weight_with_its_version(tiny_cfg, tok, prec
 
 def test_kv_scales_travel_with_the_weights_and_incomplete_updates_fail(tiny_cfg, tok):
     cfg = tiny_cfg()
-    policy = TorchPolicyBackend(cfg.policy, CPU)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     gen = _engine(cfg, tok, "fp8")
     n = gen.num_layers
     scales = KvScales.from_amax(torch.arange(1.0, n + 1), torch.ones(n), 2 * torch.ones(n), step=4)
@@ -121,7 +122,7 @@ def test_calibrate_kv_scales_measures_post_rope_q_and_real_tokens_only(tiny_cfg,
     from nemo_fp8.data import PromptSample, MathExample
 
     cfg = tiny_cfg()
-    policy = TorchPolicyBackend(cfg.policy, CPU)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     texts = ["Q: What is 3 + 4?\n", "Q: What is 12 - 30?\n"]
     samples = [PromptSample(MathExample(t, "0", "test", i), t, tok.encode(t, add_special_tokens=False)) for i, t in enumerate(texts)]
     batch = prompts_batch(samples, tok.pad_token_id)
@@ -158,7 +159,7 @@ def test_fake_quantize_static_is_e4m3_with_saturation():
 
 def test_torch_engine_fp8_kv_cache_needs_scales_and_uses_them(tiny_cfg, tok):
     cfg = tiny_cfg()
-    policy = TorchPolicyBackend(cfg.policy, CPU)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     plain = _engine(cfg, tok, "fp8")
     vc = cfg.policy.generation.vllm_cfg.model_copy(update={"kv_cache_dtype": "fp8"})
     kv = TorchGenerationBackend(cfg.policy.model_name, vc, CPU, tok.pad_token_id, tok.eos_token_id,
@@ -229,7 +230,8 @@ def test_cuda_ipc_refit_is_refused_into_a_tensor_parallel_engine():
 def test_make_weight_sync_picks_the_configured_transport():
     from nemo_fp8.config import load_config
     from nemo_fp8.distributed.weight_sync import CudaIpcWeightSync, ObjectStoreWeightSync
-    from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
+    from nemo_fp8.generation.group import GenerationGroup
+    from nemo_fp8.policy.group import PolicyGroup
     from nemo_fp8.trainer import make_weight_sync
 
     rank0, engine = object(), object()  # actor handles; nothing is called while the transport is chosen
@@ -293,7 +295,8 @@ def test_make_weight_sync_builds_the_nccl_transport_without_calling_an_actor():
     trainer plus the engine's two workers."""
     from nemo_fp8.config import load_config
     from nemo_fp8.distributed.weight_sync import NcclWeightSync
-    from nemo_fp8.distributed.worker_groups import GenerationGroup, PolicyGroup
+    from nemo_fp8.generation.group import GenerationGroup
+    from nemo_fp8.policy.group import PolicyGroup
     from nemo_fp8.trainer import make_weight_sync
 
     rank0, rank1, engine = object(), object(), object()

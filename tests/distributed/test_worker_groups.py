@@ -9,12 +9,14 @@ import torch
 
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
+from nemo_fp8.distributed.cluster import init_ray
+from nemo_fp8.distributed.placement import create_placement_group, plan_cluster
 from nemo_fp8.distributed.weight_sync import InProcessWeightSync, ObjectStoreWeightSync
-from nemo_fp8.distributed.worker_groups import (PolicyGroup, create_placement_group, init_ray, plan_cluster,
-                                                shard_rows, train_shard_indices)
 from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.models.hf import load_tokenizer
+from nemo_fp8.policy.group import PolicyGroup, shard_rows, train_shard_indices
+from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 from nemo_fp8.trainer import start_workers
 
@@ -79,7 +81,7 @@ def test_cluster_plan_for_a_two_gpu_engine():
 
 
 def _perturbed_policy_checkpoint(cfg, path: Path) -> TorchPolicyBackend:
-    policy = TorchPolicyBackend(cfg.policy, CPU)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in policy.model.parameters():
@@ -140,7 +142,8 @@ def test_refit_peak_extra_memory_is_one_bucket_not_a_model_copy(ray_cluster, tin
     workers = start_workers(cfg, tok)
     try:
         sync, gen_actor = workers.refitter.weight_sync, workers.generation.worker
-        model_bytes = sum(p.numel() * 4 for p in TorchPolicyBackend(cfg.policy, CPU).model.parameters())  # fp32 sent
+        model = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).model
+        model_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 sent
         largest = 2048 * 512 * 4
 
         sync.sync(version=1)  # warm-up: first-use allocations of the transport
@@ -176,7 +179,7 @@ def test_memory_watch_sees_a_copy():
 
 
 def _train_batch(cfg, tok) -> TrainBatch:
-    policy = TorchPolicyBackend(cfg.policy, CPU)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,
                                  tok.eos_token_id, cfg.policy.max_total_sequence_length)
     prompts = [tok.encode(f"Q: What is {i} + {3 * i}?\n", add_special_tokens=False) for i in range(8)]
@@ -197,8 +200,7 @@ def test_two_data_parallel_ranks_train_like_one(ray_cluster, tiny_cfg, tok):
         dcfg = cfg.policy.model_copy(update={"data_parallel_size": dp})
         plan = plan_cluster(dp, use_gpu=False, colocated=True)
         pg = create_placement_group(plan)
-        group = PolicyGroup.start(pg, plan, dict(
-            megatron=False, cfg=dcfg, device=CPU, temperature=1.0, keep_reference=False), torch_threads=1)
+        group = PolicyGroup.start(pg, plan, PolicySpec.from_config(dcfg, CPU), torch_threads=1)
         try:
             metrics = group.train(batch, ClippedPGLossFn(cfg.loss_fn))
             results[dp] = (metrics, group.get_logprobs(batch))
@@ -230,7 +232,9 @@ def test_policy_ranks_get_the_megatron_env_vars(ray_cluster):
     assert megatron_env_vars(load_config("examples/configs/grpo_math_tiny.yaml").policy) == {}  # torch backend
     plan = plan_cluster(2, use_gpu=False, colocated=True)
     pg = create_placement_group(plan)
-    group = PolicyGroup.create(pg, plan, 4, torch_threads=1, env_vars=env)
+    spec = PolicySpec.from_config(mcfg("policy.megatron_cfg.env_vars={NEMO_FP8_TEST_VAR: '7'}"), CPU)
+    assert spec.env_vars == env  # the spec carries them to the ranks
+    group = PolicyGroup.create(pg, plan, spec, torch_threads=1)
     try:
         seen = ray.get([w.__ray_call__.remote(lambda self: {k: os.environ.get(k) for k in (*env, "PYTHONPATH")})
                         for w in group.workers])

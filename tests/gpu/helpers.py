@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from nemo_fp8.generation.config import VllmConfig
+from nemo_fp8.policy.spec import PolicySpec
 
 EOS = 1
 MAX_LEN = 384
@@ -149,7 +150,7 @@ def save_perturbed_policy(policy_cfg, path, scale: float = 0.05, seed: int = 0) 
     ``named_weights()`` (HF names -> CPU tensors), what the engines must hold after refitting it."""
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
-    changed = TorchPolicyBackend(policy_cfg, torch.device("cpu"))
+    changed = TorchPolicyBackend(PolicySpec.from_config(policy_cfg, torch.device("cpu")))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in changed.model.parameters():

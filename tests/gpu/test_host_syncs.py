@@ -16,7 +16,7 @@ import torch
 
 from nemo_fp8.algorithms.config import ClippedPGLossConfig
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
-from nemo_fp8.algorithms.metrics import MetricAccumulator
+from nemo_fp8.utils.metrics import MetricAccumulator
 from nemo_fp8.batch import TrainBatch, to_device
 from nemo_fp8.policy.packing import pack_rows, real_token_mask, unpack
 

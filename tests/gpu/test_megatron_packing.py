@@ -14,6 +14,7 @@ import torch
 
 from tests.gpu.test_megatron_policy import (RECIPES, _backend, _batch, _close, _free_port,  # noqa: E402
                                             _policy_cfg, _reference_logprobs, _train_twice, ckpt)  # noqa: F401
+from nemo_fp8.policy.spec import PolicySpec
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +46,8 @@ def test_packed_logprobs_match_unpacked_within_the_noise_floor(ckpt):
         finally:
             _close(be)
         if on:
-            assert len(logprob_micro_batches(cfg, batch)) < batch.size // cfg.logprob_batch_size
+            spec = PolicySpec.from_config(cfg, be.device)
+            assert len(logprob_micro_batches(spec, batch)) < batch.size // cfg.logprob_batch_size
     ref = _reference_logprobs(ckpt, batch)
     mask = batch.token_mask.bool()
     noise = (ref["bfloat16"] - ref["float32"])[mask].abs()
@@ -115,7 +117,7 @@ def _tp_rank(rank: int, world: int, port: int, path: str, tp: int, packed: bool,
 
     torch.cuda.set_device(rank)
     cfg = _packed(_policy_cfg(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1), packed)
-    be = MegatronPolicyBackend(cfg, torch.device("cuda", rank), rank=rank, world_size=world,
+    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", rank)), rank=rank, world_size=world,
                                dist_init_method=f"tcp://127.0.0.1:{port}")
     lp = be.get_logprobs(_batch(n=16, seed=7))
     if rank == 0:

@@ -35,6 +35,7 @@ from nemo_fp8.algorithms.config import ClippedPGLossConfig  # noqa: E402
 from nemo_fp8.algorithms.loss import ClippedPGLossFn  # noqa: E402
 from nemo_fp8.batch import TrainBatch  # noqa: E402
 from nemo_fp8.policy.config import PolicyConfig  # noqa: E402
+from nemo_fp8.policy.spec import PolicySpec
 from tests.gpu.helpers import hf_state, save_llama, save_qwen3  # noqa: E402
 
 VOCAB = 4096  # save_qwen3's vocabulary
@@ -63,10 +64,11 @@ def _policy_cfg(path, fp8=None, first=0, last=0, lr=1e-5, megatron=True, optimiz
                                                  "num_last_layers_in_bf16": last}})
 
 
-def _backend(cfg, **kw):
+def _backend(cfg, keep_reference: bool = False, **kw):
     from nemo_fp8.policy.megatron.backend import MegatronPolicyBackend
 
-    return MegatronPolicyBackend(cfg, torch.device("cuda", 0), **kw)
+    return MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", 0), keep_reference=keep_reference),
+                                 **kw)
 
 
 def _close(backend):
@@ -118,8 +120,8 @@ def _reference_logprobs(path, batch) -> dict[str, torch.Tensor]:
 
     out = {}
     for precision in ("bfloat16", "float32"):
-        ref = TorchPolicyBackend(_policy_cfg(path, megatron=False).model_copy(update={"precision": precision}),
-                                 torch.device("cuda", 0))
+        ref_cfg = _policy_cfg(path, megatron=False).model_copy(update={"precision": precision})
+        ref = TorchPolicyBackend(PolicySpec.from_config(ref_cfg, torch.device("cuda", 0)))
         out[precision] = ref.get_logprobs(batch)
         del ref
     gc.collect()
@@ -158,7 +160,7 @@ def _reference_grads(path, batch, precision):
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
     cfg = _policy_cfg(path, megatron=False).model_copy(update={"precision": precision, "max_grad_norm": 1e9})
-    ref = TorchPolicyBackend(cfg, torch.device("cuda", 0))
+    ref = TorchPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", 0)))
     batch = dataclasses.replace(batch)
     _on_policy(ref, batch)
     ref.train(batch, ClippedPGLossFn(ClippedPGLossConfig()))
@@ -260,7 +262,7 @@ def test_te_wgrad_gemms_accumulate_into_main_grad(ckpt, fp8):
     micro-batches equals the unfused path's (bf16 ``.grad`` per micro-batch, added by DDP's hook) within the bf16
     rounding of one wgrad (2^-8 relative per element; the fused path skips that rounding). Switched off, no weight
     is marked: the comparison is between the two paths, not one path twice."""
-    from nemo_fp8.policy.megatron.backend import _unwrap, fuse_te_wgrad_accumulation
+    from nemo_fp8.policy.megatron.te_model import fuse_te_wgrad_accumulation, unwrap
 
     batch = _batch()
     be = _backend(_policy_cfg(ckpt, fp8=fp8, first=1, last=1))
@@ -282,7 +284,7 @@ def test_te_wgrad_gemms_accumulate_into_main_grad(ckpt, fp8):
             marked = {n for n, p in model.named_parameters() if getattr(p, "grad_added_to_main_grad", False)}
             out[fused] = marked, {n: p.main_grad.float().clone() for n, p in model.named_parameters()}
         gemm = {n for n, _ in model.named_parameters() if n.endswith(GEMM_WEIGHTS)}
-        assert out[True][0] == gemm and len(gemm) == 4 * len(_unwrap(model).decoder.layers) and not out[False][0]
+        assert out[True][0] == gemm and len(gemm) == 4 * len(unwrap(model).decoder.layers) and not out[False][0]
         g_f, g_u = out[True][1], out[False][1]
         rel = {n: ((g_f[n] - g_u[n]).norm() / g_u[n].norm()).item() for n in g_u if g_u[n].norm() > 0}
         worst = max(rel, key=rel.get)
@@ -364,7 +366,7 @@ def test_fp8_forward_follows_the_optimizer_step(ckpt, recipe):
     """After training steps the FP8 forward uses the updated weights: the log-probs equal those of a pass whose
     TransformerEngine weight caches were emptied first (every FP8 weight quantized from scratch), and have moved
     from the log-probs before the steps. Not colocated: nothing else empties the caches between passes (TE
-    refreshes them only on a marked first micro-batch; ``_requantize_fp8_weights``)."""
+    refreshes them only on a marked first micro-batch; ``requantize_fp8_weights``)."""
     be = _backend(_policy_cfg(ckpt, fp8=dict(fp8="e4m3", fp8_recipe=recipe), lr=1e-3))
     batch = _batch()
     try:
@@ -468,12 +470,12 @@ def test_precision_aware_optimizer_keeps_16_bit_moments_through_steps_and_offloa
 def test_bf16_layers_run_outside_fp8(ckpt):
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    from nemo_fp8.policy.megatron.backend import _unwrap
+    from nemo_fp8.policy.megatron.te_model import unwrap
 
     be = _backend(_policy_cfg(ckpt, fp8=dict(fp8="e4m3", fp8_recipe="blockwise"), first=1, last=1))
     seen: dict[int, bool] = {}
     try:
-        layers = _unwrap(be.model).decoder.layers
+        layers = unwrap(be.model).decoder.layers
         hooks = [layer.self_attention.linear_qkv.register_forward_hook(
             lambda m, a, o, i=i: seen.__setitem__(i, FP8GlobalStateManager.is_fp8_enabled()))
             for i, layer in enumerate(layers)]
@@ -494,8 +496,7 @@ def test_kv_calibration_matches_torch_reference(ckpt):
         got = be.calibrate_kv_scales(batch, step=3)
     finally:
         _close(be)
-    ref = TorchPolicyBackend(_policy_cfg(ckpt, megatron=False),
-                             torch.device("cuda", 0))
+    ref = TorchPolicyBackend(PolicySpec.from_config(_policy_cfg(ckpt, megatron=False), torch.device("cuda", 0)))
     want = ref.calibrate_kv_scales(batch, step=3)
     del ref
     for name in ("q_scale", "k_scale", "v_scale"):
@@ -602,7 +603,7 @@ def _tp_rank(rank: int, world: int, port: int, path: str, tp: int, out):
 
     torch.cuda.set_device(rank)
     cfg = _policy_cfg(path, tensor_model_parallel_size=tp)
-    be = MegatronPolicyBackend(cfg, torch.device("cuda", rank), rank=rank, world_size=world,
+    be = MegatronPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda", rank)), rank=rank, world_size=world,
                                dist_init_method=f"tcp://127.0.0.1:{port}")
     lp = be.get_logprobs(_batch())
     names = {n: t.cpu() for n, t in be.named_weights()}

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.gpu,
 vllm = pytest.importorskip("vllm")
 
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
+from nemo_fp8.policy.spec import PolicySpec
 from tests.gpu.helpers import (decode_engine_params, fused_fp8_reference, prompts, save_perturbed_policy,  # noqa: E402
                                save_qwen3)
 
@@ -70,7 +71,7 @@ def _engines_hold(workers, state: dict, tp: int) -> None:
 def test_refit_reaches_every_engine_and_their_rollouts_follow_it(case, tiny_cfg, tiny_model_dir, tmp_path):
     import ray
 
-    from nemo_fp8.distributed.worker_groups import init_ray
+    from nemo_fp8.distributed.cluster import init_ray
     from nemo_fp8.models.hf import load_tokenizer
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
     from nemo_fp8.trainer import start_workers
@@ -86,7 +87,7 @@ def test_refit_reaches_every_engine_and_their_rollouts_follow_it(case, tiny_cfg,
                    # 128 would make one bin, all of it on engine 0
                    "policy.generation_batch_size=8", "policy.weight_sync.bucket_size_mb=16", *overrides)
     tok = load_tokenizer(str(tiny_model_dir))
-    start = {n: t.clone() for n, t in TorchPolicyBackend(cfg.policy, CPU).named_weights()}
+    start = {n: t.clone() for n, t in TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).named_weights()}
     changed_state = save_perturbed_policy(cfg.policy, tmp_path / "changed")
 
     init_ray(None, num_cpus=16)

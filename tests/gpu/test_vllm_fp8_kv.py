@@ -32,6 +32,7 @@ from nemo_fp8.batch import TrainBatch  # noqa: E402
 from nemo_fp8.fp8.kv_scales import KvScales  # noqa: E402
 from nemo_fp8.generation.config import VllmConfig  # noqa: E402
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
+from nemo_fp8.policy.spec import PolicySpec
 from tests.gpu.helpers import EOS, MAX_LEN, engine, prompts, save_qwen3, score  # noqa: E402
 
 NUM_LAYERS = 4  # save_qwen3
@@ -126,7 +127,7 @@ def policy(model_dir):
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
     cfg = PolicyConfig(model_name=str(model_dir), precision="bfloat16", device="cuda", logprob_batch_size=32)
-    yield TorchPolicyBackend(cfg, torch.device("cuda"))
+    yield TorchPolicyBackend(PolicySpec.from_config(cfg, torch.device("cuda")))
     gc.collect()
     torch.cuda.empty_cache()
 

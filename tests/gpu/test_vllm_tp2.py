@@ -190,7 +190,7 @@ def test_trainer_colocates_a_tp2_engine_on_the_gpus_of_policy_ranks_0_and_1(tiny
     not whole 128-row FP8 blocks.)"""
     import ray
 
-    from nemo_fp8.distributed.worker_groups import init_ray
+    from nemo_fp8.distributed.cluster import init_ray
     from nemo_fp8.models.hf import load_tokenizer
     from nemo_fp8.trainer import start_workers
     from nemo_fp8.utils.timer import Timer

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.gpu,
 vllm = pytest.importorskip("vllm")
 
 from nemo_fp8.generation.interfaces import SamplingParams  # noqa: E402
+from nemo_fp8.policy.spec import PolicySpec
 from tests.gpu.helpers import decode_engine_params, fused_fp8_reference, save_perturbed_policy  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -56,7 +57,7 @@ def test_refit_over_nccl_into_an_engine_on_its_own_gpu(tiny_cfg, tmp_path):
     import ray
 
     from nemo_fp8.distributed.weight_sync import NcclWeightSync, update_info_stats
-    from nemo_fp8.distributed.worker_groups import init_ray
+    from nemo_fp8.distributed.cluster import init_ray
     from nemo_fp8.generation.vllm.refit import build_refit_plan, nccl_update_info
     from nemo_fp8.models.hf import load_tokenizer
     from nemo_fp8.policy.torch_backend import TorchPolicyBackend
@@ -67,7 +68,8 @@ def test_refit_over_nccl_into_an_engine_on_its_own_gpu(tiny_cfg, tmp_path):
                    "policy.weight_sync.method=nccl", "policy.weight_sync.bucket_size_mb=1",
                    "policy.generation.vllm_cfg.gpu_memory_utilization=0.3", "policy.device=cuda")
     tok = load_tokenizer(cfg.policy.model_name)
-    start = dict(TorchPolicyBackend(cfg.policy, CPU).named_weights())  # what the policy rank loads: fp32
+    # what the policy rank loads: fp32
+    start = dict(TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU)).named_weights())
     changed_state = save_perturbed_policy(cfg.policy, tmp_path / "changed")
     plan, _ = build_refit_plan(cfg.policy.generation.vllm_cfg, cfg.policy.model_name)
     sent = [(n, t) for n, t in start.items() if n != "lm_head.weight"]  # tied: the engine skips it

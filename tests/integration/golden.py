@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from nemo_fp8.policy.spec import PolicySpec
 
 KEYS = ("train/reward_mean", "train/response_length_mean", "loss/loss", "loss/grad_norm", "loss/is_weight_mean",
         "mismatch/gen_kl_error")
@@ -57,8 +58,9 @@ def golden_values(model_dir: Path, out_dir: Path) -> dict[int, tuple[float, ...]
         torch.manual_seed(cfg.grpo.seed)
         tok = load_tokenizer(cfg.policy.model_name)
         train, _ = prepare_prompts(cfg, tok)
-        policy = TorchPolicyBackend(cfg.policy.model_copy(update={"precision": "float64"}), torch.device("cpu"),
-                                    temperature=cfg.policy.generation.temperature)
+        policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy.model_copy(update={"precision": "float64"}),
+                                                           torch.device("cpu"),
+                                                           temperature=cfg.policy.generation.temperature))
         gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, torch.device("cpu"),
                                      tok.pad_token_id, tok.eos_token_id, cfg.policy.max_total_sequence_length,
                                      batch_size=64, dtype=torch.float64)

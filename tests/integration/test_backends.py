@@ -9,6 +9,7 @@ from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+from nemo_fp8.policy.spec import PolicySpec
 
 CPU = torch.device("cpu")
 
@@ -91,7 +92,7 @@ def test_trainer_scores_the_same_distribution_as_the_sampler(tiny_cfg, shipped_t
     with the trainer to 1e-5."""
     cfg = tiny_cfg("policy.generation.temperature=0.7", f"policy.model_name={shipped_tiny_model}")
     tok = load_tokenizer(str(shipped_tiny_model))
-    pol = TorchPolicyBackend(cfg.policy, CPU, temperature=0.7)
+    pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU, temperature=0.7))
     noise = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in pol.model.parameters():
@@ -122,7 +123,7 @@ def test_fp8_layer_policy_and_refit_in_place(tiny_cfg, tok):
     assert "model.layers.0.self_attn.qkv_proj" in gen.plan.vllm_ignored_layers
     q = layers[1].self_attn.q_proj
     ptrs = (q.weight.data_ptr(), q.weight_scale_inv.data_ptr())
-    pol = TorchPolicyBackend(cfg.policy, CPU)
+    pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     with torch.no_grad():
         pol.model.model.layers[1].self_attn.q_proj.weight.mul_(3.0)
     gen.update_weights(pol.named_weights())
@@ -157,7 +158,7 @@ def test_train_step_moves_logprobs_with_the_advantage(tiny_cfg, tok, fp8):
         overrides += ["policy.megatron_cfg.fp8_cfg.enabled=true", f"policy.megatron_cfg.fp8_cfg.fp8={fp8[0]}",
                       f"policy.megatron_cfg.fp8_cfg.fp8_recipe={fp8[1]}"]
     cfg = tiny_cfg(*overrides)
-    pol = TorchPolicyBackend(cfg.policy, CPU)
+    pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     if fp8:
         assert len(pol.fp8_modules) == 7 * pol.model.config.num_hidden_layers and isinstance(pol.model.model.layers[0].mlp.up_proj, Fp8TrainingLinear)
     gen = make_generation(cfg, tok, precision="bfloat16")
@@ -181,7 +182,7 @@ def test_micro_batching_matches_one_big_batch(tiny_cfg, tok):
         cfg = tiny_cfg("policy.train_global_batch_size=8", f"policy.train_micro_batch_size={mbs}",
                        "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=1")
         torch.manual_seed(0)
-        pol = TorchPolicyBackend(cfg.policy, CPU)
+        pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
         gen = make_generation(cfg, tok, precision="bfloat16")
         batch = _advantage_batch(pol, gen, tok)
         pol.optimizer.step = lambda: None  # keep weights: compare the accumulated gradients only
@@ -195,12 +196,12 @@ def test_policy_save_load_round_trip(tiny_cfg, tok, tmp_path):
 
     cfg = tiny_cfg("policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
                    "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=1")
-    pol = TorchPolicyBackend(cfg.policy, CPU)
+    pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     gen = make_generation(cfg, tok, precision="bfloat16")
     batch = _advantage_batch(pol, gen, tok)
     pol.train(batch, ClippedPGLossFn(cfg.loss_fn))
     pol.save(tmp_path / "p")
-    other = TorchPolicyBackend(cfg.policy, CPU)
+    other = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     other.load(tmp_path / "p")
     torch.testing.assert_close(other.get_logprobs(batch), pol.get_logprobs(batch))
     assert other.num_updates == 1
@@ -221,7 +222,7 @@ def test_train_reads_nothing_per_micro_batch(tiny_cfg, tok):
         cfg = tiny_cfg("policy.train_global_batch_size=8", f"policy.train_micro_batch_size={mbs}",
                        "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=1",
                        "loss_fn.use_importance_sampling_correction=true")
-        pol = TorchPolicyBackend(cfg.policy, CPU)
+        pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
         gen = make_generation(cfg, tok, precision="bfloat16")
         batch = _advantage_batch(pol, gen, tok)
         with count_host_syncs() as c:
@@ -250,14 +251,14 @@ def test_the_lr_warm_up_runs_update_by_update_and_continues_after_a_resume(tiny_
     cfg = tiny_cfg("policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=8",
                    "grpo.num_generations_per_prompt=1", "policy.optimizer.lr=1e-3", "policy.optimizer.lr_warmup_steps=4",
                    "policy.optimizer.lr_warmup_init=1e-4")
-    pol = TorchPolicyBackend(cfg.policy, CPU)
+    pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     batch = _advantage_batch(pol, make_generation(cfg, tok, precision="bfloat16"), tok)
     seen = _record_lrs(pol)
     metrics = pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # 8 rows, global batch 4: two updates
     assert seen == pytest.approx([1e-4, 3.25e-4])  # 1e-4 + 9e-4 * n / 4 after n updates (megatron-core's warm-up)
     assert metrics["lr"] == pytest.approx(2.125e-4)  # logged as loss/lr: the mean over the step's updates
     pol.save(tmp_path / "p")
-    resumed = TorchPolicyBackend(cfg.policy, CPU)
+    resumed = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     resumed.load(tmp_path / "p")
     seen = _record_lrs(resumed)
     resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))
@@ -274,13 +275,13 @@ def test_the_lr_decay_runs_update_by_update_and_continues_after_a_resume(tiny_cf
                    "grpo.num_generations_per_prompt=1", "policy.optimizer.lr=1e-3", "policy.optimizer.min_lr=1e-4",
                    "policy.optimizer.lr_decay_style=WSD", "policy.optimizer.lr_decay_steps=4",
                    "policy.optimizer.wsd_decay_steps=2")
-    pol = TorchPolicyBackend(cfg.policy, CPU)
+    pol = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     batch = _advantage_batch(pol, make_generation(cfg, tok, precision="bfloat16"), tok)
     seen = _record_lrs(pol)
     pol.train(batch, ClippedPGLossFn(cfg.loss_fn))  # two updates at lr: WSD holds it until update 2
     assert seen == pytest.approx([1e-3, 1e-3])
     pol.save(tmp_path / "p")
-    resumed = TorchPolicyBackend(cfg.policy, CPU)
+    resumed = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     resumed.load(tmp_path / "p")
     seen = _record_lrs(resumed)
     resumed.train(batch, ClippedPGLossFn(cfg.loss_fn))

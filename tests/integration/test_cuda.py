@@ -14,6 +14,7 @@ from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 from nemo_fp8.trainer import prepare_prompts
 from nemo_fp8.utils.timer import Timer
+from nemo_fp8.policy.spec import PolicySpec
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -21,7 +22,8 @@ CUDA = torch.device("cuda")
 
 def backends(cfg, device):
     tok = load_tokenizer(cfg.policy.model_name)
-    policy = TorchPolicyBackend(cfg.policy, device, temperature=cfg.policy.generation.temperature)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, device,
+                                                       temperature=cfg.policy.generation.temperature))
     gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, device, tok.pad_token_id,
                                  tok.eos_token_id, cfg.policy.max_total_sequence_length, batch_size=64)
     gen.update_weights(policy.named_weights())

@@ -14,6 +14,7 @@ from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 from nemo_fp8.rewards import MathRewardScorer
 from nemo_fp8.trainer import prepare_prompts
 from nemo_fp8.utils.timer import Timer
+from nemo_fp8.policy.spec import PolicySpec
 
 CPU = torch.device("cpu")
 # temperature 1.0 (the recipe samples at 0.7): the session model's 4 responses to a prompt then differ in length,
@@ -26,7 +27,8 @@ SMALL = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "po
 def setup(cfg):
     tok = load_tokenizer(cfg.policy.model_name)
     train, _ = prepare_prompts(cfg, tok)
-    policy = TorchPolicyBackend(cfg.policy, CPU, keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU,
+                                                       keep_reference=cfg.loss_fn.reference_policy_kl_penalty > 0))
     gen = TorchGenerationBackend(cfg.policy.model_name, cfg.policy.generation.vllm_cfg, CPU, tok.pad_token_id,
                                  tok.eos_token_id, cfg.policy.max_total_sequence_length, batch_size=16)
     refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20))  # stale: first

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_fp8.distributed.worker_groups import PolicyGroup
+from nemo_fp8.policy.group import PolicyGroup
 from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.megatron import settings
 from pydantic import ValidationError

@@ -6,8 +6,11 @@ import torch
 
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.distributed.worker_groups import PolicyGroup, create_placement_group, init_ray, plan_cluster
+from nemo_fp8.distributed.cluster import init_ray
+from nemo_fp8.distributed.placement import create_placement_group, plan_cluster
+from nemo_fp8.policy.group import PolicyGroup
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend, logprob_micro_batches
+from nemo_fp8.policy.spec import PolicySpec
 
 CPU = torch.device("cpu")
 BASE = ("policy.precision=float32", "policy.megatron_cfg.fp8_cfg.enabled=false", "policy.train_global_batch_size=8",
@@ -39,16 +42,16 @@ def backends(tiny_cfg):
     for extra in ((), PACKED):
         cfg = tiny_cfg(*BASE, *extra)
         torch.manual_seed(0)
-        out.append((cfg, TorchPolicyBackend(cfg.policy, CPU)))
+        out.append((cfg, TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))))
     out[1][1].model.load_state_dict(out[0][1].model.state_dict())
     return out
 
 
 def test_packed_logprobs_loss_and_gradients_equal_unpacked(backends):
-    (cfg, plain), (pcfg, packed) = backends
+    (cfg, plain), (_, packed) = backends
     batch = make_batch(plain.model.config.vocab_size)
-    mbs = logprob_micro_batches(pcfg.policy, batch)
-    assert len(mbs) < len(logprob_micro_batches(cfg.policy, batch)) and max(map(len, mbs)) > 1  # really packed
+    mbs = logprob_micro_batches(packed.spec, batch)
+    assert len(mbs) < len(logprob_micro_batches(plain.spec, batch)) and max(map(len, mbs)) > 1  # really packed
     lp = plain.get_logprobs(batch)
     torch.testing.assert_close(packed.get_logprobs(batch), lp, rtol=0, atol=1e-5)
     batch.prev_logprobs = lp
@@ -69,9 +72,9 @@ def test_packed_logprobs_loss_and_gradients_equal_unpacked(backends):
 
 
 def test_changing_one_sequence_never_changes_another_in_its_bin(backends):
-    _, (pcfg, packed) = backends
+    _, (_, packed) = backends
     batch = make_batch(packed.model.config.vocab_size, seed=1)
-    bins = [b for b in logprob_micro_batches(pcfg.policy, batch) if len(b) > 1]
+    bins = [b for b in logprob_micro_batches(packed.spec, batch) if len(b) > 1]
     assert bins
     before = packed.get_logprobs(batch)
     for b in bins:
@@ -80,7 +83,7 @@ def test_changing_one_sequence_never_changes_another_in_its_bin(backends):
         victim = b[0]
         n = int(batch.prompt_lengths[victim] + batch.response_lengths[victim])
         changed.token_ids[victim, :n] = (changed.token_ids[victim, :n] + 7) % packed.model.config.vocab_size
-        assert logprob_micro_batches(pcfg.policy, changed) == logprob_micro_batches(pcfg.policy, batch)
+        assert logprob_micro_batches(packed.spec, changed) == logprob_micro_batches(packed.spec, batch)
         after = packed.get_logprobs(changed)
         others = [i for i in b if i != victim]
         assert torch.equal(after[others], before[others])
@@ -107,8 +110,7 @@ def test_two_data_parallel_ranks_packed_train_like_one(ray_cluster, tiny_cfg):
         dcfg = cfg.policy.model_copy(update={"data_parallel_size": dp})
         plan = plan_cluster(dp, use_gpu=False, colocated=True)
         pg = create_placement_group(plan)
-        group = PolicyGroup.start(pg, plan, dict(megatron=False, cfg=dcfg, device=CPU, temperature=1.0,
-                                                 keep_reference=False), torch_threads=1)
+        group = PolicyGroup.start(pg, plan, PolicySpec.from_config(dcfg, CPU), torch_threads=1)
         try:
             batch.prev_logprobs = group.get_logprobs(batch)
             metrics = group.train(batch, ClippedPGLossFn(cfg.loss_fn))

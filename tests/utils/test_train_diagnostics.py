@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_fp8.algorithms.metrics import MetricAccumulator
+from nemo_fp8.utils.metrics import MetricAccumulator
 from nemo_fp8.policy.torch_backend import ShardTrainResult, reduce_train_results
 from nemo_fp8.utils.memory import CudaMemoryWindow
 from nemo_fp8.utils.config import ProfileConfig

@@ -11,7 +11,7 @@ Sleep/wake (level 1) for colocation.
 
 Tensor parallelism (``vllm_cfg.tensor_parallel_size`` n > 1): vLLM's multiprocessing executor runs
 one worker per GPU of this process's ``CUDA_VISIBLE_DEVICES`` (the trainer's engine actor sets it
-to its n GPUs, ``nemo_fp8.distributed.worker_groups``). ``update_weights`` quantizes each bucket on
+to its n GPUs, ``nemo_fp8.generation.group``). ``update_weights`` quantizes each bucket on
 ``cuda:0``, copies it to ``cuda:1 .. cuda:n-1`` and sends every worker the handle of the copy on
 its own GPU (``send_weights_ipc(devices=...)``); each worker loads the full tensors and keeps its
 shard. The trainer-side CUDA IPC refit (``direct_refit_spec``) sends one GPU's handles and is
@@ -89,7 +89,7 @@ class VllmGenerationBackend:
         # A tied lm_head is the embedding in vLLM: the trainer's state dict still lists it; skip it.
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
         self.num_layers = int(_model_config(model_name)["num_hidden_layers"])
-        self.kv_fp8 = vllm_cfg.kv_cache_dtype == "fp8"
+        self.kv_fp8 = vllm_cfg.kv_cache_is_fp8
         tp = vllm_cfg.tensor_parallel_size
         # The engine's workers' GPUs as this process numbers them (vLLM's worker i runs on cuda:i).
         self.refit_devices = [torch.device("cuda", i) for i in range(tp)] if tp > 1 else None
@@ -326,6 +326,10 @@ class VllmGenerationBackend:
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
         return outputs_to_batch(prompt_token_ids, [o.outputs[0] for o in outs], self.pad_token_id,
                                 {self.eos_token_id, *sampling.stop_token_ids})
+
+    def pop_engine_metrics(self) -> dict[str, float]:
+        """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds)."""
+        return {"generation/engines": 1.0}
 
     def shutdown(self) -> None:
         """Release the NCCL communicator (an NCCL engine that joined a group) and shut the engine down.

@@ -2,7 +2,7 @@
 
 One instance is one rank of ``world_size = data_parallel_size x tensor_model_parallel_size``
 (megatron-core's rank order ``tp-cp-ep-dp-pp``: tensor-parallel ranks are neighbours). Each rank
-is a Ray actor on one GPU (``nemo_fp8.distributed.worker_groups``); the ranks of one
+is a Ray actor on one GPU (``nemo_fp8.policy.group``); the ranks of one
 data-parallel group see the same rows.
 
 Build (the path seen working on the GPU host, ``../shared/gpu-host/README.md``):
@@ -45,95 +45,40 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nemo_fp8.algorithms.metrics import MetricAccumulator
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.fp8.kv_scales import KvScales
-from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
 from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.megatron.support import check_recipe_supported
+from nemo_fp8.policy.megatron.te_model import fuse_te_wgrad_accumulation, requantize_fp8_weights, unwrap
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
                                            micro_batches_on, pack_micro_batch, reduce_train_results,
                                            train_micro_batches)
+from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.utils.memory import CudaMemoryWindow
+from nemo_fp8.utils.metrics import MetricAccumulator
 from nemo_fp8.utils.profiling import TrainProfiler
 
 logger = logging.getLogger(__name__)
-
-
-def fuse_te_wgrad_accumulation(model: torch.nn.Module, enabled: bool = True) -> int:
-    """Make every TransformerEngine module of ``model`` accumulate its weight gradient into the
-    parameter's ``main_grad`` inside the wgrad GEMM (TE's ``fuse_wgrad_accumulation``); ``enabled``
-    false switches them back to a separate ``.grad`` (the GPU test compares the two paths).
-
-    Without it each TE wgrad GEMM writes a bf16 ``param.grad`` and megatron-core's DDP hook adds it
-    to the fp32 ``main_grad`` in a separate kernel (its cost and this fusion's gain: docs/performance.md,
-    ``bench-train-dense`` suite); with it the GEMM's epilogue
-    accumulates in the buffer's dtype (``out=main_grad, accumulate=True``), TE sets
-    ``grad_added_to_main_grad`` and the hook skips the add (``megatron/core/distributed/
-    distributed_data_parallel.py``). megatron-core ties this option to ``gradient_accumulation_fusion``,
-    which also switches its own (non-TE) output layer to APEX's ``fused_weight_gradient_mlp_cuda``
-    and fails at construction where APEX is not installed (``tensor_parallel/layers.py``); so the
-    model is built with that flag off and the TE modules, which need no APEX, get it here. TE reads
-    the attribute at every forward (``module/linear.py``, ``layernorm_linear.py``,
-    ``layernorm_mlp.py``, ``grouped_linear.py``).
-
-    Args:
-        model: the DDP-wrapped model: every parameter has the ``main_grad`` view of the grad buffer.
-
-    Returns:
-        The number of TE modules switched.
-    """
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-
-    n = 0
-    for module in model.modules():
-        if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
-            module.fuse_wgrad_accumulation = enabled
-            n += 1
-    return n
-
-
-def _unwrap(model):
-    """DDP(Float16Module(GPTModel)) -> GPTModel."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _requantize_fp8_weights(model) -> None:
-    """Make the next forward quantize every FP8 weight afresh (then reuse it for the following micro-batches).
-
-    TransformerEngine caches each Linear's FP8 weight and refreshes the cache only on a "first micro-batch";
-    megatron-core's pipeline schedules mark it once per global batch (``MegatronModule.set_is_first_microbatch``,
-    a no-op without FP8). This backend calls the model itself, so it marks it before every pass whose weights may
-    have changed since the cache was filled: each global batch of ``train_shard``, each log-prob and calibration
-    pass. Unmarked, every forward after a module's first reused that first FP8 weight (an optimizer step did not
-    reach the FP8 forward; the colocated offload clears the cache once per GRPO step, which hid it in runs of one
-    update per step).
-    """
-    gpt = _unwrap(model)
-    if hasattr(gpt, "set_is_first_microbatch"):
-        gpt.set_is_first_microbatch()
 
 
 class MegatronPolicyBackend:
     """``PolicyBackend`` on Megatron-core + TransformerEngine (see the module docstring).
 
     Args:
-        cfg: the ``policy`` section (``megatron_cfg`` holds parallelism, optimizer and fp8_cfg).
-        device: must be a CUDA device (the rank's GPU).
-        temperature: the generation temperature (logits are divided by it).
-        keep_reference: keep a frozen copy of the initial model for the KL penalty.
+        spec: the rank's ``PolicySpec``: ``spec.cfg`` the ``policy`` section (``megatron_cfg`` holds parallelism,
+            optimizer and fp8_cfg); ``spec.device`` must be a CUDA device (the rank's GPU); ``spec.temperature``
+            divides the logits; ``spec.keep_reference`` keeps a frozen copy of the initial model for the KL
+            penalty; ``spec.seed`` is megatron-core's model-parallel RNG seed; ``spec.train_packing`` /
+            ``logprob_packing`` the sequence packing's bin layouts (None: packing off).
         rank, world_size: this rank and ``data_parallel_size x tensor_model_parallel_size``.
         dist_init_method: ``tcp://host:port`` of rank 0; None with one rank: an in-process store
             (``torch.distributed.HashStore``), no port to race for (a probed free port was once
             taken by another process between the probe and the bind: EADDRINUSE at start-up).
-        seed: megatron-core's model-parallel RNG seed.
         load_weights: False builds the model from ``cfg.model_name``'s ``config.json`` with random
             weights (benchmarks: no checkpoint to write, like vLLM's ``load_format="dummy"``).
 
@@ -144,9 +89,9 @@ class MegatronPolicyBackend:
             ranks without ``dist_init_method``.
     """
 
-    def __init__(self, cfg: PolicyConfig, device: torch.device, temperature: float = 1.0,
-                 keep_reference: bool = False, rank: int = 0, world_size: int = 1,
-                 dist_init_method: Optional[str] = None, seed: int = 1234, load_weights: bool = True):
+    def __init__(self, spec: PolicySpec, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None,
+                 load_weights: bool = True):
+        cfg, device = spec.cfg, spec.device
         if device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError("policy.megatron_cfg.enabled=true needs a CUDA GPU (megatron-core + TransformerEngine); "
                                "on CPU use the torch reference backend (policy.megatron_cfg.enabled=false)")
@@ -155,7 +100,8 @@ class MegatronPolicyBackend:
         if world_size != cfg.data_parallel_size * tp:
             raise ValueError(f"megatron: {world_size} ranks, but policy.data_parallel_size={cfg.data_parallel_size} x "
                              f"policy.megatron_cfg.tensor_model_parallel_size={tp} = {cfg.data_parallel_size * tp}")
-        self.cfg, self.temperature, self.rank, self.world_size = cfg, temperature, rank, world_size
+        self.spec, self.cfg, self.temperature = spec, cfg, spec.temperature
+        self.rank, self.world_size = rank, world_size
         os.environ.update(settings.block_scaling_env(cfg))  # read by TE at import: before any TE import
         self.device = torch.device("cuda", 0 if device.index is None else device.index)  # Ray: the visible GPU
         torch.cuda.set_device(self.device)
@@ -171,14 +117,14 @@ class MegatronPolicyBackend:
             rendezvous = dict(init_method=dist_init_method) if dist_init_method else dict(store=dist.HashStore())
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device, **rendezvous)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        model_parallel_cuda_manual_seed(seed)
+        model_parallel_cuda_manual_seed(spec.seed)
         self.tp_size, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), cfg.data_parallel_size
         self.pad_multiple = settings.sequence_pad_multiple(cfg)
 
-        self.bridge, self.model, self.reference = self._build(keep_reference, load_weights)
+        self.bridge, self.model, self.reference = self._build(spec.keep_reference, load_weights)
         self.optimizer, self.scheduler = self._build_optimizer()
         if load_weights and self._fp8_param:
             self._load_fp8_params_and_main_params()
@@ -324,8 +270,8 @@ class MegatronPolicyBackend:
         """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses; with sequence packing the
         rows run as one THD row and the log-probs are unpacked to ``mb``'s layout (a segment's first log-prob,
         scored from the previous segment, falls on a prompt token: masked). ``lengths`` as in ``pack_micro_batch``."""
-        if self.cfg.sequence_packing.enabled:
-            packed = pack_micro_batch(self.cfg, mb, lengths)
+        if self.spec.train_packing is not None:
+            packed = pack_micro_batch(self.spec.train_packing, mb, lengths)
             lp = self._token_logprobs(self._packed_forward(model, packed), packed.token_ids)  # [1, T_total]
             return unpack(lp[0], packed, mb.token_ids.shape[1]) * mb.token_mask
         logits, ids_p = self._padded_forward(model, mb.token_ids)
@@ -343,9 +289,9 @@ class MegatronPolicyBackend:
         if model is None:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
         model.eval()
-        _requantize_fp8_weights(model)
+        requantize_fp8_weights(model)
         return batched_logprobs(lambda mb, lengths: self._forward_logprobs(model, mb, lengths), batch,
-                                logprob_micro_batches(self.cfg, batch), self.device)
+                                logprob_micro_batches(self.spec, batch), self.device)
 
     # ----------------------------------------------------------------------- training
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -376,14 +322,14 @@ class MegatronPolicyBackend:
         prof = TrainProfiler(self._train_calls, self.rank, self.cfg.profile)
         result = ShardTrainResult([], [])
         if micro_batches is None:
-            batch, micro_batches = train_micro_batches(self.cfg, batch, self.dp_size)
+            batch, micro_batches = train_micro_batches(self.spec, batch, self.dp_size)
         lengths = batch.sequence_lengths()
         for gb_rows, (n_tokens, n_seqs, mbs) in zip(
                 micro_batches, global_batches(batch, micro_batches, self.device, self.dp_size, self.dp_group)):
-            result.add_tokens(self.cfg, lengths, gb_rows, self.pad_multiple)
+            result.add_tokens(self.spec.train_packing, lengths, gb_rows, self.pad_multiple)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            _requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
+            requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
             acc = MetricAccumulator(loss_fn.metric_reductions)
             for mb, mb_lengths in mbs:
                 logprobs = self._forward_logprobs(self.model, mb, mb_lengths)
@@ -424,7 +370,7 @@ class MegatronPolicyBackend:
         data-parallel ranks.
         """
         self.prepare_for_training()
-        gpt = _unwrap(self.model)
+        gpt = unwrap(self.model)
         layers = list(gpt.decoder.layers)
         amax = torch.zeros(3, int(gpt.config.num_layers), dtype=torch.float32, device=self.device)  # [q|k|v, L]
         valid: dict[str, Tensor] = {}
@@ -441,12 +387,12 @@ class MegatronPolicyBackend:
         handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook_for(layer.layer_number - 1))
                    for layer in layers]
         self.model.eval()
-        _requantize_fp8_weights(self.model)
+        requantize_fp8_weights(self.model)
         try:
-            for mb, lengths in micro_batches_on(batch, logprob_micro_batches(self.cfg, batch), self.device,
+            for mb, lengths in micro_batches_on(batch, logprob_micro_batches(self.spec, batch), self.device,
                                                 batch.sequence_lengths()):
-                if self.cfg.sequence_packing.enabled:
-                    packed = pack_micro_batch(self.cfg, mb, lengths)
+                if self.spec.train_packing is not None:
+                    packed = pack_micro_batch(self.spec.train_packing, mb, lengths)
                     valid["mask"] = real_token_mask(packed)  # [T_total]
                     self._packed_forward(self.model, packed)
                     continue

@@ -23,12 +23,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 import torch
 
 from nemo_fp8.batch import GenerationOutput, concat_padded
+from nemo_fp8.distributed.fanout import call_all, gather, shutdown_actors
 from nemo_fp8.distributed.placement import ClusterPlan, MemoryProbe, Placement, actor_options, set_threads
 from nemo_fp8.distributed.weight_sync import PackedBucket, unpack_bucket
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_seed
@@ -249,9 +250,8 @@ class GenerationGroup:
         workers = [GenerationWorker.options(**actor_options(placement, slot)).remote(spec, torch_threads, vis)
                    for slot, vis in zip(plan.engine_slots, visible)]
         group = cls(workers, rows_per_batch=spec.batch_size, pad_token_id=spec.pad_token_id)
-        group._gather([w.ready.remote() for w in workers], "start")  # re-raises a backend's construction error
-        group.labels = [f"engine {i} ({w})" for i, w in enumerate(group._gather([w.where.remote() for w in workers],
-                                                                                "start"))]
+        group._each("ready")  # re-raises a backend's construction error
+        group.labels = [f"engine {i} ({w})" for i, w in enumerate(group._each("where"))]
         logger.info("generation: %d engine(s) ready: %s", len(workers), "; ".join(group.labels))
         return group
 
@@ -266,34 +266,15 @@ class GenerationGroup:
 
     def _gather(self, refs: Sequence, what: str, engines: Optional[Sequence[int]] = None,
                 timeout_s: Optional[float] = None) -> list:
-        """``ray.get`` of one call per engine (``engines``: their indices, default all in order), raising the first
-        failure as soon as it happens as an ``EngineError`` naming that engine (a dead engine: the first line of
-        Ray's reason). ``timeout_s``: an ``EngineError`` naming the engines that have not answered by then."""
-        from nemo_fp8.distributed.teardown import describe_dead_actor
-
+        """The answers of one call per engine (``engines``: their indices, default all in order), the first failure
+        raised as soon as it happens as an ``EngineError`` naming that engine (``fanout.gather``; a dead engine:
+        the first line of Ray's reason). ``timeout_s``: an ``EngineError`` naming the engines that have not
+        answered by then."""
         engines = list(range(len(refs))) if engines is None else list(engines)
-        index = {ref: k for k, ref in enumerate(refs)}
-        out: list = [None] * len(refs)
-        pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, pending = ray.wait(pending, num_returns=1, timeout=wait)
-            if not done:
-                late = ", ".join(self.labels[engines[index[r]]] for r in pending)
-                raise EngineError(f"{what}: {late} did not answer within {timeout_s:.0f} s")
-            k = index[done[0]]
-            try:
-                out[k] = ray.get(done[0])
-            except ray.exceptions.RayActorError as e:  # its process died
-                raise EngineError(f"{what}: {self.labels[engines[k]]} died: {describe_dead_actor(e)}") from e
-            except Exception as e:  # RayTaskError: the engine raised; name its own exception, not Ray's wrapper
-                cause = getattr(e, "cause", None) or e
-                raise EngineError(f"{what}: {self.labels[engines[k]]} failed: {type(cause).__name__}: {cause}") from e
-        return out
+        return gather(refs, what, [self.labels[e] for e in engines], timeout_s, error=EngineError)
 
-    def _each(self, call: Callable, what: str) -> list:
-        return self._gather([call(w) for w in self.workers], what)
+    def _each(self, method: str, *args) -> list:
+        return call_all(self.workers, method, *args, labels=self.labels, error=EngineError)
 
     # ----------------------------------------------------------------------- generation
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
@@ -356,14 +337,14 @@ class GenerationGroup:
 
     # ----------------------------------------------------------------------- refit and lifecycle
     def start_weight_update(self, version: int) -> None:
-        self._each(lambda w: w.start_weight_update.remote(version), "start_weight_update")
+        self._each("start_weight_update", version)
 
     def update_weights(self, named_tensors) -> None:
         items = list(named_tensors)
-        self._each(lambda w: w.update_weights.remote(items), "update_weights")
+        self._each("update_weights", items)
 
     def finish_weight_update(self) -> WeightVersion:
-        return self._agree(self._each(lambda w: w.finish_weight_update.remote(), "finish_weight_update"), "refit")
+        return self._agree(self._each("finish_weight_update"), "refit")
 
     def weight_version(self) -> WeightVersion:
         """The version every engine holds.
@@ -371,7 +352,7 @@ class GenerationGroup:
         Raises:
             EngineError: engines hold different versions (the one that differs from engine 0 is named).
         """
-        return self._agree(self._each(lambda w: w.weight_version.remote(), "weight_version"), "rollout")
+        return self._agree(self._each("weight_version"), "rollout")
 
     def _agree(self, held: list[WeightVersion], what: str) -> WeightVersion:
         for e, h in enumerate(held):
@@ -382,10 +363,10 @@ class GenerationGroup:
         return held[0]
 
     def prepare_for_generation(self) -> None:
-        self._each(lambda w: w.prepare_for_generation.remote(), "prepare_for_generation")
+        self._each("prepare_for_generation")
 
     def finish_generation(self) -> None:
-        self._each(lambda w: w.finish_generation.remote(), "finish_generation")
+        self._each("finish_generation")
 
     def shutdown(self, timeout_s: Optional[float] = None) -> None:
         """Shut every engine down (all are tried; the first failure is raised after), then end their actors.
@@ -397,9 +378,4 @@ class GenerationGroup:
         Raises:
             EngineError: an engine's shutdown raised, it died, or it did not answer within ``timeout_s``.
         """
-        refs = [w.shutdown.remote() for w in self.workers]
-        try:
-            self._gather(refs, "shutdown", timeout_s=timeout_s)
-        finally:
-            for w in self.workers:
-                ray.kill(w)
+        shutdown_actors(self.workers, timeout_s, labels=self.labels, error=EngineError)

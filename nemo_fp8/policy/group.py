@@ -1,17 +1,17 @@
-"""Ray worker groups for the policy (N data-parallel ranks) and the rollout engines, with typed facades.
+"""The policy's Ray worker group: one ``PolicyWorker`` actor per rank and the ``PolicyGroup`` facade over them
+(NeMo-RL's ``lm_policy``), and ``start_groups``, which starts it beside the engines.
 
 Placement (which bundle each actor takes, one engine per ``tensor_parallel_size`` GPUs, placement groups per
 node): ``nemo_fp8.distributed.placement``. The engines and their facade ``GenerationGroup``:
-``nemo_fp8.distributed.engines``. Here: the policy's rank actors (``PolicyWorker``), their facade
-``PolicyGroup`` and ``start_groups``.
+``nemo_fp8.generation.group``. Every rank gets the run's ``PolicySpec`` (``nemo_fp8.policy.spec``) and nothing else.
 
 Start order (``start_groups``): the policy's rank actors (no backend yet, nothing on the GPUs), then the
 engines (vLLM measures the free GPU memory as it starts), then the policy backends.
 
 The driver holds ``PolicyGroup`` and ``GenerationGroup``, which implement the backend interfaces
 at group level (the GRPO loop cannot tell them from local backends): batches are sharded by
-data-parallel rank and gathered back; every call is a typed method of a typed actor (no method
-names as strings). Weights reach the engines through ``nemo_fp8.distributed.weight_sync``,
+data-parallel rank and gathered back; every call fans out through ``nemo_fp8.distributed.fanout``.
+Weights reach the engines through ``nemo_fp8.distributed.weight_sync``,
 actor to actor, never through the driver: packed buckets through Ray's object store
 (``packed_weight_buckets`` -> ``receive_packed_bucket`` on every engine), CUDA IPC handles from the
 policy rank on each engine's GPU (``send_weights_cuda_ipc``), or an NCCL broadcast from rank 0 to all
@@ -23,54 +23,23 @@ released by the actors' ``shutdown``).
 from __future__ import annotations
 
 import logging
-import os
-import socket
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import ray
 import torch
 
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.distributed.engines import GenerationGroup, GenerationWorker  # noqa: F401 (re-exported)
-from nemo_fp8.distributed.placement import (ClusterPlan, MemoryProbe, Placement, actor_options,  # noqa: F401
-                                            create_placement_group, plan_cluster, set_threads)
+from nemo_fp8.distributed.cluster import free_address
+from nemo_fp8.distributed.fanout import call_all, call_each, gather, shutdown_actors
+from nemo_fp8.distributed.placement import ClusterPlan, MemoryProbe, Placement, actor_options, set_threads
 from nemo_fp8.distributed.weight_sync import (PackedBucket, direct_refit_stream, iter_buckets, pack_bucket,
-                                              update_info_stats, wait_all, weight_stream)
+                                              update_info_stats, weight_stream)
 from nemo_fp8.fp8.kv_scales import KvScales
+from nemo_fp8.generation.group import GenerationGroup
 from nemo_fp8.generation.spec import GenerationSpec
-from nemo_fp8.policy.config import megatron_env_vars
+from nemo_fp8.policy.spec import PolicySpec
 
 logger = logging.getLogger(__name__)
-
-
-def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
-    """Start (``address`` None: a local cluster of this process's own, even where other runs have theirs)
-    or join a Ray cluster, once per driver process.
-
-    Ray's dashboard and usage stats are off; workers inherit the driver's ``PYTHONPATH`` plus
-    the repository root, so ``nemo_fp8`` imports there without an install too.
-    """
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    pythonpath = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
-                                  runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}})
-    if address:
-        ray.init(address=address, **kwargs)
-    else:  # "local": a cluster of this run's own; with None Ray joins the newest other local run's cluster
-        # (concurrent runs on one machine, compare_precision --parallel), unless RAY_ADDRESS names one
-        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus, **kwargs)
-    logger.info("ray: %s", ray.cluster_resources())
-
-
-def _free_address() -> tuple[str, int]:
-    """(this node's IP, a port free on it now) for a rendezvous this process will serve."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
 
 
 # --------------------------------------------------------------------------- actors
@@ -90,19 +59,19 @@ class PolicyWorker(MemoryProbe):
 
     def rendezvous_address(self) -> str:
         """``tcp://ip:port`` with a free port on this node, for ``torch.distributed`` (rank 0)."""
-        ip, port = _free_address()
+        ip, port = free_address()
         return f"tcp://{ip}:{port}"
 
     def nccl_rendezvous(self) -> tuple[str, int]:
         """(this node's IP, a free port on it): where this rank, rank 0 of the refit's NCCL group, serves the
         group's TCP store (``NcclWeightSync.connect``)."""
-        return _free_address()
+        return free_address()
 
-    def setup(self, backend_kwargs: dict, rank: int, world_size: int, dist_init_method: Optional[str]) -> bool:
+    def setup(self, spec: PolicySpec, rank: int, world_size: int, dist_init_method: Optional[str]) -> bool:
+        """Build this rank's backend from the run's ``spec`` (``build_policy_backend``)."""
         from nemo_fp8.policy import build_policy_backend
 
-        self.backend = build_policy_backend(**backend_kwargs, rank=rank, world_size=world_size,
-                                            dist_init_method=dist_init_method)
+        self.backend = build_policy_backend(spec, rank=rank, world_size=world_size, dist_init_method=dist_init_method)
         return True
 
     def get_logprobs(self, batch: TrainBatch, reference: bool) -> torch.Tensor:
@@ -148,13 +117,13 @@ class PolicyWorker(MemoryProbe):
         buckets: list[tuple[int, int]] = []
 
         def update(payload: dict) -> None:
-            wait_all([w.receive_update.remote(payload) for w in generation_workers])
+            call_all(generation_workers, "receive_update", payload)
             buckets.append(update_info_stats(payload["update_info"]))
 
         stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), spec["plan"],
                                      spec["skip"], names)
         n = send(stream, update, spec["plan"])
-        wait_all([w.note_sent.remote(names, n) for w in generation_workers])
+        call_all(generation_workers, "note_sent", names, n)
         return buckets
 
     def init_weight_transfer_nccl(self, master_address: str, master_port: int, world_size: int) -> None:
@@ -239,11 +208,6 @@ class PolicyWorker(MemoryProbe):
 
 
 # --------------------------------------------------------------------------- facades
-def _env_options(env_vars: Optional[dict[str, str]]) -> dict:
-    """Ray actor options that add ``env_vars`` to a rank's environment (none: no option, the job's environment)."""
-    return {"runtime_env": {"env_vars": dict(env_vars)}} if env_vars else {}
-
-
 def shard_rows(size: int, parts: int) -> list[slice]:
     """``parts`` contiguous row ranges covering ``range(size)``, sizes differing by at most 1."""
     base, extra = divmod(size, parts)
@@ -276,51 +240,58 @@ class PolicyGroup:
     Ranks follow megatron-core's order (tensor-parallel ranks neighbours): rank ``r`` is
     tensor-parallel rank ``r % tp_size`` of data-parallel rank ``r // tp_size``. The ranks of one
     data-parallel group get the same rows; results are read from its tensor-parallel rank 0.
+
+    Args:
+        workers: the rank actors, rank 0 first.
+        global_batch_size: ``policy.train_global_batch_size``.
+        tp_size: tensor-parallel ranks per replica.
+        spec: the ranks' ``PolicySpec`` (None: ``setup`` cannot run; the group only forwards calls): with sequence
+            packing its shapes plan the ranks' rows and micro-batches here, on the driver.
+
+    Raises:
+        ValueError: a number of ranks that is not a multiple of ``tp_size``.
     """
 
-    def __init__(self, workers: list, global_batch_size: int, tp_size: int = 1):
+    def __init__(self, workers: list, global_batch_size: int, tp_size: int = 1, spec: Optional[PolicySpec] = None):
         if len(workers) % tp_size:
             raise ValueError(f"PolicyGroup: {len(workers)} ranks is not a multiple of tensor_model_parallel_size={tp_size}")
         self.workers, self.global_batch_size, self.tp_size = workers, global_batch_size, tp_size
         self.dp_size = len(workers) // tp_size
-        self.packing = None  # the policy config when its sequence_packing is on (``setup``)
+        self.spec = spec
+        self.labels = [f"policy rank {r}" for r in range(len(workers))]
 
     @classmethod
-    def create(cls, pg: Optional[Placement], plan: ClusterPlan, global_batch_size: int, torch_threads: Optional[int],
-               tp_size: int = 1, env_vars: Optional[dict[str, str]] = None) -> "PolicyGroup":
+    def create(cls, pg: Optional[Placement], plan: ClusterPlan, spec: PolicySpec,
+               torch_threads: Optional[int]) -> "PolicyGroup":
         """Start the rank actors on their bundles without building their backends (nothing on the GPUs yet);
-        ``setup`` builds them. ``env_vars``: the ranks' extra environment (``megatron_env_vars``), merged by Ray
-        over the job's."""
-        workers = [PolicyWorker.options(**actor_options(pg, slot), **_env_options(env_vars)).remote(torch_threads)
+        ``setup`` builds them. Each rank's process gets ``spec.env_vars``, merged by Ray over the job's
+        environment."""
+        env = {"runtime_env": {"env_vars": dict(spec.env_vars)}} if spec.env_vars else {}
+        workers = [PolicyWorker.options(**actor_options(pg, slot), **env).remote(torch_threads)
                    for slot in plan.policy_slots]
-        return cls(workers, global_batch_size, tp_size)
+        return cls(workers, spec.global_batch_size, spec.tp_size, spec)
 
-    def setup(self, backend_kwargs: dict) -> None:
+    def setup(self) -> None:
         """Build every rank's backend (``build_policy_backend``; errors surface here)."""
-        self.finish_setup(self.begin_setup(backend_kwargs))
+        self.finish_setup(self.begin_setup())
 
-    def begin_setup(self, backend_kwargs: dict) -> list:
-        """Start building every rank's backend; returns the calls' refs for ``finish_setup``."""
+    def begin_setup(self) -> list:
+        """Start building every rank's backend from ``self.spec``; returns the calls' refs for ``finish_setup``."""
         world = len(self.workers)
-        cfg = backend_kwargs["cfg"]
-        self.packing = cfg if cfg.sequence_packing.enabled else None
         init = ray.get(self.workers[0].rendezvous_address.remote()) if world > 1 else None
-        return [w.setup.remote(backend_kwargs, r, world, init) for r, w in enumerate(self.workers)]
+        return [w.setup.remote(self.spec, r, world, init) for r, w in enumerate(self.workers)]
 
     def finish_setup(self, refs: list) -> None:
         """Wait for ``begin_setup``'s calls (a backend's construction error surfaces here)."""
-        ray.get(refs)
+        gather(refs, "setup", self.labels)
         logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", len(self.workers),
                     self.dp_size, self.tp_size)
 
     @classmethod
-    def start(cls, pg, plan: ClusterPlan, backend_kwargs: dict, torch_threads: Optional[int],
-              tp_size: int = 1) -> "PolicyGroup":
+    def start(cls, pg, plan: ClusterPlan, spec: PolicySpec, torch_threads: Optional[int]) -> "PolicyGroup":
         """``create`` then ``setup``: the ranks on their bundles with their backends built."""
-        cfg = backend_kwargs["cfg"]
-        group = cls.create(pg, plan, cfg.train_global_batch_size, torch_threads, tp_size,
-                           megatron_env_vars(cfg))
-        group.setup(backend_kwargs)
+        group = cls.create(pg, plan, spec, torch_threads)
+        group.setup()
         return group
 
     def gpu_ids(self, ranks: Sequence[int]) -> list[str]:
@@ -329,7 +300,7 @@ class PolicyGroup:
         Raises:
             RuntimeError: a rank holds other than one GPU, or two ranks the same one.
         """
-        ids = ray.get([self.workers[r].gpu_ids.remote() for r in ranks])
+        ids = call_all([self.workers[r] for r in ranks], "gpu_ids", labels=[self.labels[r] for r in ranks])
         if any(len(i) != 1 for i in ids) or len({i[0] for i in ids}) != len(ids):
             raise RuntimeError(f"policy ranks {list(ranks)} hold GPUs {ids}; each must hold one GPU of its own")
         return [i[0] for i in ids]
@@ -344,30 +315,38 @@ class PolicyGroup:
         """The other tensor-parallel ranks of replica 0: they join the export (``drain_weights``)."""
         return self.workers[1:self.tp_size]
 
-    def _per_rank(self, shards: list[TrainBatch]) -> list[TrainBatch]:
+    def _call_all(self, method: str, *args) -> list:
+        return call_all(self.workers, method, *args, labels=self.labels)
+
+    def _per_rank(self, shards: list) -> list:
         """Data-parallel shards -> one per rank (each tensor-parallel rank gets its group's)."""
         return [shards[r // self.tp_size] for r in range(len(self.workers))]
 
     def _first_of_groups(self, outs: list) -> list:
+        """Per-rank answers -> one per data-parallel group (its tensor-parallel rank 0's)."""
         return outs[::self.tp_size]
+
+    def _call_per_rank(self, method: str, shard_args: list[tuple]) -> list:
+        """``method`` on every rank with its data-parallel group's arguments (``shard_args``: one tuple per
+        data-parallel rank); the answers of each group's tensor-parallel rank 0."""
+        return self._first_of_groups(call_each(self.workers, method, self._per_rank(shard_args), labels=self.labels))
 
     def _row_shards(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Rows of each data-parallel rank for log-probs and KV calibration: contiguous, or with sequence
-        packing balanced by tokens (``packing.plan_logprobs``)."""
-        if self.packing is None:
+        packing balanced by tokens (``packing.plan_logprobs`` with ``spec.logprob_packing``)."""
+        shape = self.spec.logprob_packing if self.spec is not None else None
+        if shape is None:
             return [torch.arange(s.start, s.stop) for s in shard_rows(batch.size, self.dp_size)]
         from nemo_fp8.policy.packing import plan_logprobs
 
-        plans = plan_logprobs(batch.sequence_lengths(), self.dp_size,
-                              self.packing.packing_shape("logprobs"))
-        return [torch.tensor(p.rows, dtype=torch.long) for p in plans]
+        return [torch.tensor(p.rows, dtype=torch.long)
+                for p in plan_logprobs(batch.sequence_lengths(), self.dp_size, shape)]
 
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         rows = self._row_shards(batch)
-        shards = self._per_rank([batch.select(r) for r in rows])
-        outs = ray.get([w.get_logprobs.remote(s, reference) for w, s in zip(self.workers, shards)])
+        outs = self._call_per_rank("get_logprobs", [(batch.select(r), reference) for r in rows])
         out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)
-        for r, o in zip(rows, self._first_of_groups(outs)):
+        for r, o in zip(rows, outs):
             out[r] = o
         return out
 
@@ -378,40 +357,38 @@ class PolicyGroup:
         from nemo_fp8.policy.torch_backend import reduce_train_results
 
         dp = self.dp_size
-        if self.packing is None:
+        shape = self.spec.train_packing if self.spec is not None else None
+        if shape is None:
             plans = [(batch.select(train_shard_indices(batch.size, self.global_batch_size, dp, r)), None)
                      for r in range(dp)]
         else:
             from nemo_fp8.policy.packing import plan_train
 
-            plans = [(batch.select(torch.tensor(p.rows, dtype=torch.long)), p.micro_batches) for p in plan_train(
-                batch.sequence_lengths(), self.global_batch_size, dp,
-                self.packing.packing_shape("train"))]
-        outs = ray.get([w.train_shard.remote(s, loss_fn, mbs) for w, (s, mbs) in zip(self.workers, self._per_rank(plans))])
-        return reduce_train_results(self._first_of_groups(outs))
+            plans = [(batch.select(torch.tensor(p.rows, dtype=torch.long)), p.micro_batches)
+                     for p in plan_train(batch.sequence_lengths(), self.global_batch_size, dp, shape)]
+        return reduce_train_results(self._call_per_rank("train_shard", [(s, loss_fn, mbs) for s, mbs in plans]))
 
     def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
-        shards = self._per_rank([batch.select(r) for r in self._row_shards(batch)])
-        return ray.get([w.calibrate_kv_scales.remote(s, step, margin)
-                        for w, s in zip(self.workers, shards)])[0]  # amax already max-reduced across ranks
+        shards = [(batch.select(r), step, margin) for r in self._row_shards(batch)]
+        return self._call_per_rank("calibrate_kv_scales", shards)[0]  # amax already max-reduced across ranks
 
     def prepare_for_training(self) -> None:
-        ray.get([w.prepare_for_training.remote() for w in self.workers])
+        self._call_all("prepare_for_training")
 
     def offload_before_refit(self) -> None:
-        ray.get([w.offload_before_refit.remote() for w in self.workers])
+        self._call_all("offload_before_refit")
 
     def offload_after_refit(self) -> None:
-        ray.get([w.offload_after_refit.remote() for w in self.workers])
+        self._call_all("offload_after_refit")
 
     def release_cached_memory(self) -> None:
-        ray.get([w.release_cached_memory.remote() for w in self.workers])
+        self._call_all("release_cached_memory")
 
     def save(self, path) -> None:
-        ray.get([w.save.remote(str(path)) for w in self.workers])  # rank 0 writes; Megatron ranks write shards
+        self._call_all("save", str(path))  # rank 0 writes; Megatron ranks write shards
 
     def load(self, path) -> None:
-        ray.get([w.load.remote(str(path)) for w in self.workers])
+        self._call_all("load", str(path))
 
     def shutdown(self, timeout_s: Optional[float] = None) -> None:
         """Shut every rank's backend down, then end the rank actors (also when a call fails or is late).
@@ -424,21 +401,11 @@ class PolicyGroup:
             TimeoutError: ranks that did not answer within ``timeout_s`` (named; their actors are ended anyway).
             ray.exceptions.RayError: a rank's shutdown raised or its process died.
         """
-        refs = [w.shutdown.remote() for w in self.workers]
-        try:
-            done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-            ray.get(done)
-            if late:
-                ranks = [r for r, ref in enumerate(refs) if ref in late]
-                raise TimeoutError(f"policy ranks {ranks} did not finish their shutdown within {timeout_s:.0f} s "
-                                   "(busy with an interrupted call); ending them")
-        finally:
-            for w in self.workers:
-                ray.kill(w)
+        shutdown_actors(self.workers, timeout_s, labels=self.labels)
 
 
-def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, generation_spec: GenerationSpec,
-                 torch_threads: Optional[int], tp_size: int = 1) -> tuple[PolicyGroup, GenerationGroup]:
+def start_groups(placement: Placement, plan: ClusterPlan, policy_spec: PolicySpec, generation_spec: GenerationSpec,
+                 torch_threads: Optional[int]) -> tuple[PolicyGroup, GenerationGroup]:
     """Start the policy ranks and the engines on ``plan``'s bundles, in the order the GPUs need.
 
     1. the policy's rank actors, backends not built (``PolicyGroup.create``: nothing on the GPUs);
@@ -454,24 +421,22 @@ def start_groups(placement: Placement, plan: ClusterPlan, policy_kwargs: dict, g
 
     Args:
         placement: ``create_placement_group(plan)``.
-        policy_kwargs: ``build_policy_backend``'s arguments (``cfg``: ``PolicyConfig``).
+        policy_spec: every policy rank's backend (``nemo_fp8.policy.spec.PolicySpec``; its layout: ranks, tensor
+            parallelism, global batch).
         generation_spec: every engine's backend (``nemo_fp8.generation.GenerationSpec``).
-        tp_size: Megatron tensor parallelism of the policy.
 
     Raises:
         RuntimeError: a shared policy rank holds other than one GPU of its own; or what building a
             backend raised (``EngineError`` naming the engine).
     """
-    cfg = policy_kwargs["cfg"]
-    policy = PolicyGroup.create(placement, plan, cfg.train_global_batch_size, torch_threads, tp_size,
-                                megatron_env_vars(cfg))
+    policy = PolicyGroup.create(placement, plan, policy_spec, torch_threads)
     visible = [policy.gpu_ids(ranks) if len(ranks) > 1 else None for ranks in plan.engine_ranks] or None
     on_gpu = any(b.get("GPU", 0) for b in plan.bundles)
-    pending = None if on_gpu else policy.begin_setup(policy_kwargs)  # CPU: nothing shared, build beside the engines
+    pending = None if on_gpu else policy.begin_setup()  # CPU: nothing shared, build beside the engines
     generation = GenerationGroup.start(placement, plan, generation_spec, torch_threads, cuda_visible_devices=visible)
     if generation_spec.offload_when_idle:  # colocated: the engines sleep while the trainer builds on their GPUs
         generation.finish_generation()
     if pending is None:
-        pending = policy.begin_setup(policy_kwargs)
+        pending = policy.begin_setup()
     policy.finish_setup(pending)
     return policy, generation
