@@ -36,13 +36,13 @@ import torch
 from tqdm import tqdm
 
 from nemo_fp8.algorithms.grpo import (LoopConfig, RefitController, RewardFn, _concat_batches, _log_row,
-                                      compute_advantages, rollout, sum_engine_metrics, validate)
-from nemo_fp8.algorithms.loss import ClippedPGLossFn, importance_sampling_weights
+                                      compute_advantages, rollout, rollout_metrics, step_sampling, update_policy,
+                                      validate)
+from nemo_fp8.algorithms.loss import importance_sampling_weights
 from nemo_fp8.algorithms.metrics import mismatch_metrics
 from nemo_fp8.algorithms.trajectory_buffer import POLL_S, StepRollouts, TrajectoryBuffer
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.fp8.kv_scales import calibration_rows
-from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
+from nemo_fp8.generation.interfaces import GenerationBackend
 from nemo_fp8.policy.interfaces import PolicyBackend
 from nemo_fp8.utils.timer import Timer
 
@@ -54,15 +54,6 @@ def effective_max_age(cfg: LoopConfig) -> int:
     ``wait_for_current_weights`` (every rollout made with the weights it trains)."""
     a = cfg.grpo.async_grpo
     return 0 if a.wait_for_current_weights else a.max_trajectory_age_steps
-
-
-def step_sampling(cfg: LoopConfig, step: int, round_idx: int) -> SamplingParams:
-    """Sampling of generation round ``round_idx`` of step ``step``: the synchronous ``grpo_step``'s seeds, so a step
-    made ahead samples exactly what the synchronous loop would at that step."""
-    g, gen_cfg = cfg.grpo, cfg.policy.generation
-    return SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
-                          seed=g.seed * 1_000_003 + step * 101 + round_idx,
-                          stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
 
 
 class TrajectoryCollector:
@@ -244,45 +235,15 @@ def train_on_rollouts(step: int, made: StepRollouts, policy: PolicyBackend, cfg:
         usable = min(batch.size, want) // gbs * gbs
         batch = batch.select(slice(0, usable))
         ages = (step - 1) - made.row_versions()[:usable]
-    rollouts = made.rollouts
-    rewards = torch.cat([r.rewards for r in rollouts])
-    resp_len = torch.cat([r.output.response_lengths for r in rollouts]).float()
-    metrics = {
-        "train/reward_mean": float(rewards.nanmean()),
-        "train/num_unscored": float(rewards.isnan().sum()),
-        "train/response_length_mean": float(resp_len.mean()),
-        "train/truncated_frac": float(torch.cat([r.output.truncated for r in rollouts]).float().mean()),
-        "train/num_sequences_trained": float(usable),
-        "train/num_generation_rounds": float(len(rollouts)),
-        **sum_engine_metrics([r.engine_metrics for r in rollouts]),
-    }
+    metrics = rollout_metrics(made.rollouts, usable)
     if usable == 0:
         logger.warning("step %d: no informative groups after %d generation rounds; skipping the update", step,
-                       len(rollouts))
+                       len(made.rollouts))
         kv = refitter.kv_scales
         refitter.mark_stale(step, dataclasses.replace(kv, step=step) if kv is not None else None)
         return metrics
-    with timer("logprobs"):
-        batch.prev_logprobs = policy.get_logprobs(batch)
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            batch.reference_logprobs = policy.get_logprobs(batch, reference=True)
-    with timer("data_processing"):
-        metrics.update({f"mismatch/{k}": v for k, v in
-                        mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
-        metrics.update(age_metrics(batch, ages, cfg.loss_fn))
-    with timer("training"):
-        train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn))
-    metrics.update({k if "/" in k else f"loss/{k}": v for k, v in train_metrics.items()})
-    kv_scales = None
-    if refitter.requires_kv_scales:
-        vllm_cfg = cfg.policy.generation.vllm_cfg
-        rows = calibration_rows(batch.size, vllm_cfg.kv_calibration_max_samples)
-        with timer("kv_calibration"):
-            kv_scales = policy.calibrate_kv_scales(batch.select(rows), step, vllm_cfg.kv_scale_margin)
-        metrics.update(kv_scales.metrics())
-        metrics["kv_scales/calibration_samples"] = float(rows.numel())
-    refitter.mark_stale(step, kv_scales)
-    return metrics
+    return update_policy(cfg, policy, batch, step, refitter, timer, metrics,
+                         extra_metrics=lambda b: age_metrics(b, ages, cfg.loss_fn))
 
 
 def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: GenerationBackend, reward_fn: RewardFn,

@@ -251,10 +251,8 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy: P
     refit_metrics = refitter.refit_if_stale(timer)
     with refitter.generating(timer):
         for round_idx in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
-            sampling = SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
-                                      seed=g.seed * 1_000_003 + step * 101 + round_idx,
-                                      stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
-            r = rollout(next(prompt_batches), n, generation, reward_fn, tokenizer, sampling, timer)
+            r = rollout(next(prompt_batches), n, generation, reward_fn, tokenizer, step_sampling(cfg, step, round_idx),
+                        timer)
             with timer("advantages"):
                 adv, keep = compute_advantages(r, cfg)
             o = r.output
@@ -268,23 +266,46 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy: P
         usable = min(batch.size, want) // cfg.policy.train_global_batch_size * cfg.policy.train_global_batch_size
         batch = batch.select(slice(0, usable))
 
+    metrics = {**rollout_metrics(rollouts, usable), **refit_metrics}
+    if usable == 0:
+        logger.warning("step %d: no informative groups after %d generation rounds; skipping the update", step,
+                       len(rollouts))
+        return metrics  # the policy did not change: the engine stays fresh
+    return update_policy(cfg, policy, batch, step, refitter, timer, metrics)
+
+
+def step_sampling(cfg: LoopConfig, step: int, round_idx: int) -> SamplingParams:
+    """Sampling of generation round ``round_idx`` of step ``step``; the seed depends only on the run's seed, the
+    step and the round, so a step made ahead (asynchronous GRPO) samples what the synchronous loop would."""
+    g, gen_cfg = cfg.grpo, cfg.policy.generation
+    return SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
+                          seed=g.seed * 1_000_003 + step * 101 + round_idx,
+                          stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
+
+
+def rollout_metrics(rollouts: list[Rollout], usable: int) -> dict[str, float]:
+    """A step's ``train/*`` rollout metrics over all its generation rounds (``usable``: rows trained on) and the
+    engines' summed ``generation/*`` metrics."""
     rewards = torch.cat([r.rewards for r in rollouts])
     resp_len = torch.cat([r.output.response_lengths for r in rollouts]).float()
-    metrics = {
+    return {
         "train/reward_mean": float(rewards.nanmean()),  # nan: left unscored by the reward's step budget
         "train/num_unscored": float(rewards.isnan().sum()),
         "train/response_length_mean": float(resp_len.mean()),
         "train/truncated_frac": float(torch.cat([r.output.truncated for r in rollouts]).float().mean()),
         "train/num_sequences_trained": float(usable),
         "train/num_generation_rounds": float(len(rollouts)),
-        **refit_metrics,
         **sum_engine_metrics([r.engine_metrics for r in rollouts]),
     }
-    if usable == 0:
-        logger.warning("step %d: no informative groups after %d generation rounds; skipping the update", step,
-                       len(rollouts))
-        return metrics  # the policy did not change: the engine stays fresh
 
+
+def update_policy(cfg: LoopConfig, policy: PolicyBackend, batch: TrainBatch, step: int, refitter: RefitController,
+                  timer: Timer, metrics: dict[str, float],
+                  extra_metrics: Optional[Callable[[TrainBatch], dict[str, float]]] = None) -> dict[str, float]:
+    """The training half of a step on ``batch`` (rows trained on): ``prev_logprobs`` (and reference log-probs for
+    the KL penalty) with the current weights, the mismatch metrics (plus ``extra_metrics(batch)``), one
+    ``policy.train`` with the clipped PG loss, the FP8 KV calibration where the engines need scales, then
+    ``refitter.mark_stale(step)``. Adds to and returns ``metrics``."""
     with timer("logprobs"):
         batch.prev_logprobs = policy.get_logprobs(batch)
         if cfg.loss_fn.reference_policy_kl_penalty > 0:
@@ -292,6 +313,8 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy: P
     with timer("data_processing"):
         metrics.update({f"mismatch/{k}": v for k, v in
                         mismatch_metrics(batch.prev_logprobs, batch.generation_logprobs, batch.token_mask).items()})
+        if extra_metrics is not None:
+            metrics.update(extra_metrics(batch))
     with timer("training"):
         train_metrics = policy.train(batch, ClippedPGLossFn(cfg.loss_fn))
     # the loss's own metrics under loss/; a backend's grouped ones (memory/train_*) as they come
