@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from nemo_fp8.fp8.formats import E4M3, FP8_DTYPES
-from nemo_fp8.fp8.quantize import _quantize_last_dim_groups, quantize_weight_blockwise
+from nemo_fp8.fp8.quantize import (_quantize_last_dim_groups, dequantize_activation_per_group,
+                                   dequantize_weight_blockwise, quantize_weight_blockwise)
 from nemo_fp8.fp8.scales import ScaleMode, _block_size, _check_high_precision, _check_scale_mode
 
 # Upper bound on the fp32 elements of the [Kb, rows, N] partial-product buffer;
@@ -129,18 +130,13 @@ def prepare_weight(qweight: torch.Tensor, weight_scale_inv: torch.Tensor, weight
     """
     if x_dtype != torch.float64:
         return _weight_blocks(qweight, weight_scale_inv, weight_block_size)
-    bn, bk = weight_block_size
-    N, K = qweight.shape
-    scale = weight_scale_inv.double().repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk, dim=1)[:, :K]  # [N, K]
-    return qweight.double() * scale  # [N, K]
+    return dequantize_weight_blockwise(qweight, weight_scale_inv, weight_block_size, dtype=torch.float64)  # [N, K]
 
 
 def _dequantized_matmul(x_q: torch.Tensor, x_s: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor | None,
                         bk: int) -> torch.Tensor:
     """(x_q * x_s) @ w_deq.T (+ bias) in float64 -> [M, N]; x_q [M, K] fp8, x_s [M, Kb], w_deq [N, K] float64."""
-    M, K = x_q.shape
-    x_scale = x_s.double().repeat_interleave(bk, dim=1)[:, :K]  # [M, K]
-    x_deq = x_q.double() * x_scale  # [M, K], exact
+    x_deq = dequantize_activation_per_group(x_q, x_s, bk, dtype=torch.float64)  # [M, K], exact
     out = x_deq @ w_deq.t()  # [M, N]
     return out + bias.double() if bias is not None else out
 

@@ -155,7 +155,7 @@ def dequantize_weight_blockwise(
         dtype: output dtype.
 
     Returns:
-        [M, N] tensor of `dtype` (product computed in float32).
+        [M, N] tensor of `dtype` (product computed in float32, or in float64 for float64: exact there).
 
     Raises:
         ValueError: if scale_inv's shape does not match the blocks of qweight.
@@ -171,8 +171,9 @@ def dequantize_weight_blockwise(
             f"with weight_block_size {(bm, bn)}; expected {expected}"
         )
     Mb, Nb = expected
-    qp = _pad_to_multiple(_pad_to_multiple(qweight.float(), 0, bm), 1, bn)  # [Mp, Np]
-    out = qp.view(Mb, bm, Nb, bn) * scale_inv.float()[:, None, :, None]  # [Mb, bm, Nb, bn]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    qp = _pad_to_multiple(_pad_to_multiple(qweight.to(acc), 0, bm), 1, bn)  # [Mp, Np]
+    out = qp.view(Mb, bm, Nb, bn) * scale_inv.to(acc)[:, None, :, None]  # [Mb, bm, Nb, bn]
     return out.view(Mb * bm, Nb * bn)[:M, :N].to(dtype)
 
 
@@ -233,7 +234,7 @@ def dequantize_activation_per_group(
         dtype: output dtype.
 
     Returns:
-        [..., K] tensor of `dtype`.
+        [..., K] tensor of `dtype` (product computed in float32, or in float64 for float64: exact there).
 
     Raises:
         ValueError: if scale_inv's shape does not match q.
@@ -246,8 +247,9 @@ def dequantize_activation_per_group(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match q {tuple(q.shape)} "
             f"with group_size {group_size}; expected {expected}"
         )
-    qg = _pad_to_multiple(q.float(), -1, group_size).unflatten(-1, (-1, group_size))  # [..., G, group_size]
-    return (qg * scale_inv.float().unsqueeze(-1)).flatten(-2)[..., :K].to(dtype)  # [..., K]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    qg = _pad_to_multiple(q.to(acc), -1, group_size).unflatten(-1, (-1, group_size))  # [..., G, group_size]
+    return (qg * scale_inv.to(acc).unsqueeze(-1)).flatten(-2)[..., :K].to(dtype)  # [..., K]
 
 
 # ----------------------------------------------------------------------------- tensor / channel
