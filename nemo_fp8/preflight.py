@@ -141,6 +141,36 @@ def check_model(cfg: MasterConfig) -> list[str]:
     return errs
 
 
+def check_pipeline_split(cfg: MasterConfig) -> list[str]:
+    """The model's decoder layers split evenly over ``policy.megatron_cfg.pipeline_model_parallel_size`` stages (x
+    ``virtual_pipeline_model_parallel_size`` chunks; ``nemo_fp8.distributed.pipeline.layer_split_error``), read from
+    the checkpoint's ``config.json`` (``num_hidden_layers``, or ``text_config``'s); nothing to check with one stage
+    or before the model exists (a tiny model still to be built has ``TinyModelSpec``'s layers)."""
+    import json
+
+    from nemo_fp8.distributed.pipeline import layer_split_error
+    from nemo_fp8.models.hub import is_hub_id, is_tiny_build_target, resolve_hub_model
+
+    m = cfg.policy.megatron_cfg
+    if m.pipeline_model_parallel_size == 1 and m.virtual_pipeline_model_parallel_size is None:
+        return []
+    pol = cfg.policy
+    path = Path(pol.model_name)
+    if is_hub_id(pol.model_name) and not is_tiny_build_target(pol.model_name, pol.tiny_model.build_if_missing):
+        path = resolve_hub_model(pol.model_name)
+    if (path / "config.json").is_file():
+        model_cfg = json.loads((path / "config.json").read_text())
+        layers = model_cfg.get("num_hidden_layers") or model_cfg.get("text_config", {}).get("num_hidden_layers")
+    elif is_tiny_build_target(pol.model_name, pol.tiny_model.build_if_missing):
+        from nemo_fp8.models.tiny import TinyModelSpec
+
+        layers = TinyModelSpec().num_hidden_layers
+    else:
+        return []  # check_model reports the missing folder
+    why = layer_split_error(int(layers), m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
+    return [f"{why} (policy.model_name={pol.model_name})"] if why and layers else []
+
+
 def with_local_model(cfg: MasterConfig) -> MasterConfig:
     """``cfg`` with a hub id in ``policy.model_name`` / ``policy.tokenizer.name`` replaced by its local snapshot
     folder (what the actors load); other configs unchanged. Call after ``preflight`` (which resolved them)."""
@@ -182,11 +212,13 @@ def idle_gpus_warning(cfg: MasterConfig, need: dict[str, float]) -> str | None:
     if not declared or not used or used >= declared:
         return None
     p = cfg.policy
-    fix = (f"; policy.data_parallel_size={declared // p.tensor_parallel_size} uses them all"
-           if p.generation.colocated.enabled and declared % p.tensor_parallel_size == 0 else "")
+    per_replica = p.tensor_parallel_size * p.pipeline_parallel_size
+    fix = (f"; policy.data_parallel_size={declared // per_replica} uses them all"
+           if p.generation.colocated.enabled and declared % per_replica == 0 else "")
     engines = "engines colocated" if p.generation.colocated.enabled else "the engines on GPUs of their own"
     return (f"cluster.gpus_per_node x cluster.num_nodes: {declared} GPUs declared, the run uses {used} "
-            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size}, "
+            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size} x pipeline "
+            f"{p.pipeline_parallel_size}, "
             f"{engines}){fix}")
 
 
@@ -207,7 +239,8 @@ def compare_resources(need: dict[str, float], have: dict[str, float], cfg: Maste
     if need.get("CPU", 0) > have.get("CPU", 0):
         errs.append(f"cluster.num_cpus: the actors need {need['CPU']:g} CPUs (one per rollout engine, "
                     "policy.generation.num_engines, default one per policy rank on CPU, + one per policy rank, "
-                    f"policy.data_parallel_size={cfg.policy.data_parallel_size}) but the cluster has "
+                    f"policy.world_size={cfg.policy.world_size}: data parallel x tensor parallel x pipeline stages) "
+                    f"but the cluster has "
                     f"{have.get('CPU', 0):g}; Ray would wait forever (valid: >= {need['CPU']:g})")
     per_node, nodes = cfg.cluster.gpus_per_node, cfg.cluster.num_nodes
     if per_node and need.get("GPU", 0) > per_node * nodes:
@@ -307,6 +340,8 @@ def preflight(cfg: MasterConfig) -> None:
 
     # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
     errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg)
+    if not errs:
+        errs = check_pipeline_split(cfg)
     if not errs:  # the model folder and resources are fine: is the trainer's state smaller than a GPU?
         errs = check_trainer_memory(cfg)
     if errs:

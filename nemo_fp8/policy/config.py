@@ -158,7 +158,13 @@ ENGINE_FUSIONS = ("fuse_wgrad_accumulation", "apply_rope_fusion", "bias_activati
 class MegatronConfig(StrictConfig):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages per replica (megatron-core's key; the torch backend runs the same "
+        "stages on gloo/NCCL ranks, nemo_fp8/policy/torch_pipeline.py): the decoder layers split evenly, stage 0 "
+        "holds the embedding, the last stage the final norm and output layer")
+    virtual_pipeline_model_parallel_size: Optional[int] = Field(
+        None, ge=1, description="model chunks per pipeline stage (megatron-core's interleaved 1F1B schedule; "
+        "NeMo-RL's key); null: one chunk. Needs pipeline_model_parallel_size > 1 and the megatron backend")
     context_parallel_size: int = Field(1, ge=1)
     expert_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
@@ -204,10 +210,17 @@ class MegatronConfig(StrictConfig):
         if self.optimizer.fp16 and not self.enabled:
             errs.append("optimizer.fp16: FP16 training with loss scaling needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true)")
-        for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        for key in ("context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) != 1:
-                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
-                            "parallelism and data parallelism are)")
+                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor, "
+                            "pipeline and data parallelism are)")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and self.pipeline_model_parallel_size == 1:
+            errs.append(f"virtual_pipeline_model_parallel_size: {vpp} needs pipeline_model_parallel_size > 1 "
+                        "(interleaving splits each stage's layers into chunks; valid with 1 stage: null)")
+        elif vpp is not None and not self.enabled:
+            errs.append(f"virtual_pipeline_model_parallel_size: {vpp}: only the megatron backend interleaves "
+                        "(policy.megatron_cfg.enabled=true); the torch backend runs one chunk per stage (valid: null)")
         if self.logprob_kernel != "chunked" and not self.enabled:
             errs.append(f"logprob_kernel: {self.logprob_kernel!r} is a kernel of the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
@@ -225,7 +238,7 @@ class MegatronConfig(StrictConfig):
                         "(policy.megatron_cfg.enabled=true); the torch backend takes the driver's environment")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
-                        "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")
+                        "(policy.megatron_cfg.enabled=true); the torch backend is data and pipeline parallel only")
         return errs
 
 
@@ -336,9 +349,16 @@ class PolicyConfig(StrictConfig):
         return self.megatron_cfg.tensor_model_parallel_size if self.megatron_cfg.enabled else 1
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline stages per replica: ``megatron_cfg.pipeline_model_parallel_size``, read by both backends (the
+        torch backend's stages: ``nemo_fp8.policy.torch_pipeline``)."""
+        return self.megatron_cfg.pipeline_model_parallel_size
+
+    @property
     def world_size(self) -> int:
-        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size``."""
-        return self.data_parallel_size * self.tensor_parallel_size
+        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size x
+        pipeline_parallel_size`` (``nemo_fp8.distributed.pipeline.ParallelLayout``)."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
     def packing_shape(self, budget: Literal["train", "logprobs"]) -> PackingShape:
         """The bin layout of ``sequence_packing`` for training or log-probs: the budget, each sequence
