@@ -214,8 +214,12 @@ class MegatronConfig(StrictConfig):
             if getattr(self, key) != 1:
                 errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor, "
                             "pipeline and data parallelism are)")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and self.pipeline_model_parallel_size == 1:
+        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if pp > 1 and self.enabled:  # the megatron backend's stages follow nemo_fp8.distributed.pipeline's layout
+            errs.append(f"pipeline_model_parallel_size: {pp} is not supported by the megatron backend of this build "
+                        "(valid with policy.megatron_cfg.enabled=true: 1; the torch backend, enabled=false, runs "
+                        "pipeline stages)")
+        if vpp is not None and pp == 1:
             errs.append(f"virtual_pipeline_model_parallel_size: {vpp} needs pipeline_model_parallel_size > 1 "
                         "(interleaving splits each stage's layers into chunks; valid with 1 stage: null)")
         elif vpp is not None and not self.enabled:

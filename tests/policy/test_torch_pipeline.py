@@ -1,6 +1,8 @@
-"""Pipeline parallelism in the torch reference policy on gloo ranks (float64, a 4-layer tiny Qwen3):
-PP 2 (and DP 2 x PP 2) give PP 1's log-probs, loss, grad norm and updated weights; the refit from PP 2 carries
-every tensor of the full model once, under PP 1's names; the layout helpers and config errors."""
+"""Pipeline parallelism in the torch reference policy on gloo ranks (float64, a 4-layer tiny Qwen3 with tied
+embeddings): PP 2 (also DP 2 x PP 2, packed micro-batches, the FP8 recipe's emulation) gives PP 1's log-probs, KV
+scales, loss, grad norm and updated weights; the refit from PP 2 carries every tensor of the full model once, under
+PP 1's names and order; the checkpoint is one HF model; the layout helpers, PolicyGroup and config errors; the tiny
+job with 3 stages runs and resumes."""
 
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ from nemo_fp8.policy.group import train_shard_indices
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend, reduce_train_results
 from tests.conftest import REPO
-from tests.policy.test_torch_packing import make_batch
+from tests.policy.test_torch_packing import PACKED, make_batch
 
 CPU = torch.device("cpu")
 GBS = 8
+# the TE recipe's emulation, its first and last layer kept in BF16 (the plan is made on the whole model: per stage,
+# layer 0 on stage 0 and layer 3 on stage 1 stay high precision)
+FP8 = ("policy.megatron_cfg.fp8_cfg.enabled=true", "policy.megatron_cfg.fp8_cfg.fp8_recipe=tensorwise",
+       "policy.generation.vllm_cfg.num_first_layers_in_bf16=1", "policy.generation.vllm_cfg.num_last_layers_in_bf16=1")
 
 
 # --------------------------------------------------------------------------- pure layout
@@ -65,6 +71,19 @@ def test_global_layer_name():
         "decoder.layers.23.self_attention.linear_qkv.weight"
     assert global_layer_name("model.embed_tokens.weight", 4) == "model.embed_tokens.weight"
     assert global_layer_name("lm_head.weight", 2) == "lm_head.weight"
+
+
+def test_policy_group_on_the_layout():
+    from nemo_fp8.policy.group import PolicyGroup
+
+    ranks = [f"r{i}" for i in range(8)]  # tp 2 x dp 2 x pp 2
+    group = PolicyGroup(workers=ranks, global_batch_size=4, tp_size=2, pp_size=2)
+    assert group.dp_size == 2
+    assert group.weight_source == "r0" and group.weight_peers == ["r1", "r4", "r5"]  # replica 0's other ranks
+    assert group._per_rank(["s0", "s1"]) == ["s0", "s0", "s1", "s1"] * 2  # every stage gets its group's rows
+    assert group._first_of_groups(ranks) == ["r4", "r6"]  # tp 0 of the last stage
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
+        PolicyGroup(workers=ranks[:6], global_batch_size=4, tp_size=2, pp_size=2)
 
 
 # --------------------------------------------------------------------------- config
@@ -137,8 +156,8 @@ def _rank(rank: int, world: int, port: int, spec: PolicySpec, batch, loss_cfg, o
     be.shutdown()
 
 
-def _pp1(model_dir, tmp_path, micro_batch: int):
-    cfg = _load(model_dir, tmp_path, f"policy.train_micro_batch_size={micro_batch}")
+def _pp1(model_dir, tmp_path, micro_batch: int, extra: tuple = ()):
+    cfg = _load(model_dir, tmp_path, f"policy.train_micro_batch_size={micro_batch}", *extra)
     be = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
     batch = make_batch(be.model.config.vocab_size, n=GBS, seed=3)
     lp = be.get_logprobs(batch)
@@ -148,11 +167,12 @@ def _pp1(model_dir, tmp_path, micro_batch: int):
     return cfg, batch, lp, kv, metrics, [(n, t.clone()) for n, t in be.named_weights()]
 
 
-@pytest.mark.parametrize("dp,micro_batch", [(1, 4), (2, 2)], ids=["pp2", "dp2xpp2"])
-def test_pipeline_equals_one_stage(four_layer_model, tmp_path, dp, micro_batch):
-    cfg1, batch, lp1, kv1, m1, w1 = _pp1(four_layer_model, tmp_path, micro_batch)
+@pytest.mark.parametrize("dp,micro_batch,extra", [(1, 4, ()), (2, 2, ()), (1, 4, PACKED), (1, 4, FP8)],
+                         ids=["pp2", "dp2xpp2", "pp2-packed", "pp2-fp8"])
+def test_pipeline_equals_one_stage(four_layer_model, tmp_path, dp, micro_batch, extra):
+    cfg1, batch, lp1, kv1, m1, w1 = _pp1(four_layer_model, tmp_path, micro_batch, extra)
     cfg = _load(four_layer_model, tmp_path, "policy.megatron_cfg.pipeline_model_parallel_size=2",
-                f"policy.data_parallel_size={dp}", f"policy.train_micro_batch_size={micro_batch}")
+                f"policy.data_parallel_size={dp}", f"policy.train_micro_batch_size={micro_batch}", *extra)
     spec = PolicySpec.from_config(cfg.policy, CPU)
     world = spec.world_size
     mp.start_processes(_rank, args=(world, free_address()[1], spec, batch, cfg.loss_fn, str(tmp_path)),
@@ -164,9 +184,10 @@ def test_pipeline_equals_one_stage(four_layer_model, tmp_path, dp, micro_batch):
     for r in range(world):  # KV amax: every layer, from whichever stage holds it
         for k in ("k_scale", "v_scale", "q_scale"):
             torch.testing.assert_close(getattr(outs[r]["kv"], k), getattr(kv1, k), rtol=1e-12, atol=0)
-    # every micro-batch of the global batch (2 per data-parallel rank) ran through both stages
+    # every micro-batch of the global batch (2 per data-parallel rank; packed: the bins) ran through both stages
     m2 = reduce_train_results([outs[lay.read_rank(d)]["result"] for d in range(dp)])
-    assert m1["micro_batches"] == m2["micro_batches"] == GBS // micro_batch
+    assert m1["micro_batches"] == m2["micro_batches"] == (GBS // micro_batch if not extra else m1["micro_batches"])
+    assert m2["micro_batches"] >= 2
     for k in ("loss", "grad_norm", "is_weight_mean", "clip_fraction"):
         assert m2[k] == pytest.approx(m1[k], rel=1e-10, abs=1e-12), k
     assert {round(o["result"].grad_norms[0], 9) for o in outs} == {round(m1["grad_norm"], 9)}  # global norm
@@ -192,3 +213,23 @@ def _pp1_initial(model_dir):
 
     m = load_causal_lm(str(model_dir), torch.float64, CPU)
     return [(n, t) for n, t in m.state_dict().items() if not n.endswith("inv_freq")]
+
+
+@pytest.mark.slow
+def test_tiny_job_with_three_pipeline_stages_runs_and_resumes(shipped_tiny_model, tmp_path):
+    """examples/run_grpo_math.py on the shipped 3-layer tiny model with pipeline_model_parallel_size=3 (one layer
+    per stage: a first, a middle and a last stage, three policy ranks through Ray; the refit gathers all three):
+    2 training steps, then --resume from the stages' checkpoint for a third."""
+    from tests.integration.test_main_job import FAST, rows, run_job
+
+    args = (*FAST, "policy.megatron_cfg.pipeline_model_parallel_size=3", "policy.generation.num_engines=1",
+            "cluster.num_cpus=4")
+    run_job(shipped_tiny_model, tmp_path, *args, "grpo.max_num_steps=2", config="grpo_math_tiny.yaml")
+    saved = {p.name for p in (tmp_path / "ckpt" / "step_2").rglob("*")}
+    assert {"model.safetensors", "optimizer.pt", "optimizer_pp1.pt", "optimizer_pp2.pt"} <= saved
+    proc = run_job(shipped_tiny_model, tmp_path, *args, "grpo.max_num_steps=3", "--resume",
+                   config="grpo_math_tiny.yaml")
+    assert "resumed from" in proc.stderr
+    r = rows(tmp_path)
+    assert [x["step"] for x in r] == [0, 1, 2, 3] and r[2]["refit/num_buckets"] >= 1
+    assert all(x["train/reward_mean"] > 0 and x["loss/grad_norm"] > 0 for x in r[1:])  # a real update each step
