@@ -127,6 +127,7 @@ class DistributedDataParallelConfig(StrictConfig):
 MANAGED_TRANSFORMER_KEYS = {
     "tensor_model_parallel_size": "policy.megatron_cfg.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "policy.megatron_cfg.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "policy.megatron_cfg.virtual_pipeline_model_parallel_size",
     "context_parallel_size": "policy.megatron_cfg.context_parallel_size",
     "expert_model_parallel_size": "policy.megatron_cfg.expert_model_parallel_size",
     "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
@@ -158,7 +159,12 @@ ENGINE_FUSIONS = ("fuse_wgrad_accumulation", "apply_rope_fusion", "bias_activati
 class MegatronConfig(StrictConfig):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages of each replica (megatron-core's schedules: 1F1B, or interleaved with "
+        "virtual_pipeline_model_parallel_size); the decoder layers split evenly over the stages")
+    virtual_pipeline_model_parallel_size: Optional[int] = Field(
+        None, ge=1, description="model chunks per pipeline stage (megatron-core's interleaved 1F1B schedule); "
+        "null: one chunk. Needs pipeline_model_parallel_size > 1 and at least that many micro-batches per step")
     context_parallel_size: int = Field(1, ge=1)
     expert_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
@@ -204,10 +210,14 @@ class MegatronConfig(StrictConfig):
         if self.optimizer.fp16 and not self.enabled:
             errs.append("optimizer.fp16: FP16 training with loss scaling needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true)")
-        for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        for key in ("context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) != 1:
-                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
-                            "parallelism and data parallelism are)")
+                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor, "
+                            "pipeline and data parallelism are)")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size == 1:
+            errs.append(f"virtual_pipeline_model_parallel_size: {vpp} interleaves model chunks over pipeline stages; "
+                        "it needs pipeline_model_parallel_size > 1 (or null)")
         if self.logprob_kernel != "chunked" and not self.enabled:
             errs.append(f"logprob_kernel: {self.logprob_kernel!r} is a kernel of the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
@@ -223,6 +233,9 @@ class MegatronConfig(StrictConfig):
         if self.env_vars and not self.enabled:
             errs.append("env_vars: the environment of the megatron backend's rank processes "
                         "(policy.megatron_cfg.enabled=true); the torch backend takes the driver's environment")
+        if self.pipeline_model_parallel_size > 1 and not self.enabled:
+            errs.append(f"pipeline_model_parallel_size: {self.pipeline_model_parallel_size} needs the megatron backend "
+                        "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")
@@ -336,9 +349,14 @@ class PolicyConfig(StrictConfig):
         return self.megatron_cfg.tensor_model_parallel_size if self.megatron_cfg.enabled else 1
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline stages of each replica (``megatron_cfg.pipeline_model_parallel_size``)."""
+        return self.megatron_cfg.pipeline_model_parallel_size
+
+    @property
     def world_size(self) -> int:
-        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size``."""
-        return self.data_parallel_size * self.tensor_parallel_size
+        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size x pipeline_parallel_size``."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
     def packing_shape(self, budget: Literal["train", "logprobs"]) -> PackingShape:
         """The bin layout of ``sequence_packing`` for training or log-probs: the budget, each sequence

@@ -75,13 +75,18 @@ class PolicySpec:
 
     @property
     def world_size(self) -> int:
-        """Policy ranks: ``data_parallel_size x tensor_model_parallel_size``."""
+        """Policy ranks: ``data_parallel_size x tensor_model_parallel_size x pipeline_model_parallel_size``."""
         return self.cfg.world_size
 
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks per replica (1 for the torch backend)."""
         return self.cfg.tensor_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages per replica (``policy.megatron_cfg.pipeline_model_parallel_size``)."""
+        return self.cfg.pipeline_parallel_size
 
     @property
     def global_batch_size(self) -> int:
