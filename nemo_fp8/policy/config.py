@@ -128,6 +128,7 @@ MANAGED_TRANSFORMER_KEYS = {
     "tensor_model_parallel_size": "policy.megatron_cfg.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "policy.megatron_cfg.pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size": "policy.megatron_cfg.virtual_pipeline_model_parallel_size",
+    "variable_seq_lengths": "the backend (on with pipeline parallelism: stages exchange each micro-batch's shape)",
     "context_parallel_size": "policy.megatron_cfg.context_parallel_size",
     "expert_model_parallel_size": "policy.megatron_cfg.expert_model_parallel_size",
     "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
