@@ -133,8 +133,10 @@ class MegatronPolicyBackend:
         self.model = self.chunks[0]
         self.reference = self.reference_chunks[0] if self.reference_chunks else None
         self.optimizer, self.scheduler = self._build_optimizer()
+        config = unwrap(self.model).config
+        config.finalize_model_grads_func = None  # train_shard finalises, without the schedule's 1/token-count scale
         if pp > 1:  # fp16's loss scale reaches the last stage's backward through the schedule (Megatron-LM's way)
-            unwrap(self.model).config.grad_scale_func = self.optimizer.scale_loss
+            config.grad_scale_func = self.optimizer.scale_loss
         if load_weights and self._fp8_param:
             self._load_fp8_params_and_main_params()
         self.num_updates = 0
