@@ -355,6 +355,12 @@ class PolicyConfig(StrictConfig):
         return self.megatron_cfg.pipeline_model_parallel_size
 
     @property
+    def interleaved_pipeline(self) -> bool:
+        """megatron-core's interleaved schedule: pipeline stages with ``virtual_pipeline_model_parallel_size`` > 1."""
+        m = self.megatron_cfg
+        return m.enabled and m.pipeline_model_parallel_size > 1 and (m.virtual_pipeline_model_parallel_size or 1) > 1
+
+    @property
     def world_size(self) -> int:
         """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size x pipeline_parallel_size``."""
         return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
@@ -374,7 +380,8 @@ class PolicyConfig(StrictConfig):
         return packing_shape(sp.train_mb_tokens if budget == "train" else sp.logprob_mb_tokens, sp.algorithm,
                              sp.sequence_length_round, f.fp8_recipe if f.enabled else None,
                              self.tensor_parallel_size, m.enabled and m.sequence_parallel,
-                             m.context_parallel_size if m.enabled else 1)
+                             m.context_parallel_size if m.enabled else 1,
+                             bins_multiple=self.pipeline_parallel_size if self.interleaved_pipeline else 1)
 
     def _packing_errors(self) -> list[str]:
         sp = self.sequence_packing
@@ -403,6 +410,11 @@ class PolicyConfig(StrictConfig):
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")
+        elif self.interleaved_pipeline and not self.sequence_packing.enabled \
+                and (gbs // (mbs * dp)) % self.pipeline_parallel_size:
+            errs.append(f"train_micro_batch_size: {gbs // (mbs * dp)} micro-batches per data-parallel rank; "
+                        "megatron-core's interleaved schedule (megatron_cfg.virtual_pipeline_model_parallel_size) "
+                        f"needs a multiple of pipeline_model_parallel_size={self.pipeline_parallel_size}")
         engine_gpus = self.generation.engine_gpus
         if self.generation.colocated.enabled and engine_gpus > 1:
             why = colocated_engine_error(engine_gpus, self.world_size)

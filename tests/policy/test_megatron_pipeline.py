@@ -85,3 +85,30 @@ def test_world_size_and_idle_gpus_count_the_stages(tmp_path):
     assert cfg.policy.world_size == 2
     line = idle_gpus_warning(cfg, {"GPU": 2})
     assert "x pipeline parallel 2" in line and "policy.data_parallel_size=2 uses them all" in line
+
+
+def test_interleaved_packing_gives_each_rank_a_multiple_of_the_stages():
+    from nemo_fp8.policy.packing import plan_logprobs, plan_train
+
+    cfg = PolicyConfig(model_name="m", data_parallel_size=2,
+                       sequence_packing={"enabled": True, "train_mb_tokens": 4096, "logprob_mb_tokens": 4096},
+                       megatron_cfg={"enabled": True, "pipeline_model_parallel_size": 2,
+                                     "virtual_pipeline_model_parallel_size": 2})
+    shape = cfg.packing_shape("train")
+    assert shape.bins_multiple == 2
+    lengths = [300 + 7 * i for i in range(48)]  # 17,3xx tokens: 5 bins of 4,096 would do; 8 = 2 ranks x 2 x 2
+    for plan in plan_train(lengths, 48, 2, shape):
+        assert all(len(mbs) % 2 == 0 for mbs in plan.micro_batches)
+        assert interleaving_error(len(plan.micro_batches[0]), 2, 2) is None
+    assert all(len(p.micro_batches[0]) % 2 == 0 for p in plan_logprobs(lengths, 2, cfg.packing_shape("logprobs")))
+    assert _policy(pipeline_model_parallel_size=2).packing_shape("train").bins_multiple == 1  # 1F1B: any count
+
+
+def test_interleaved_without_packing_needs_micro_batches_in_multiples_of_the_stages():
+    bad = dict(model_name="m", train_global_batch_size=24, train_micro_batch_size=8,
+               megatron_cfg={"enabled": True, "pipeline_model_parallel_size": 2,
+                             "virtual_pipeline_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="3 micro-batches per data-parallel rank.*multiple of "
+                                         "pipeline_model_parallel_size=2"):
+        PolicyConfig(**bad)
+    PolicyConfig(**{**bad, "train_micro_batch_size": 6})  # 4 micro-batches
