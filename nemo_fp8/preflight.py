@@ -11,6 +11,7 @@ names the file (and line) or the config key; all problems are reported at once i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -141,34 +142,26 @@ def check_model(cfg: MasterConfig) -> list[str]:
     return errs
 
 
-def check_pipeline_split(cfg: MasterConfig) -> list[str]:
-    """The model's decoder layers split evenly over ``policy.megatron_cfg.pipeline_model_parallel_size`` stages (x
-    ``virtual_pipeline_model_parallel_size`` chunks; ``nemo_fp8.distributed.pipeline.layer_split_error``), read from
-    the checkpoint's ``config.json`` (``num_hidden_layers``, or ``text_config``'s); nothing to check with one stage
-    or before the model exists (a tiny model still to be built has ``TinyModelSpec``'s layers)."""
-    import json
-
-    from nemo_fp8.distributed.pipeline import layer_split_error
-    from nemo_fp8.models.hub import is_hub_id, is_tiny_build_target, resolve_hub_model
-
+def check_pipeline_layers(cfg: MasterConfig) -> list[str]:
+    """With pipeline parallelism, the model's decoder layers (``num_hidden_layers`` of ``policy.model_name``'s
+    ``config.json``) split evenly over ``pipeline_model_parallel_size`` stages x ``virtual_pipeline_model_parallel_size``
+    chunks, as megatron-core builds them (``get_num_layers_to_build``; the torch backend's stages split them the same
+    way, ``nemo_fp8.distributed.pipeline.stage_layers``). Nothing to check without a local config."""
     m = cfg.policy.megatron_cfg
-    if m.pipeline_model_parallel_size == 1 and m.virtual_pipeline_model_parallel_size is None:
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
+    path = Path(cfg.policy.model_name) / "config.json"
+    if pp == 1 or not path.is_file():
         return []
-    pol = cfg.policy
-    path = Path(pol.model_name)
-    if is_hub_id(pol.model_name) and not is_tiny_build_target(pol.model_name, pol.tiny_model.build_if_missing):
-        path = resolve_hub_model(pol.model_name)
-    if (path / "config.json").is_file():
-        model_cfg = json.loads((path / "config.json").read_text())
-        layers = model_cfg.get("num_hidden_layers") or model_cfg.get("text_config", {}).get("num_hidden_layers")
-    elif is_tiny_build_target(pol.model_name, pol.tiny_model.build_if_missing):
-        from nemo_fp8.models.tiny import TinyModelSpec
-
-        layers = TinyModelSpec().num_hidden_layers
-    else:
-        return []  # check_model reports the missing folder
-    why = layer_split_error(int(layers), m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size)
-    return [f"{why} (policy.model_name={pol.model_name})"] if why and layers else []
+    try:
+        layers = int(json.loads(path.read_text())["num_hidden_layers"])
+    except (ValueError, KeyError, TypeError):
+        return []  # model_folder_errors names a broken config.json
+    if layers % (pp * vpp) == 0:
+        return []
+    valid = [d for d in range(1, layers + 1) if layers % d == 0]
+    return [f"policy.megatron_cfg.pipeline_model_parallel_size: {pp} stages x virtual_pipeline_model_parallel_size "
+            f"{m.virtual_pipeline_model_parallel_size} chunks do not split the {layers} decoder layers of {path} "
+            f"evenly; stages x chunks must divide {layers}: one of {valid}"]
 
 
 def with_local_model(cfg: MasterConfig) -> MasterConfig:
@@ -212,13 +205,13 @@ def idle_gpus_warning(cfg: MasterConfig, need: dict[str, float]) -> str | None:
     if not declared or not used or used >= declared:
         return None
     p = cfg.policy
-    per_replica = p.tensor_parallel_size * p.pipeline_parallel_size
-    fix = (f"; policy.data_parallel_size={declared // per_replica} uses them all"
-           if p.generation.colocated.enabled and declared % per_replica == 0 else "")
+    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
+    fix = (f"; policy.data_parallel_size={declared // model_parallel} uses them all"
+           if p.generation.colocated.enabled and declared % model_parallel == 0 else "")
     engines = "engines colocated" if p.generation.colocated.enabled else "the engines on GPUs of their own"
+    pipeline = f" x pipeline parallel {p.pipeline_parallel_size}" if p.pipeline_parallel_size > 1 else ""
     return (f"cluster.gpus_per_node x cluster.num_nodes: {declared} GPUs declared, the run uses {used} "
-            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size} x pipeline "
-            f"{p.pipeline_parallel_size}, "
+            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size}{pipeline}, "
             f"{engines}){fix}")
 
 
@@ -339,9 +332,8 @@ def preflight(cfg: MasterConfig) -> None:
     from nemo_fp8.env_check import config_support_errors
 
     # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
-    errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg)
-    if not errs:
-        errs = check_pipeline_split(cfg)
+    errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg) \
+        + check_pipeline_layers(cfg)
     if not errs:  # the model folder and resources are fine: is the trainer's state smaller than a GPU?
         errs = check_trainer_memory(cfg)
     if errs:

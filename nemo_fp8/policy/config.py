@@ -127,6 +127,8 @@ class DistributedDataParallelConfig(StrictConfig):
 MANAGED_TRANSFORMER_KEYS = {
     "tensor_model_parallel_size": "policy.megatron_cfg.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "policy.megatron_cfg.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "policy.megatron_cfg.virtual_pipeline_model_parallel_size",
+    "variable_seq_lengths": "the backend (on with pipeline parallelism: stages exchange each micro-batch's shape)",
     "context_parallel_size": "policy.megatron_cfg.context_parallel_size",
     "expert_model_parallel_size": "policy.megatron_cfg.expert_model_parallel_size",
     "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
@@ -159,12 +161,13 @@ class MegatronConfig(StrictConfig):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(
-        1, ge=1, description="pipeline stages per replica (megatron-core's key; the torch backend runs the same "
-        "stages on gloo/NCCL ranks, nemo_fp8/policy/torch_pipeline.py): the decoder layers split evenly, stage 0 "
-        "holds the embedding, the last stage the final norm and output layer")
+        1, ge=1, description="pipeline stages of each replica (megatron-core's schedules: 1F1B, or interleaved with "
+        "virtual_pipeline_model_parallel_size; the torch backend runs the same stages, nemo_fp8/policy/torch_pipeline.py); "
+        "the decoder layers split evenly over the stages")
     virtual_pipeline_model_parallel_size: Optional[int] = Field(
-        None, ge=1, description="model chunks per pipeline stage (megatron-core's interleaved 1F1B schedule; "
-        "NeMo-RL's key); null: one chunk. Needs pipeline_model_parallel_size > 1 and the megatron backend")
+        None, ge=1, description="model chunks per pipeline stage (megatron-core's interleaved 1F1B schedule; the megatron "
+        "backend only); null: one chunk. Needs pipeline_model_parallel_size > 1 and at least that many micro-batches "
+        "per step")
     context_parallel_size: int = Field(1, ge=1)
     expert_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
@@ -214,17 +217,13 @@ class MegatronConfig(StrictConfig):
             if getattr(self, key) != 1:
                 errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor, "
                             "pipeline and data parallelism are)")
-        pp, vpp = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
-        if pp > 1 and self.enabled:  # the megatron backend's stages follow nemo_fp8.distributed.pipeline's layout
-            errs.append(f"pipeline_model_parallel_size: {pp} is not supported by the megatron backend of this build "
-                        "(valid with policy.megatron_cfg.enabled=true: 1; the torch backend, enabled=false, runs "
-                        "pipeline stages)")
-        if vpp is not None and pp == 1:
-            errs.append(f"virtual_pipeline_model_parallel_size: {vpp} needs pipeline_model_parallel_size > 1 "
-                        "(interleaving splits each stage's layers into chunks; valid with 1 stage: null)")
-        elif vpp is not None and not self.enabled:
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size == 1:
+            errs.append(f"virtual_pipeline_model_parallel_size: {vpp} interleaves model chunks over pipeline stages; "
+                        "it needs pipeline_model_parallel_size > 1 (or null)")
+        elif vpp is not None and vpp > 1 and not self.enabled:
             errs.append(f"virtual_pipeline_model_parallel_size: {vpp}: only the megatron backend interleaves "
-                        "(policy.megatron_cfg.enabled=true); the torch backend runs one chunk per stage (valid: null)")
+                        "(policy.megatron_cfg.enabled=true); the torch backend runs one chunk per stage (valid: null or 1)")
         if self.logprob_kernel != "chunked" and not self.enabled:
             errs.append(f"logprob_kernel: {self.logprob_kernel!r} is a kernel of the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
@@ -354,14 +353,19 @@ class PolicyConfig(StrictConfig):
 
     @property
     def pipeline_parallel_size(self) -> int:
-        """Pipeline stages per replica: ``megatron_cfg.pipeline_model_parallel_size``, read by both backends (the
+        """Pipeline stages of each replica (``megatron_cfg.pipeline_model_parallel_size``), read by both backends (the
         torch backend's stages: ``nemo_fp8.policy.torch_pipeline``)."""
         return self.megatron_cfg.pipeline_model_parallel_size
 
     @property
+    def interleaved_pipeline(self) -> bool:
+        """megatron-core's interleaved schedule: pipeline stages with ``virtual_pipeline_model_parallel_size`` > 1."""
+        m = self.megatron_cfg
+        return m.enabled and m.pipeline_model_parallel_size > 1 and (m.virtual_pipeline_model_parallel_size or 1) > 1
+
+    @property
     def world_size(self) -> int:
-        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size x
-        pipeline_parallel_size`` (``nemo_fp8.distributed.pipeline.ParallelLayout``)."""
+        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size x pipeline_parallel_size``."""
         return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
     def packing_shape(self, budget: Literal["train", "logprobs"]) -> PackingShape:
@@ -379,7 +383,8 @@ class PolicyConfig(StrictConfig):
         return packing_shape(sp.train_mb_tokens if budget == "train" else sp.logprob_mb_tokens, sp.algorithm,
                              sp.sequence_length_round, f.fp8_recipe if f.enabled else None,
                              self.tensor_parallel_size, m.enabled and m.sequence_parallel,
-                             m.context_parallel_size if m.enabled else 1)
+                             m.context_parallel_size if m.enabled else 1,
+                             bins_multiple=self.pipeline_parallel_size if self.interleaved_pipeline else 1)
 
     def _packing_errors(self) -> list[str]:
         sp = self.sequence_packing
@@ -408,6 +413,11 @@ class PolicyConfig(StrictConfig):
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")
+        elif self.interleaved_pipeline and not self.sequence_packing.enabled \
+                and (gbs // (mbs * dp)) % self.pipeline_parallel_size:
+            errs.append(f"train_micro_batch_size: {gbs // (mbs * dp)} micro-batches per data-parallel rank; "
+                        "megatron-core's interleaved schedule (megatron_cfg.virtual_pipeline_model_parallel_size) "
+                        f"needs a multiple of pipeline_model_parallel_size={self.pipeline_parallel_size}")
         engine_gpus = self.generation.engine_gpus
         if self.generation.colocated.enabled and engine_gpus > 1:
             why = colocated_engine_error(engine_gpus, self.world_size)

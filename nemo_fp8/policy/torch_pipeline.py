@@ -137,7 +137,7 @@ class TorchPipelineBackend(TorchPolicyBackend):
 
     def __init__(self, spec: PolicySpec, rank: int, world_size: int, dist_init_method: Optional[str]):
         cfg = spec.cfg
-        if spec.vpp_size is not None:
+        if (spec.vpp_size or 1) > 1:
             raise ValueError("policy.megatron_cfg.virtual_pipeline_model_parallel_size: only the megatron backend "
                              "interleaves (valid for the torch backend: null)")
         layout = spec.layout

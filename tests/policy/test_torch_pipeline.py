@@ -105,7 +105,7 @@ def test_config_pipeline_keys(tiny_model_dir, tmp_path):
     assert cfg.policy.world_size == 4 and cfg.policy.pipeline_parallel_size == 2
     spec = PolicySpec.from_config(cfg.policy, CPU)
     assert spec.pp_size == 2 and spec.vpp_size is None and spec.layout == ParallelLayout(tp=1, pp=2, dp=2)
-    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size: 2 needs pipeline_model_parallel_size"):
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size: 2 interleaves .* needs pipeline"):
         _load(tiny_model_dir, tmp_path, "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2")
     with pytest.raises(ValueError, match="only the megatron backend interleaves"):
         _load(tiny_model_dir, tmp_path, "policy.megatron_cfg.pipeline_model_parallel_size=2",
@@ -113,12 +113,14 @@ def test_config_pipeline_keys(tiny_model_dir, tmp_path):
 
 
 def test_preflight_names_layers_that_do_not_split(tiny_model_dir, tmp_path):
-    from nemo_fp8.preflight import check_pipeline_split
+    from nemo_fp8.preflight import check_pipeline_layers
 
     cfg = _load(tiny_model_dir, tmp_path, "policy.megatron_cfg.pipeline_model_parallel_size=2")
-    (err,) = check_pipeline_split(cfg)  # the session's tiny model has 3 layers
-    assert "pipeline_model_parallel_size=2" in err and "3 decoder layers" in err
-    assert check_pipeline_split(_load(tiny_model_dir, tmp_path)) == []
+    (err,) = check_pipeline_layers(cfg)  # the session's tiny model has 3 layers; the torch backend checked too
+    assert "pipeline_model_parallel_size: 2" in err and "3 decoder layers" in err
+    assert check_pipeline_layers(_load(tiny_model_dir, tmp_path)) == []
+    assert check_pipeline_layers(_load(tiny_model_dir, tmp_path,
+                                       "policy.megatron_cfg.pipeline_model_parallel_size=3")) == []
 
 
 # --------------------------------------------------------------------------- PP 2 == PP 1 on gloo ranks
