@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.distributed.pipeline import PP_KEY, ParallelLayout, global_layer_name, stage_layers
+from nemo_fp8.distributed.pipeline import PP_KEY, global_layer_name, stage_layers
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.models.hf import DTYPES, attention_mask_for, load_causal_lm, record_qkv_amax, token_logprobs
 from nemo_fp8.policy.interfaces import LossFn
