@@ -28,9 +28,12 @@ def test_provider_gets_the_stages_chunks_and_shape_exchange():
     o = settings.provider_overrides(_policy(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2))
     assert (o["pipeline_model_parallel_size"], o["virtual_pipeline_model_parallel_size"]) == (2, 2)
     assert o["variable_seq_lengths"] is True  # packed rows of any length travel between stages
+    assert o["moe_token_dispatcher_type"] == "alltoall"  # megatron-core refuses allgather with variable lengths
+    chosen = _policy(pipeline_model_parallel_size=2, override_transformer_config={"moe_token_dispatcher_type": "flex"})
+    assert settings.provider_overrides(chosen)["moe_token_dispatcher_type"] == "flex"
     flat = settings.provider_overrides(_policy())
     assert (flat["pipeline_model_parallel_size"], flat["virtual_pipeline_model_parallel_size"]) == (1, None)
-    assert flat["variable_seq_lengths"] is False
+    assert flat["variable_seq_lengths"] is False and "moe_token_dispatcher_type" not in flat
 
 
 def test_override_transformer_config_may_not_set_the_pipeline_keys():

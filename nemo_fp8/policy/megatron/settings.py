@@ -94,6 +94,10 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
                    num_layers_at_start_in_bf16=first, num_layers_at_end_in_bf16=last)
     else:
         out.update(fp8=None, fp8_param=False)
+    if m.pipeline_model_parallel_size > 1 and "moe_token_dispatcher_type" not in m.override_transformer_config:
+        # megatron-core refuses variable_seq_lengths beside the allgather MoE dispatcher (even in a dense model,
+        # where no dispatcher runs); alltoall is megatron-core's dispatcher for MoE under pipeline parallelism
+        out["moe_token_dispatcher_type"] = "alltoall"
     out.update(m.override_transformer_config)  # config validation keeps these off the keys above
     return out
 
