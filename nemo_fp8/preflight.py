@@ -11,6 +11,7 @@ names the file (and line) or the config key; all problems are reported at once i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -141,6 +142,28 @@ def check_model(cfg: MasterConfig) -> list[str]:
     return errs
 
 
+def check_pipeline_layers(cfg: MasterConfig) -> list[str]:
+    """With pipeline parallelism, the model's decoder layers (``num_hidden_layers`` of ``policy.model_name``'s
+    ``config.json``) split evenly over ``pipeline_model_parallel_size`` stages x ``virtual_pipeline_model_parallel_size``
+    chunks, as megatron-core builds them (``get_num_layers_to_build``; the torch backend's stages split them the same
+    way, ``nemo_fp8.distributed.pipeline.stage_layers``). Nothing to check without a local config."""
+    m = cfg.policy.megatron_cfg
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
+    path = Path(cfg.policy.model_name) / "config.json"
+    if pp == 1 or not path.is_file():
+        return []
+    try:
+        layers = int(json.loads(path.read_text())["num_hidden_layers"])
+    except (ValueError, KeyError, TypeError):
+        return []  # model_folder_errors names a broken config.json
+    if layers % (pp * vpp) == 0:
+        return []
+    valid = [d for d in range(1, layers + 1) if layers % d == 0]
+    return [f"policy.megatron_cfg.pipeline_model_parallel_size: {pp} stages x virtual_pipeline_model_parallel_size "
+            f"{m.virtual_pipeline_model_parallel_size} chunks do not split the {layers} decoder layers of {path} "
+            f"evenly; stages x chunks must divide {layers}: one of {valid}"]
+
+
 def with_local_model(cfg: MasterConfig) -> MasterConfig:
     """``cfg`` with a hub id in ``policy.model_name`` / ``policy.tokenizer.name`` replaced by its local snapshot
     folder (what the actors load); other configs unchanged. Call after ``preflight`` (which resolved them)."""
@@ -182,11 +205,13 @@ def idle_gpus_warning(cfg: MasterConfig, need: dict[str, float]) -> str | None:
     if not declared or not used or used >= declared:
         return None
     p = cfg.policy
-    fix = (f"; policy.data_parallel_size={declared // p.tensor_parallel_size} uses them all"
-           if p.generation.colocated.enabled and declared % p.tensor_parallel_size == 0 else "")
+    model_parallel = p.tensor_parallel_size * p.pipeline_parallel_size
+    fix = (f"; policy.data_parallel_size={declared // model_parallel} uses them all"
+           if p.generation.colocated.enabled and declared % model_parallel == 0 else "")
     engines = "engines colocated" if p.generation.colocated.enabled else "the engines on GPUs of their own"
+    pipeline = f" x pipeline parallel {p.pipeline_parallel_size}" if p.pipeline_parallel_size > 1 else ""
     return (f"cluster.gpus_per_node x cluster.num_nodes: {declared} GPUs declared, the run uses {used} "
-            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size}, "
+            f"(policy.data_parallel_size={p.data_parallel_size} x tensor parallel {p.tensor_parallel_size}{pipeline}, "
             f"{engines}){fix}")
 
 
@@ -207,7 +232,8 @@ def compare_resources(need: dict[str, float], have: dict[str, float], cfg: Maste
     if need.get("CPU", 0) > have.get("CPU", 0):
         errs.append(f"cluster.num_cpus: the actors need {need['CPU']:g} CPUs (one per rollout engine, "
                     "policy.generation.num_engines, default one per policy rank on CPU, + one per policy rank, "
-                    f"policy.data_parallel_size={cfg.policy.data_parallel_size}) but the cluster has "
+                    f"policy.world_size={cfg.policy.world_size}: data parallel x tensor parallel x pipeline stages) "
+                    f"but the cluster has "
                     f"{have.get('CPU', 0):g}; Ray would wait forever (valid: >= {need['CPU']:g})")
     per_node, nodes = cfg.cluster.gpus_per_node, cfg.cluster.num_nodes
     if per_node and need.get("GPU", 0) > per_node * nodes:
@@ -306,7 +332,8 @@ def preflight(cfg: MasterConfig) -> None:
     from nemo_fp8.env_check import config_support_errors
 
     # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
-    errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg)
+    errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg) \
+        + check_pipeline_layers(cfg)
     if not errs:  # the model folder and resources are fine: is the trainer's state smaller than a GPU?
         errs = check_trainer_memory(cfg)
     if errs:

@@ -207,9 +207,10 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     colocated = gen_cfg.colocated.enabled
     plan = plan_from_config(cfg.policy, cfg.cluster, device.type == "cuda")
     pg = create_placement_group(plan)
-    # Engine and trainer take turns (never run at once); data-parallel ranks train side by side. Asynchronous
-    # GRPO runs the engines beside the ranks: the CPUs are shared among all of them.
-    side_by_side = cfg.policy.data_parallel_size + (plan.num_engines if cfg.grpo.async_grpo.enabled else 0)
+    # Engine and trainer take turns (never run at once); data-parallel ranks and pipeline stages train side by side.
+    # Asynchronous GRPO runs the engines beside the ranks: the CPUs are shared among all of them.
+    ranks = cfg.policy.data_parallel_size * cfg.policy.pipeline_parallel_size
+    side_by_side = ranks + (plan.num_engines if cfg.grpo.async_grpo.enabled else 0)
     threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // side_by_side)
     policy, generation = start_groups(pg, plan, policy_spec(cfg, device), generation_spec(cfg, tokenizer, device),
                                       torch_threads=threads)

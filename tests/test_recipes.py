@@ -122,7 +122,7 @@ def test_mission_suite_composes_layout_arms_and_host(tmp_path):
 
 
 def test_mission_suite_refuses_an_unknown_layout_and_run(tmp_path):
-    for env, says in [("MISSION_LAYOUT=tp3", "valid: tp1 tp2 auto"), ("RUNS=fp4", "unknown run fp4")]:
+    for env, says in [("MISSION_LAYOUT=tp3", "valid: pp2 pp4 tp1 tp2 auto"), ("RUNS=fp4", "unknown run fp4")]:
         script = (f"PYTHON={sys.executable}; source tests/test_suites/common.sh; source tests/test_suites/mission.sh; "
                   f"SUITE=mission-8b-4gpu; OUT={tmp_path}; CEILING=0 {env} mission_suite auto")
         res = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True)

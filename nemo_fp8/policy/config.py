@@ -127,6 +127,8 @@ class DistributedDataParallelConfig(StrictConfig):
 MANAGED_TRANSFORMER_KEYS = {
     "tensor_model_parallel_size": "policy.megatron_cfg.tensor_model_parallel_size",
     "pipeline_model_parallel_size": "policy.megatron_cfg.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "policy.megatron_cfg.virtual_pipeline_model_parallel_size",
+    "variable_seq_lengths": "the backend (on with pipeline parallelism: stages exchange each micro-batch's shape)",
     "context_parallel_size": "policy.megatron_cfg.context_parallel_size",
     "expert_model_parallel_size": "policy.megatron_cfg.expert_model_parallel_size",
     "sequence_parallel": "policy.megatron_cfg.sequence_parallel",
@@ -158,7 +160,14 @@ ENGINE_FUSIONS = ("fuse_wgrad_accumulation", "apply_rope_fusion", "bias_activati
 class MegatronConfig(StrictConfig):
     enabled: bool = False
     tensor_model_parallel_size: int = Field(1, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages of each replica (megatron-core's schedules: 1F1B, or interleaved with "
+        "virtual_pipeline_model_parallel_size; the torch backend runs the same stages, nemo_fp8/policy/torch_pipeline.py); "
+        "the decoder layers split evenly over the stages")
+    virtual_pipeline_model_parallel_size: Optional[int] = Field(
+        None, ge=1, description="model chunks per pipeline stage (megatron-core's interleaved 1F1B schedule; the megatron "
+        "backend only); null: one chunk. Needs pipeline_model_parallel_size > 1 and at least that many micro-batches "
+        "per step")
     context_parallel_size: int = Field(1, ge=1)
     expert_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
@@ -204,10 +213,17 @@ class MegatronConfig(StrictConfig):
         if self.optimizer.fp16 and not self.enabled:
             errs.append("optimizer.fp16: FP16 training with loss scaling needs the megatron backend "
                         "(policy.megatron_cfg.enabled=true)")
-        for key in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        for key in ("context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) != 1:
-                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor "
-                            "parallelism and data parallelism are)")
+                errs.append(f"{key}: {getattr(self, key)} is not supported by this build (valid: 1; tensor, "
+                            "pipeline and data parallelism are)")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size == 1:
+            errs.append(f"virtual_pipeline_model_parallel_size: {vpp} interleaves model chunks over pipeline stages; "
+                        "it needs pipeline_model_parallel_size > 1 (or null)")
+        elif vpp is not None and vpp > 1 and not self.enabled:
+            errs.append(f"virtual_pipeline_model_parallel_size: {vpp}: only the megatron backend interleaves "
+                        "(policy.megatron_cfg.enabled=true); the torch backend runs one chunk per stage (valid: null or 1)")
         if self.logprob_kernel != "chunked" and not self.enabled:
             errs.append(f"logprob_kernel: {self.logprob_kernel!r} is a kernel of the megatron backend "
                         "(policy.megatron_cfg.enabled=true); valid without it: 'chunked'")
@@ -225,7 +241,7 @@ class MegatronConfig(StrictConfig):
                         "(policy.megatron_cfg.enabled=true); the torch backend takes the driver's environment")
         if self.tensor_model_parallel_size > 1 and not self.enabled:
             errs.append(f"tensor_model_parallel_size: {self.tensor_model_parallel_size} needs the megatron backend "
-                        "(policy.megatron_cfg.enabled=true); the torch backend is data parallel only")
+                        "(policy.megatron_cfg.enabled=true); the torch backend is data and pipeline parallel only")
         return errs
 
 
@@ -340,9 +356,21 @@ class PolicyConfig(StrictConfig):
         return self.megatron_cfg.tensor_model_parallel_size if self.megatron_cfg.enabled else 1
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline stages of each replica (``megatron_cfg.pipeline_model_parallel_size``), read by both backends (the
+        torch backend's stages: ``nemo_fp8.policy.torch_pipeline``)."""
+        return self.megatron_cfg.pipeline_model_parallel_size
+
+    @property
+    def interleaved_pipeline(self) -> bool:
+        """megatron-core's interleaved schedule: pipeline stages with ``virtual_pipeline_model_parallel_size`` > 1."""
+        m = self.megatron_cfg
+        return m.enabled and m.pipeline_model_parallel_size > 1 and (m.virtual_pipeline_model_parallel_size or 1) > 1
+
+    @property
     def world_size(self) -> int:
-        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size``."""
-        return self.data_parallel_size * self.tensor_parallel_size
+        """Policy ranks (one GPU each on CUDA): ``data_parallel_size x tensor_parallel_size x pipeline_parallel_size``."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
     def packing_shape(self, budget: Literal["train", "logprobs"]) -> PackingShape:
         """The bin layout of ``sequence_packing`` for training or log-probs: the budget, each sequence
@@ -359,7 +387,8 @@ class PolicyConfig(StrictConfig):
         return packing_shape(sp.train_mb_tokens if budget == "train" else sp.logprob_mb_tokens, sp.algorithm,
                              sp.sequence_length_round, f.fp8_recipe if f.enabled else None,
                              self.tensor_parallel_size, m.enabled and m.sequence_parallel,
-                             m.context_parallel_size if m.enabled else 1)
+                             m.context_parallel_size if m.enabled else 1,
+                             bins_multiple=self.pipeline_parallel_size if self.interleaved_pipeline else 1)
 
     def _packing_errors(self) -> list[str]:
         sp = self.sequence_packing
@@ -400,6 +429,11 @@ class PolicyConfig(StrictConfig):
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")
+        elif self.interleaved_pipeline and not self.sequence_packing.enabled \
+                and (gbs // (mbs * dp)) % self.pipeline_parallel_size:
+            errs.append(f"train_micro_batch_size: {gbs // (mbs * dp)} micro-batches per data-parallel rank; "
+                        "megatron-core's interleaved schedule (megatron_cfg.virtual_pipeline_model_parallel_size) "
+                        f"needs a multiple of pipeline_model_parallel_size={self.pipeline_parallel_size}")
         engine_gpus = self.generation.engine_gpus
         if self.generation.colocated.enabled and engine_gpus > 1:
             why = colocated_engine_error(engine_gpus, self.world_size)

@@ -30,6 +30,7 @@ import torch
 
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.distributed.cluster import free_address
+from nemo_fp8.distributed.pipeline import ParallelLayout
 from nemo_fp8.distributed.fanout import call_all, call_each, gather, shutdown_actors
 from nemo_fp8.distributed.placement import ClusterPlan, MemoryProbe, Placement, actor_options, set_threads
 from nemo_fp8.distributed.weight_sync import (PackedBucket, direct_refit_stream, iter_buckets, pack_bucket,
@@ -235,11 +236,13 @@ def train_shard_indices(size: int, global_batch_size: int, dp_size: int, rank: i
 
 
 class PolicyGroup:
-    """``PolicyBackend`` over ``dp_size x tp_size`` ``PolicyWorker`` ranks (see the module docstring).
+    """``PolicyBackend`` over ``dp_size x tp_size x pp_size`` ``PolicyWorker`` ranks (see the module docstring).
 
-    Ranks follow megatron-core's order (tensor-parallel ranks neighbours): rank ``r`` is
-    tensor-parallel rank ``r % tp_size`` of data-parallel rank ``r // tp_size``. The ranks of one
-    data-parallel group get the same rows; results are read from its tensor-parallel rank 0.
+    Ranks follow megatron-core's order (``nemo_fp8.distributed.pipeline.ParallelLayout``: tensor-parallel ranks
+    neighbours, then data-parallel replicas, then pipeline stages): rank ``r`` is tensor-parallel rank
+    ``r % tp_size`` of data-parallel rank ``(r // tp_size) % dp_size`` in stage ``r // (tp_size * dp_size)``. Every
+    rank of one data-parallel group (all its stages and tensor-parallel ranks) gets the same rows; results are read
+    from the group's ``layout.read_rank``: tensor-parallel rank 0 of the last stage.
 
     Args:
         workers: the rank actors, rank 0 first.
@@ -247,16 +250,17 @@ class PolicyGroup:
         tp_size: tensor-parallel ranks per replica.
         spec: the ranks' ``PolicySpec`` (None: ``setup`` cannot run; the group only forwards calls): with sequence
             packing its shapes plan the ranks' rows and micro-batches here, on the driver.
+        pp_size: pipeline stages per replica.
 
     Raises:
-        ValueError: a number of ranks that is not a multiple of ``tp_size``.
+        ValueError: a number of ranks that is not a multiple of ``tp_size x pp_size``.
     """
 
-    def __init__(self, workers: list, global_batch_size: int, tp_size: int = 1, spec: Optional[PolicySpec] = None):
-        if len(workers) % tp_size:
-            raise ValueError(f"PolicyGroup: {len(workers)} ranks is not a multiple of tensor_model_parallel_size={tp_size}")
-        self.workers, self.global_batch_size, self.tp_size = workers, global_batch_size, tp_size
-        self.dp_size = len(workers) // tp_size
+    def __init__(self, workers: list, global_batch_size: int, tp_size: int = 1, spec: Optional[PolicySpec] = None,
+                 pp_size: int = 1):
+        self.layout = ParallelLayout.from_world(len(workers), tp=tp_size, pp=pp_size)
+        self.workers, self.global_batch_size, self.tp_size, self.pp_size = workers, global_batch_size, tp_size, pp_size
+        self.dp_size = self.layout.dp
         self.spec = spec
         self.labels = [f"policy rank {r}" for r in range(len(workers))]
 
@@ -269,7 +273,7 @@ class PolicyGroup:
         env = {"runtime_env": {"env_vars": dict(spec.env_vars)}} if spec.env_vars else {}
         workers = [PolicyWorker.options(**actor_options(pg, slot), **env).remote(torch_threads)
                    for slot in plan.policy_slots]
-        return cls(workers, spec.global_batch_size, spec.tp_size, spec)
+        return cls(workers, spec.global_batch_size, spec.tp_size, spec, pp_size=spec.pp_size)
 
     def setup(self) -> None:
         """Build every rank's backend (``build_policy_backend``; errors surface here)."""
@@ -284,8 +288,8 @@ class PolicyGroup:
     def finish_setup(self, refs: list) -> None:
         """Wait for ``begin_setup``'s calls (a backend's construction error surfaces here)."""
         gather(refs, "setup", self.labels)
-        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d)", len(self.workers),
-                    self.dp_size, self.tp_size)
+        logger.info("policy: %d rank(s) ready (data parallel %d x tensor parallel %d x pipeline %d)",
+                    len(self.workers), self.dp_size, self.tp_size, self.pp_size)
 
     @classmethod
     def start(cls, pg, plan: ClusterPlan, spec: PolicySpec, torch_threads: Optional[int]) -> "PolicyGroup":
@@ -307,24 +311,26 @@ class PolicyGroup:
 
     @property
     def weight_source(self):
-        """The rank-0 actor, which streams the weights for the refit (a full replica)."""
+        """The rank-0 actor, which streams the weights for the refit (the full model, every tensor once)."""
         return self.workers[0]
 
     @property
     def weight_peers(self) -> list:
-        """The other tensor-parallel ranks of replica 0: they join the export (``drain_weights``)."""
-        return self.workers[1:self.tp_size]
+        """The other ranks of replica 0 (its tensor-parallel ranks of every stage, ``layout.replica_ranks(0)``):
+        they join the export (``drain_weights``), sending their parts to rank 0."""
+        return [self.workers[r] for r in self.layout.replica_ranks(0)[1:]]
 
     def _call_all(self, method: str, *args) -> list:
         return call_all(self.workers, method, *args, labels=self.labels)
 
     def _per_rank(self, shards: list) -> list:
-        """Data-parallel shards -> one per rank (each tensor-parallel rank gets its group's)."""
-        return [shards[r // self.tp_size] for r in range(len(self.workers))]
+        """Data-parallel shards -> one per rank (every tensor-parallel rank and stage gets its group's)."""
+        return [shards[self.layout.coords(r)[1]] for r in range(len(self.workers))]
 
     def _first_of_groups(self, outs: list) -> list:
-        """Per-rank answers -> one per data-parallel group (its tensor-parallel rank 0's)."""
-        return outs[::self.tp_size]
+        """Per-rank answers -> one per data-parallel group (its ``layout.read_rank``'s: tensor-parallel rank 0 of
+        the last stage)."""
+        return [outs[self.layout.read_rank(d)] for d in range(self.dp_size)]
 
     def _call_per_rank(self, method: str, shard_args: list[tuple]) -> list:
         """``method`` on every rank with its data-parallel group's arguments (``shard_args``: one tuple per
@@ -370,7 +376,7 @@ class PolicyGroup:
 
     def calibrate_kv_scales(self, batch: TrainBatch, step: int, margin: float = 1.0) -> KvScales:
         shards = [(batch.select(r), step, margin) for r in self._row_shards(batch)]
-        return self._call_per_rank("calibrate_kv_scales", shards)[0]  # amax already max-reduced across ranks
+        return self._call_per_rank("calibrate_kv_scales", shards)[0]  # amax already max-reduced over all ranks
 
     def prepare_for_training(self) -> None:
         self._call_all("prepare_for_training")

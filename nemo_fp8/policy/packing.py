@@ -75,12 +75,15 @@ def parallel_token_factor(tensor_parallel_size: int = 1, sequence_parallel: bool
 class PackingShape:
     """How a bin is laid out: each sequence padded to ``seq_multiple`` tokens, the packed row to
     ``total_multiple`` (a multiple of ``seq_multiple``'s parallel factor), bins of at most
-    ``capacity`` tokens (padded lengths; ``capacity`` a multiple of ``total_multiple``)."""
+    ``capacity`` tokens (padded lengths; ``capacity`` a multiple of ``total_multiple``); each data-parallel rank
+    gets a multiple of ``bins_multiple`` bins per global batch (the pipeline size under megatron-core's interleaved
+    schedule, ``nemo_fp8.policy.megatron.pipeline.interleaving_error``; else 1)."""
 
     capacity: int
     seq_multiple: int = 1
     total_multiple: int = 1
     algorithm: str = "modified_first_fit_decreasing"
+    bins_multiple: int = 1
 
     def padded_length(self, n: int) -> int:
         """Tokens sequence of length ``n`` takes in a bin."""
@@ -89,7 +92,7 @@ class PackingShape:
 
 def packing_shape(capacity: int, algorithm: str, sequence_length_round: int = 1, fp8_recipe: Optional[str] = None,
                   tensor_parallel_size: int = 1, sequence_parallel: bool = False,
-                  context_parallel_size: int = 1) -> PackingShape:
+                  context_parallel_size: int = 1, bins_multiple: int = 1) -> PackingShape:
     """The ``PackingShape`` of a policy layout (see the module docstring for the multiples).
 
     Args:
@@ -97,6 +100,7 @@ def packing_shape(capacity: int, algorithm: str, sequence_length_round: int = 1,
         algorithm: one of ``ALGORITHMS``.
         sequence_length_round: each sequence's length is rounded up to a multiple of it.
         fp8_recipe: None without FP8 training, else a key of ``FP8_TOKEN_MULTIPLE``.
+        bins_multiple: bins per rank a multiple of it (``PackingShape``).
 
     Raises:
         ValueError: an unknown algorithm or recipe, or ``capacity`` not a multiple of the
@@ -113,7 +117,7 @@ def packing_shape(capacity: int, algorithm: str, sequence_length_round: int = 1,
         raise ValueError(f"sequence packing: a budget of {capacity} tokens is not a multiple of "
                          f"{math.lcm(total, seq)} (FP8 recipe {fp8_recipe}, parallel factor {par}, "
                          f"sequence_length_round {sequence_length_round})")
-    return PackingShape(capacity, seq, total, algorithm)
+    return PackingShape(capacity, seq, total, algorithm, max(int(bins_multiple), 1))
 
 
 # ----------------------------------------------------------------------------- bin packing
@@ -270,8 +274,8 @@ class RankPlan:
 def plan_train(lengths: Sequence[int], global_batch_size: int, dp_size: int, shape: PackingShape,
                seed: int = 0) -> list[RankPlan]:
     """Micro-batches of ``train`` for every data-parallel rank: per global batch, its sequences packed
-    into bins of ``shape.capacity`` tokens (a multiple of ``dp_size`` bins), the bins balanced over
-    the ranks (``balance_bins``): every rank runs the same number of micro-batches.
+    into bins of ``shape.capacity`` tokens (a multiple of ``dp_size x shape.bins_multiple`` bins), the bins
+    balanced over the ranks (``balance_bins``): every rank runs the same number of micro-batches.
 
     Args:
         lengths: [N] real tokens (prompt + response) of each row; ``N`` a multiple of
@@ -286,8 +290,8 @@ def plan_train(lengths: Sequence[int], global_batch_size: int, dp_size: int, sha
     plans = [RankPlan([], []) for _ in range(dp_size)]
     for g in range(0, n, global_batch_size):
         padded = [shape.padded_length(x) for x in lengths[g:g + global_batch_size]]
-        bins = pack_bins(padded, shape.capacity, shape.algorithm, min_bins=dp_size, bin_multiple=dp_size,
-                         seed=seed + g)
+        per = dp_size * shape.bins_multiple
+        bins = pack_bins(padded, shape.capacity, shape.algorithm, min_bins=per, bin_multiple=per, seed=seed + g)
         for plan, group in zip(plans, balance_bins([sum(padded[i] for i in b) for b in bins], dp_size)):
             mbs = []
             for b in group:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from nemo_fp8.distributed.pipeline import ParallelLayout
 from nemo_fp8.policy.config import PolicyConfig, megatron_env_vars
 from nemo_fp8.policy.packing import PackingShape
 
@@ -75,8 +76,23 @@ class PolicySpec:
 
     @property
     def world_size(self) -> int:
-        """Policy ranks: ``data_parallel_size x tensor_model_parallel_size``."""
+        """Policy ranks: ``data_parallel_size x tensor_model_parallel_size x pipeline_model_parallel_size``."""
         return self.cfg.world_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages per replica (``policy.megatron_cfg.pipeline_model_parallel_size``; both backends)."""
+        return self.cfg.pipeline_parallel_size
+
+    @property
+    def vpp_size(self) -> Optional[int]:
+        """Model chunks per stage (``virtual_pipeline_model_parallel_size``; the megatron backend only), or None."""
+        return self.cfg.megatron_cfg.virtual_pipeline_model_parallel_size
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The ranks' layout (megatron-core's ``tp-dp-pp`` order, ``nemo_fp8.distributed.pipeline``)."""
+        return ParallelLayout(tp=self.tp_size, pp=self.pp_size, dp=self.cfg.data_parallel_size)
 
     @property
     def tp_size(self) -> int:

@@ -493,6 +493,7 @@ class TorchPolicyBackend:
 
         Raises:
             FileNotFoundError: ``path`` lacks ``model/`` or ``optimizer.pt``.
+            ValueError: weights missing, or a checkpoint of pipeline stages (``torch_pipeline``).
         """
         from safetensors.torch import load_file
 
@@ -509,6 +510,9 @@ class TorchPolicyBackend:
         if missing or unexpected:
             raise ValueError(f"policy checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
         extra = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+        if int(extra.get("pipeline_stages", 1)) != 1:  # written by torch_pipeline: stage 0's state only
+            raise ValueError(f"policy checkpoint {path}: optimizer state of {extra['pipeline_stages']} pipeline "
+                             "stages; resume with the same policy.megatron_cfg.pipeline_model_parallel_size")
         self.optimizer.load_state_dict(extra["optimizer"])
         for group in self.optimizer.param_groups:  # the config's values win over the checkpoint's
             group["weight_decay"] = self.cfg.optimizer.weight_decay

@@ -173,7 +173,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the files of a step checkpoint without loading the weights; return its trainer state.
 
     Checks ``trainer_state.json`` (JSON with ``step``), ``config.yaml``, every
-    ``policy/model/*.safetensors`` (header and size) and ``policy/optimizer.pt`` (zip directory).
+    ``policy/model/*.safetensors`` (header and size) and ``policy/optimizer.pt`` (zip directory; the torch
+    backend's pipeline stages' ``policy/optimizer_pp{p}.pt`` too).
 
     Raises:
         CheckpointError: names the file and what is wrong, with the hint to resume from the
@@ -202,12 +203,12 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     opt = path / "policy" / "optimizer.pt"
     if not opt.is_file():
         problems.append(f"{opt}: missing")
-    else:
+    for f in [opt] * opt.is_file() + sorted((path / "policy").glob("optimizer_pp*.pt")):  # + pipeline stages'
         try:
-            with zipfile.ZipFile(opt) as z:
+            with zipfile.ZipFile(f) as z:
                 z.namelist()
         except (zipfile.BadZipFile, OSError) as e:
-            problems.append(f"{opt}: truncated or not a torch archive ({e})")
+            problems.append(f"{f}: truncated or not a torch archive ({e})")
     if problems:
         m = _STEP_DIR.match(path.name)
         older = [s for s in CheckpointManager(path.parent).steps() if m and s < int(m.group(1))]

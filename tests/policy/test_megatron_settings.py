@@ -97,9 +97,12 @@ def test_world_size_and_config_errors():
     assert _cfg(tensor_model_parallel_size=2, top=dict(data_parallel_size=4)).world_size == 8
     assert PolicyConfig(model_name="m", data_parallel_size=2,
                         megatron_cfg={"tensor_model_parallel_size": 1}).world_size == 2
+    assert _cfg(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                top=dict(data_parallel_size=1)).world_size == 4
     for bad, key in [(dict(megatron_cfg={"optimizer": {"fp16": True, "bf16": False}}), "fp16"),
-                     (dict(megatron_cfg={"enabled": True, "pipeline_model_parallel_size": 2}),
-                      "pipeline_model_parallel_size"),
+                     (dict(megatron_cfg={"enabled": True, "virtual_pipeline_model_parallel_size": 2}),
+                      "virtual_pipeline_model_parallel_size: 2 interleaves"),
+                     (dict(megatron_cfg={"enabled": True, "context_parallel_size": 2}), "context_parallel_size"),
                      (dict(megatron_cfg={"tensor_model_parallel_size": 2}), "tensor_model_parallel_size"),
                      (dict(megatron_cfg={"logprob_kernel": "te"}), "logprob_kernel: 'te'"),
                      (dict(megatron_cfg={"logprob_kernel": "fused"}), "logprob_kernel: 'fused'"),

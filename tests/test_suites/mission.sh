@@ -6,7 +6,7 @@
 # environment is the host and what to run:
 #   MISSION_LAYOUT  the layout recipe (default: the suite's; auto: tp1 on GPUs of 100 GiB or more, else tp2)
 #   MISSION_GPUS    GPUs the runs use (default: the recipe's cluster.gpus_per_node); data parallel = GPUs /
-#                   the recipe's tensor parallel
+#                   the recipe's tensor x pipeline parallel
 #   NEMO_FP8_SHARED_DATA  the folder holding gsm8k/ (default: the recipe's ../shared/data)
 #   MISSION_TOKENIZER     a tokenizer folder for the random checkpoint
 #   RUNS      which runs, in order (default "bf16 fp8 fp8kv"; also fp8tw, fp8v1, fp8kvv1); one call per run where
@@ -79,20 +79,22 @@ mission_ceilings() {  # the rollout ceiling (each engine alone) and the training
 }
 
 mission_suite() {
-  local layout recipe v arms G G0 TP MB P N MAX_NEW S host=() arm_args=() checks=() ceiling=() target phase
+  local layout recipe v arms G G0 TP PPL MP MB P N MAX_NEW S host=() arm_args=() checks=() ceiling=() target phase
   layout=$(mission_layout "$1"); shift
   recipe=examples/configs/recipes/llm/$SUITE/$layout.yaml
   [ -f "$recipe" ] || { echo "MISSION_LAYOUT=$layout: no recipe $recipe (valid:" \
     "$(ls "examples/configs/recipes/llm/$SUITE" | sed 's/\.yaml$//' | tr '\n' ' ')auto)"; exit 2; }
-  read -r G0 TP MB P N MAX_NEW S <<< "$("$PYTHON" tools/recipe.py get "$recipe" cluster.gpus_per_node \
-    policy.megatron_cfg.tensor_model_parallel_size policy.sequence_packing.train_mb_tokens grpo.num_prompts_per_step \
+  read -r G0 TP PPL MB P N MAX_NEW S <<< "$("$PYTHON" tools/recipe.py get "$recipe" cluster.gpus_per_node \
+    policy.megatron_cfg.tensor_model_parallel_size policy.megatron_cfg.pipeline_model_parallel_size \
+    policy.sequence_packing.train_mb_tokens grpo.num_prompts_per_step \
     grpo.num_generations_per_prompt policy.generation.max_new_tokens grpo.max_num_steps | tr '\n' ' ')"
   [ -n "$S" ] || exit 2
-  G=${MISSION_GPUS:-$G0}
-  [ $((G % TP)) = 0 ] && [ $((P * N % G)) = 0 ] || {
-    echo "MISSION_GPUS=$G: needs a multiple of the layout's tensor parallel $TP that divides $P x $N responses"
+  G=${MISSION_GPUS:-$G0}; MP=$((TP * PPL))  # model parallel: tensor x pipeline
+  [ $((G % MP)) = 0 ] && [ $((P * N % G)) = 0 ] || {
+    echo "MISSION_GPUS=$G: needs a multiple of the layout's tensor x pipeline parallel $MP that divides $P x $N" \
+      "responses"
     exit 2; }
-  [ "$G" = "$G0" ] || host+=(cluster.gpus_per_node="$G" policy.data_parallel_size=$((G / TP)))
+  [ "$G" = "$G0" ] || host+=(cluster.gpus_per_node="$G" policy.data_parallel_size=$((G / MP)))
   [ -z "${NEMO_FP8_SHARED_DATA:-}" ] || host+=(data.train_path="$NEMO_FP8_SHARED_DATA/gsm8k/train.jsonl"
                                                data.val_path="$NEMO_FP8_SHARED_DATA/gsm8k/test.jsonl")
   echo "layout: $layout ($recipe${host[*]:+; $G GPUs})"

@@ -1,9 +1,10 @@
 """Policy backend ``megatron``: Megatron-core + TransformerEngine FP8 training, built by Megatron-Bridge.
 
-One instance is one rank of ``world_size = data_parallel_size x tensor_model_parallel_size``
-(megatron-core's rank order ``tp-cp-ep-dp-pp``: tensor-parallel ranks are neighbours). Each rank
-is a Ray actor on one GPU (``nemo_fp8.policy.group``); the ranks of one
-data-parallel group see the same rows.
+One instance is one rank of ``world_size = data_parallel_size x tensor_model_parallel_size x
+pipeline_model_parallel_size`` (megatron-core's rank order ``tp-cp-ep-dp-pp``: tensor-parallel ranks are
+neighbours, pipeline stages farthest apart). Each rank is a Ray actor on one GPU (``nemo_fp8.policy.group``); the
+ranks of one data-parallel group see the same rows. With pipeline parallelism megatron-core's schedules run the
+micro-batches and log-probs, losses and metrics exist on the last stage only (``nemo_fp8.policy.megatron.pipeline``).
 
 Build (the path seen working on the GPU host, ``../shared/gpu-host/README.md``):
 ``AutoBridge.from_hf_pretrained(<local HF checkpoint>)`` -> ``to_megatron_provider()`` -> our
@@ -48,7 +49,7 @@ from torch import Tensor
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.policy.interfaces import LossFn
-from nemo_fp8.policy.megatron import settings
+from nemo_fp8.policy.megatron import checkpoint, pipeline, settings
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
 from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.megatron.support import check_recipe_supported
@@ -56,7 +57,7 @@ from nemo_fp8.policy.megatron.te_model import fuse_te_wgrad_accumulation, requan
 from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
-                                           micro_batches_on, pack_micro_batch, reduce_train_results,
+                                           micro_batches_on, pack_micro_batch, reduce_train_results, row_index,
                                            train_micro_batches)
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.utils.memory import CudaMemoryWindow
@@ -75,7 +76,7 @@ class MegatronPolicyBackend:
             divides the logits; ``spec.keep_reference`` keeps a frozen copy of the initial model for the KL
             penalty; ``spec.seed`` is megatron-core's model-parallel RNG seed; ``spec.train_packing`` /
             ``logprob_packing`` the sequence packing's bin layouts (None: packing off).
-        rank, world_size: this rank and ``data_parallel_size x tensor_model_parallel_size``.
+        rank, world_size: this rank and ``data_parallel_size x tensor_model_parallel_size x pipeline_model_parallel_size``.
         dist_init_method: ``tcp://host:port`` of rank 0; None with one rank: an in-process store
             (``torch.distributed.HashStore``), no port to race for (a probed free port was once
             taken by another process between the probe and the bind: EADDRINUSE at start-up).
@@ -85,8 +86,8 @@ class MegatronPolicyBackend:
     Raises:
         RuntimeError: no CUDA device; the FP8 recipe cannot run here (``check_recipe_supported``);
             TransformerEngine already imported with the other block-scaling convention.
-        ValueError: ``world_size`` is not ``data_parallel_size x tensor_model_parallel_size``; several
-            ranks without ``dist_init_method``.
+        ValueError: ``world_size`` is not ``data_parallel_size x tensor_model_parallel_size x
+            pipeline_model_parallel_size``; several ranks without ``dist_init_method``.
     """
 
     def __init__(self, spec: PolicySpec, rank: int = 0, world_size: int = 1, dist_init_method: Optional[str] = None,
@@ -96,10 +97,11 @@ class MegatronPolicyBackend:
             raise RuntimeError("policy.megatron_cfg.enabled=true needs a CUDA GPU (megatron-core + TransformerEngine); "
                                "on CPU use the torch reference backend (policy.megatron_cfg.enabled=false)")
         m = cfg.megatron_cfg
-        tp = m.tensor_model_parallel_size
-        if world_size != cfg.data_parallel_size * tp:
+        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        if world_size != cfg.world_size:
             raise ValueError(f"megatron: {world_size} ranks, but policy.data_parallel_size={cfg.data_parallel_size} x "
-                             f"policy.megatron_cfg.tensor_model_parallel_size={tp} = {cfg.data_parallel_size * tp}")
+                             f"policy.megatron_cfg.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp}"
+                             f" = {cfg.world_size}")
         self.spec, self.cfg, self.temperature = spec, cfg, spec.temperature
         self.rank, self.world_size = rank, world_size
         os.environ.update(settings.block_scaling_env(cfg))  # read by TE at import: before any TE import
@@ -116,7 +118,9 @@ class MegatronPolicyBackend:
                 raise ValueError(f"megatron: {world_size} ranks need dist_init_method (tcp://host:port of rank 0)")
             rendezvous = dict(init_method=dist_init_method) if dist_init_method else dict(store=dist.HashStore())
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device, **rendezvous)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        self.pp_size, self.vpp_size = pp, m.virtual_pipeline_model_parallel_size
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=self.vpp_size)
         model_parallel_cuda_manual_seed(spec.seed)
         self.tp_size, self.tp_rank = tp, parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
@@ -124,8 +128,15 @@ class MegatronPolicyBackend:
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), cfg.data_parallel_size
         self.pad_multiple = settings.sequence_pad_multiple(cfg)
 
-        self.bridge, self.model, self.reference = self._build(spec.keep_reference, load_weights)
+        # chunks: this rank's model chunks (one per virtual pipeline stage; the whole model without PP), DDP-wrapped
+        self.bridge, self.chunks, self.reference_chunks = self._build(spec.keep_reference, load_weights)
+        self.model = self.chunks[0]
+        self.reference = self.reference_chunks[0] if self.reference_chunks else None
         self.optimizer, self.scheduler = self._build_optimizer()
+        config = unwrap(self.model).config
+        config.finalize_model_grads_func = None  # train_shard finalises, without the schedule's 1/token-count scale
+        if pp > 1:  # fp16's loss scale reaches the last stage's backward through the schedule (Megatron-LM's way)
+            config.grad_scale_func = self.optimizer.scale_loss
         if load_weights and self._fp8_param:
             self._load_fp8_params_and_main_params()
         self.num_updates = 0
@@ -137,8 +148,9 @@ class MegatronPolicyBackend:
                 self._host.reserve(self._adam_moment_bytes())  # pinned now, not inside the first refit after training
             self._pin_weight_host_copies()
         self._state_on_host: list[tuple[dict, str]] = []  # (optimizer state dict, key) that _move_optimizer_state moved
-        logger.info("megatron policy rank %d/%d (tp %d, dp %d): fp8=%s recipe=%s fp8_param=%s bf16 layers %s",
-                    rank, world_size, self.tp_rank, self.dp_rank,
+        logger.info("megatron policy rank %d/%d (tp %d, dp %d, pp %d of %d): fp8=%s recipe=%s fp8_param=%s "
+                    "bf16 layers %s", rank, world_size, self.tp_rank, self.dp_rank,
+                    parallel_state.get_pipeline_model_parallel_rank(), pp,
                     m.fp8_cfg.fp8 if m.fp8_cfg.enabled else None, m.fp8_cfg.fp8_recipe if m.fp8_cfg.enabled else None,
                     m.fp8_cfg.fp8_param, settings.bf16_layer_counts(cfg))
 
@@ -160,8 +172,10 @@ class MegatronPolicyBackend:
         return f.enabled and f.fp8_param
 
     def _build(self, keep_reference: bool, load_weights: bool):
-        """(bridge, DDP model, frozen reference or None). With ``fp8_param`` the weights load after the
-        optimizer exists (``_load_fp8_params_and_main_params``); otherwise in Bridge's pre-wrap hook."""
+        """(bridge, DDP model chunks, frozen reference chunks or None): one chunk per virtual pipeline stage
+        (Bridge's ``get_model`` builds each with its stage's layers, embedding and output layer). With ``fp8_param``
+        the weights load after the optimizer exists (``_load_fp8_params_and_main_params``); otherwise in Bridge's
+        pre-wrap hook."""
         from megatron.bridge import AutoBridge
         from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -184,16 +198,16 @@ class MegatronPolicyBackend:
             setattr(provider, key, value)
         provider.finalize()
         ddp = DistributedDataParallelConfig(**settings.ddp_config_kwargs(self.cfg))
-        model = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True)[0]
+        chunks = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True)
         if self.cfg.megatron_cfg.fuse_wgrad_accumulation:
-            n = fuse_te_wgrad_accumulation(model)
+            n = sum(fuse_te_wgrad_accumulation(chunk) for chunk in chunks)
             logger.info("TE wgrad GEMMs accumulate into main_grad in %d modules", n)
         reference = None
         if keep_reference:  # a second copy, frozen, without DDP (the HF weights load again)
-            reference = provider.provide_distributed_model(wrap_with_ddp=False)[0].eval().requires_grad_(False)
+            reference = [c.eval().requires_grad_(False) for c in provider.provide_distributed_model(wrap_with_ddp=False)]
             if load_weights and self._fp8_param:
-                bridge.load_hf_weights([reference])
-        return bridge, model, reference
+                bridge.load_hf_weights(reference)
+        return bridge, chunks, reference
 
     def _load_fp8_params_and_main_params(self) -> None:
         """fp8_param: load the HF weights into the FP8 parameters (quantized in place) and the exact
@@ -208,7 +222,7 @@ class MegatronPolicyBackend:
         previous = self.bridge.export_weight_dtype
         self.bridge.export_weight_dtype = "fp8"  # only for the capture; the refit exports bf16
         try:
-            self.bridge.load_hf_weights([self.model])
+            self.bridge.load_hf_weights(self.chunks)
         finally:
             self.bridge.export_weight_dtype = previous
         unquantized = getattr(self.bridge, "unquantized_state_dict", None)
@@ -219,7 +233,7 @@ class MegatronPolicyBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        optimizer = get_megatron_optimizer(OptimizerConfig(**settings.optimizer_config_kwargs(self.cfg)), [self.model])
+        optimizer = get_megatron_optimizer(OptimizerConfig(**settings.optimizer_config_kwargs(self.cfg)), self.chunks)
         return optimizer, OptimizerParamScheduler(optimizer, **settings.scheduler_kwargs(self.cfg))
 
     # ----------------------------------------------------------------------- forward
@@ -266,32 +280,57 @@ class MegatronPolicyBackend:
                                              group=self.tp_group, chunk_size=DEFAULT_CHUNK_SIZE,
                                              fused=self.cfg.megatron_cfg.logprob_kernel == "fused")
 
-    def _forward_logprobs(self, model, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
-        """[B, T] float32 log-probs of ``mb`` (on the device), 0 outside responses; with sequence packing the
-        rows run as one THD row and the log-probs are unpacked to ``mb``'s layout (a segment's first log-prob,
-        scored from the previous segment, falls on a prompt token: masked). ``lengths`` as in ``pack_micro_batch``."""
+    def _forward(self, model, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> tuple[Tensor, object]:
+        """(output, ids): a model chunk's forward on ``mb``, a THD row with sequence packing (``ids`` the
+        ``PackedRows``) or right padded (``ids`` the padded ``[B, T_pad]`` ids). The output is the logits on the last
+        pipeline stage, the hidden states on the others. ``lengths`` as in ``pack_micro_batch``."""
         if self.spec.train_packing is not None:
             packed = pack_micro_batch(self.spec.train_packing, mb, lengths)
-            lp = self._token_logprobs(self._packed_forward(model, packed), packed.token_ids)  # [1, T_total]
-            return unpack(lp[0], packed, mb.token_ids.shape[1]) * mb.token_mask
-        logits, ids_p = self._padded_forward(model, mb.token_ids)
-        return self._token_logprobs(logits, ids_p)[:, :mb.token_ids.shape[1]] * mb.token_mask
+            return self._packed_forward(model, packed), packed
+        return self._padded_forward(model, mb.token_ids)
+
+    def _logprobs_of(self, logits: Tensor, ids, mb: TrainBatch) -> Tensor:
+        """[B, T] float32 log-probs of ``mb`` from ``_forward``'s logits, 0 outside responses; a packed row's
+        log-probs unpacked to ``mb``'s layout (a segment's first log-prob, scored from the previous segment, falls on
+        a prompt token: masked)."""
+        if isinstance(ids, PackedRows):
+            lp = self._token_logprobs(logits, ids.token_ids)  # [1, T_total]
+            return unpack(lp[0], ids, mb.token_ids.shape[1]) * mb.token_mask
+        return self._token_logprobs(logits, ids)[:, :mb.token_ids.shape[1]] * mb.token_mask
+
+    def _forward_logprobs(self, model, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
+        """[B, T] float32 log-probs of ``mb`` (on the device) through the whole model (no pipeline parallelism)."""
+        return self._logprobs_of(*self._forward(model, mb, lengths), mb)
 
     @torch.no_grad()
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
-        """[B, T] float32 (CPU) log-probs of ``batch``'s responses; 0 elsewhere.
+        """[B, T] float32 (CPU) log-probs of ``batch``'s responses; 0 elsewhere. With pipeline parallelism only the
+        last stage's ranks return them (the others zeros; ``PolicyGroup`` reads the last stage).
 
         Raises:
             ValueError: ``reference=True`` without a reference model.
         """
         self.prepare_for_training()
-        model = self.reference if reference else self.model
-        if model is None:
+        chunks = self.reference_chunks if reference else self.chunks
+        if chunks is None:
             raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
-        model.eval()
-        requantize_fp8_weights(model)
-        return batched_logprobs(lambda mb, lengths: self._forward_logprobs(model, mb, lengths), batch,
-                                logprob_micro_batches(self.spec, batch), self.device)
+        for chunk in chunks:
+            chunk.eval()
+            requantize_fp8_weights(chunk)
+        micro_batches = logprob_micro_batches(self.spec, batch)
+        if self.pp_size == 1:
+            return batched_logprobs(lambda mb, lengths: self._forward_logprobs(chunks[0], mb, lengths), batch,
+                                    micro_batches, self.device)
+        out = torch.zeros(batch.token_ids.shape, dtype=torch.float32, device=self.device)
+
+        def keep(index, mb, lengths, ids, logits):
+            rows = row_index(micro_batches[index])
+            out[rows if isinstance(rows, slice) else rows.to(self.device), :max(lengths)] = \
+                self._logprobs_of(logits, ids, mb).float()
+
+        items = list(micro_batches_on(batch, micro_batches, self.device, batch.sequence_lengths()))
+        pipeline.run_micro_batches(chunks, items, self._forward, keep, True, self.pp_size, self.vpp_size)
+        return out.cpu()
 
     # ----------------------------------------------------------------------- training
     def train(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
@@ -306,16 +345,23 @@ class MegatronPolicyBackend:
 
         Each micro-batch's loss is normalised by its global batch's valid token / sequence counts
         (summed over data-parallel ranks); megatron-core sums gradients across ranks
-        (``calculate_per_token_loss``), so the update equals one rank's on the whole batch. fp16
+        (``calculate_per_token_loss``), so the update equals one rank's on the whole batch. The gradients are
+        finalised by megatron-core's ``finalize_model_grads`` (Megatron-LM's training loop does the same): the
+        data-parallel reduction, the sum over tensor-parallel ranks of the weights each holds whole but sees only
+        part of (layer norms under sequence parallelism, Qwen3's q/k norms: they would drift apart per rank without
+        it) and the tied embedding's gradient between the first and last pipeline stage. fp16
         scales the loss (``optimizer.scale_loss``); a step skipped for overflow is logged and
-        reported as ``grad_norm`` NaN.
+        reported as ``grad_norm`` NaN. With pipeline parallelism the metrics come from the last stage.
 
         Raises:
             ValueError: the batch fails validation or is not a multiple of the per-rank global batch.
             FloatingPointError: a non-finite gradient norm in bf16 / fp32 training.
         """
+        from megatron.core.distributed import finalize_model_grads
+
         self.prepare_for_training()
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         memory = CudaMemoryWindow(self.device)
         memory.start()
         self._train_calls += 1
@@ -327,17 +373,27 @@ class MegatronPolicyBackend:
         for gb_rows, (n_tokens, n_seqs, mbs) in zip(
                 micro_batches, global_batches(batch, micro_batches, self.device, self.dp_size, self.dp_group)):
             result.add_tokens(self.spec.train_packing, lengths, gb_rows, self.pad_multiple)
-            self.model.zero_grad_buffer()
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+                requantize_fp8_weights(chunk)  # the previous global batch's update changed the weights
             self.optimizer.zero_grad()
-            requantize_fp8_weights(self.model)  # the previous global batch's update changed the weights
             acc = MetricAccumulator(loss_fn.metric_reductions)
-            for mb, mb_lengths in mbs:
-                logprobs = self._forward_logprobs(self.model, mb, mb_lengths)
+
+            def loss_of(mb, logprobs, n_tokens=n_tokens, n_seqs=n_seqs, acc=acc):
                 loss, metrics = loss_fn(logprobs, mb, n_tokens, n_seqs)
-                self.optimizer.scale_loss(loss).backward()
                 acc.add(metrics)
                 prof.step()
-            self.model.finish_grad_sync()
+                return loss
+
+            if self.pp_size == 1:
+                for mb, mb_lengths in mbs:
+                    self.optimizer.scale_loss(loss_of(mb, self._forward_logprobs(self.model, mb, mb_lengths))).backward()
+            else:
+                pipeline.run_micro_batches(
+                    self.chunks, list(mbs), self._forward,
+                    lambda index, mb, lengths, ids, logits: loss_of(mb, self._logprobs_of(logits, ids, mb)),
+                    False, self.pp_size, self.vpp_size)
+            finalize_model_grads(self.chunks)
             lr = float(self.optimizer.param_groups[0]["lr"])  # this update's (the scheduler steps after it)
             ok, grad_norm, _ = self.optimizer.step()
             if ok:
@@ -366,13 +422,14 @@ class MegatronPolicyBackend:
         ``core_attention`` (after q/k layernorm and RoPE), ``[S, B, heads / tp, head_dim]``, or
         ``[T_total, heads / tp, head_dim]`` for a packed THD row (``policy.sequence_packing``: the
         log-prob bins; padding tokens masked out).
-        The amax is the max over tensor-parallel ranks (each holds some heads) and
-        data-parallel ranks.
+        The amax is the max over tensor-parallel ranks (each holds some heads),
+        data-parallel ranks and pipeline stages (each fills the rows of its layers: megatron-core's global
+        ``layer_number``).
         """
         self.prepare_for_training()
-        gpt = unwrap(self.model)
-        layers = list(gpt.decoder.layers)
-        amax = torch.zeros(3, int(gpt.config.num_layers), dtype=torch.float32, device=self.device)  # [q|k|v, L]
+        layers = [layer for chunk in self.chunks for layer in unwrap(chunk).decoder.layers]  # this stage's
+        num_layers = int(unwrap(self.model).config.num_layers)  # the whole model's
+        amax = torch.zeros(3, num_layers, dtype=torch.float32, device=self.device)  # [q|k|v, L]
         valid: dict[str, Tensor] = {}
 
         def hook_for(layer_idx: int):
@@ -386,34 +443,42 @@ class MegatronPolicyBackend:
 
         handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook_for(layer.layer_number - 1))
                    for layer in layers]
-        self.model.eval()
-        requantize_fp8_weights(self.model)
-        try:
-            for mb, lengths in micro_batches_on(batch, logprob_micro_batches(self.spec, batch), self.device,
-                                                batch.sequence_lengths()):
-                if self.spec.train_packing is not None:
-                    packed = pack_micro_batch(self.spec.train_packing, mb, lengths)
-                    valid["mask"] = real_token_mask(packed)  # [T_total]
-                    self._packed_forward(self.model, packed)
-                    continue
-                padded = self._padded_len(mb.token_ids.shape[1])
+        for chunk in self.chunks:
+            chunk.eval()
+            requantize_fp8_weights(chunk)
+
+        def forward(chunk, mb, lengths):
+            if self.spec.train_packing is not None:
+                valid["mask"] = real_token_mask(pack_micro_batch(self.spec.train_packing, mb, lengths))  # [T_total]
+            else:
                 seq_lens = mb.prompt_lengths + mb.response_lengths
+                padded = self._padded_len(mb.token_ids.shape[1])
                 valid["mask"] = torch.arange(padded, device=self.device)[:, None] < seq_lens[None, :]  # [S, B]
-                self._padded_forward(self.model, mb.token_ids)
+            return self._forward(chunk, mb, lengths)
+
+        items = micro_batches_on(batch, logprob_micro_batches(self.spec, batch), self.device, batch.sequence_lengths())
+        try:
+            if self.pp_size == 1:
+                for mb, lengths in items:
+                    forward(self.model, mb, lengths)
+            else:
+                pipeline.run_micro_batches(self.chunks, list(items), forward, lambda *_: None, True, self.pp_size,
+                                           self.vpp_size)
         finally:
             for h in handles:
                 h.remove()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # every rank: tensor- and data-parallel
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # every rank: tensor-, pipeline- and data-parallel
         return KvScales.from_amax(amax[0], amax[1], amax[2], step=step, margin=margin)
 
     # ----------------------------------------------------------------------- weights and lifecycle
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, tensor) for every weight: Megatron-Bridge's ``export_hf_weights``, streamed.
 
-        Every tensor-parallel rank must iterate it at the same time (it gathers shards);
+        Every tensor-parallel rank and pipeline stage of the replica must iterate it at the same time (it gathers
+        tensor-parallel shards and broadcasts each stage's layers to the others);
         the non-sending ranks call ``drain_weights``. Streams from wherever the weights are.
         """
-        for name, tensor in self.bridge.export_hf_weights([self.model], cpu=False, show_progress=False):
+        for name, tensor in self.bridge.export_hf_weights(self.chunks, cpu=False, show_progress=False):
             yield name, tensor
 
     def drain_weights(self) -> int:
@@ -421,7 +486,7 @@ class MegatronPolicyBackend:
         return sum(1 for _ in self.named_weights())
 
     def _ddp_buffers(self) -> list:
-        return [*self.model.buffers, *self.model.expert_parallel_buffers]
+        return [buf for chunk in self.chunks for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
 
     def _pin_weight_host_copies(self) -> None:
         """Allocate the page-locked host copies of the DDP parameter buffers now. megatron-core's first
@@ -477,8 +542,9 @@ class MegatronPolicyBackend:
         if not self._offloaded:
             return
         self._move_ddp_buffers(False, params="model" in self._offloaded, grads=True)
-        if self.reference is not None and "model" in self._offloaded:
-            self.reference.to(self.device)
+        if self.reference_chunks is not None and "model" in self._offloaded:
+            for chunk in self.reference_chunks:
+                chunk.to(self.device)
         self._move_optimizer_state("cuda")
         self._offloaded.clear()
 
@@ -491,7 +557,7 @@ class MegatronPolicyBackend:
         self._move_ddp_buffers(True, params=False, grads=True)
         if not self.cfg.megatron_cfg.optimizer.optimizer_cpu_offload:
             self._move_optimizer_state("cpu")
-        for module in self.model.modules():  # TE's cached FP8 weight copies
+        for module in (m for chunk in self.chunks for m in chunk.modules()):  # TE's cached FP8 weight copies
             if hasattr(module, "_fp8_workspaces"):
                 module._fp8_workspaces.clear()
         self._offloaded.add("optimizer")
@@ -510,82 +576,27 @@ class MegatronPolicyBackend:
             return
         self.offload_before_refit()
         self._move_ddp_buffers(True, params=True, grads=False)
-        if self.reference is not None:
-            self.reference.to("cpu")
+        for chunk in self.reference_chunks or []:
+            chunk.to("cpu")
         self._offloaded.add("model")
         self.release_cached_memory()
 
     # ----------------------------------------------------------------------- checkpoints
-    def _sharded_state_dict(self, is_loading: bool) -> dict:
-        model_sd = self.model.module.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
-            model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})}
-
     def save(self, path: str | Path) -> None:
-        """Every rank: model + optimizer with megatron-core's distributed checkpoint under
-        ``path/megatron``, the weights as an HF checkpoint under ``path/model`` (safetensors, for
-        evaluation, vLLM and the checkpoint check) and the step counters in ``path/optimizer.pt``."""
-        from megatron.core import dist_checkpointing
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        """Every rank: model + optimizer as megatron-core's distributed checkpoint, the weights as an HF checkpoint
+        (``nemo_fp8.policy.megatron.checkpoint.save``)."""
         self.prepare_for_training()
-        (path / "megatron").mkdir(exist_ok=True)
-        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), str(path / "megatron"))
-        self._save_hf(path / "model")
-        if self.rank == 0:
-            torch.save({"num_updates": self.num_updates}, path / "optimizer.pt")
-        dist.barrier()
-
-    def _save_hf(self, path: Path, shard_bytes: int = 4 << 30) -> None:
-        """The weights as an HF checkpoint (safetensors shards + the source's config and tokenizer
-        files): every rank iterates the export (it gathers shards), rank 0 writes. Bridge's own
-        ``save_hf_pretrained`` imports ModelOpt, which the stack does not carry."""
-        import json
-        import shutil
-
-        from safetensors.torch import save_file
-
-        shards: list[dict[str, Tensor]] = [{}]
-        size = 0
-        for name, t in self.named_weights():
-            if self.rank != 0:
-                continue
-            if size and size + t.numel() * t.element_size() > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t.detach().to("cpu", copy=True).contiguous()
-            size += t.numel() * t.element_size()
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            index = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(path / fname), metadata={"format": "pt"})
-                index.update({n: fname for n in shard})
-            (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-            src = Path(self.cfg.model_name)
-            for f in src.glob("*"):
-                if f.is_file() and (f.suffix in (".json", ".jinja", ".txt", ".model")) and "safetensors" not in f.name:
-                    shutil.copy2(f, path / f.name)
+        checkpoint.save(self, Path(path))
 
     def load(self, path: str | Path) -> None:
-        """Load what ``save`` wrote (learning rate and weight decay follow the config's schedule).
+        """Load what ``save`` wrote (``nemo_fp8.policy.megatron.checkpoint.load``; learning rate and weight decay
+        follow the config's schedule).
 
         Raises:
             FileNotFoundError: ``path`` lacks ``megatron/`` or ``optimizer.pt``.
         """
-        from megatron.core import dist_checkpointing
-
-        path = Path(path)
-        if not (path / "megatron").is_dir() or not (path / "optimizer.pt").is_file():
-            raise FileNotFoundError(f"policy checkpoint {path} needs megatron/ (megatron-core distributed checkpoint) "
-                                    "and optimizer.pt; it was not written by the megatron backend")
         self.prepare_for_training()
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), str(path / "megatron"))
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.num_updates = int(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)["num_updates"])
+        checkpoint.load(self, Path(path))
         # the config's schedule at the checkpoint's update count (a warm-up continues where it was), not the
         # checkpoint's learning rate and weight decay
         self.scheduler.num_steps = 0
@@ -596,6 +607,7 @@ class MegatronPolicyBackend:
         from megatron.core import parallel_state
 
         self.model = self.reference = self.optimizer = None  # type: ignore[assignment]
+        self.chunks = self.reference_chunks = []
         gc.collect()
         if parallel_state.is_initialized():
             parallel_state.destroy_model_parallel()

@@ -36,6 +36,12 @@ layer, norms and MoE routers stay BF16), divided by tensor parallelism. On the 8
 parallel 1 they are 12.9 GiB for Qwen3-8B: a layout that would otherwise pass on an 80 GB GPU and run out of
 memory in its first step.
 
+Model parallelism divides all of it: tensor parallelism splits every matrix, pipeline parallelism
+(``pipeline_model_parallel_size`` P) gives each stage 1/P of the decoder layers, the first stage the embedding and
+the last the output layer. For a model with untied embeddings (Llama-3.1-8B: 0.53B each, 7.0B in the layers) the
+two ends weigh the same and every stage holds about 1/P of the parameters, what the estimate counts; with tied
+embeddings the last stage holds a copy of the embedding too (megatron-core), which the estimate leaves out.
+
 Host memory (``TrainerMemory.host``): the optimizer CPU offload's part, plus, when the engine is
 colocated, what the backend moves out of the GPU around every generation: the weights (megatron-core's
 pinned ``param_data_cpu``, ``offload_after_refit``; the gradient buffer is freed, not copied) and,
@@ -96,21 +102,21 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
 
     Args:
         num_parameters: the model's parameter count (``checkpoint_parameter_counts``).
-        cfg: the policy config (``megatron_cfg``: optimizer, DDP, ``fp8_param``, tensor parallel size;
-            ``data_parallel_size``).
+        cfg: the policy config (``megatron_cfg``: optimizer, DDP, ``fp8_param``, tensor and pipeline parallel
+            sizes; ``data_parallel_size``).
         fp8_weight_params: parameters of the decoder layers' weight matrices (``checkpoint_parameter_counts``):
             with FP8 training and no ``fp8_param``, TransformerEngine's FP8 copies of them count 2 bytes each
             (``fp8_weight_copies``, module docstring); 0 leaves them out.
 
     Returns:
-        TrainerMemory: per GPU; tensor parallelism divides everything, data parallelism the optimizer
+        TrainerMemory: per GPU; tensor and pipeline parallelism divide everything, data parallelism the optimizer
         state (with the distributed optimizer); ``host``: bytes of host memory per rank (the optimizer
         CPU offload and, colocated with ``offload_trainer``, the state moved out around generation).
         Formulas and sources: the module docstring.
     """
     m = cfg.megatron_cfg
     o = m.optimizer
-    tp, dp = m.tensor_model_parallel_size, cfg.data_parallel_size
+    tp, dp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size, cfg.data_parallel_size  # model parallel
     grad = 4 if m.distributed_data_parallel_config.grad_reduce_in_fp32 else 2
     per_param = {"weights": 1 if m.fp8_cfg.fp8_param else 2, "grads": grad}
     grad_copy = 4 if grad != 4 else 0
@@ -231,7 +237,8 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     if est.per_gpu + NON_TORCH_BYTES + engine <= gpu_bytes:
         return errs
     m = cfg.megatron_cfg
-    hints = [f"policy.megatron_cfg.tensor_model_parallel_size (now {m.tensor_model_parallel_size}) divides all of it",
+    hints = [f"policy.megatron_cfg.tensor_model_parallel_size (now {m.tensor_model_parallel_size}) or "
+             f"pipeline_model_parallel_size (now {m.pipeline_model_parallel_size}) divides all of it",
              f"more data-parallel ranks (policy.data_parallel_size, now {cfg.data_parallel_size}) divide the optimizer "
              "state" + ("" if m.optimizer.use_distributed_optimizer else " with optimizer.use_distributed_optimizer=true")]
     if m.distributed_data_parallel_config.grad_reduce_in_fp32:

@@ -4,7 +4,7 @@ One function per megatron-core object, each returning plain keyword arguments, s
 is tested on CPU and the backend (``backend.py``) only passes them on:
 
 * ``provider_overrides`` -> attributes of Megatron-Bridge's ``GPTModelProvider`` (a megatron-core
-  ``TransformerConfig``): parallelism, dtypes, and the FP8 recipe (``fp8``, ``fp8_recipe``,
+  ``TransformerConfig``): parallelism (tensor, pipeline with its virtual stages), dtypes, and the FP8 recipe (``fp8``, ``fp8_recipe``,
   ``fp8_param``, ``first_last_layers_bf16`` with the layer counts of the layer-precision policy,
   the same ``policy.generation.vllm_cfg.num_{first,last}_layers_in_bf16`` the rollout uses);
 * ``ddp_config_kwargs`` -> ``DistributedDataParallelConfig``;
@@ -67,6 +67,10 @@ def provider_overrides(cfg: PolicyConfig) -> dict[str, Any]:
     out: dict[str, Any] = dict(
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        # pipeline stages exchange each micro-batch's hidden-state shape: packed rows and padded micro-batches
+        # keep their own lengths (nemo_fp8.policy.megatron.pipeline)
+        variable_seq_lengths=m.pipeline_model_parallel_size > 1,
         context_parallel_size=m.context_parallel_size,
         expert_model_parallel_size=m.expert_model_parallel_size,
         sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
