@@ -421,6 +421,10 @@ class PolicyConfig(StrictConfig):
         if self.sequence_packing.enabled:
             errs.append("shared_prefix_forward: true cannot run with policy.sequence_packing.enabled: true: packing bins "
                         "rows by length, not by prompt, and budgets every row's copy of its prompt; use one of them")
+        if self.pipeline_parallel_size > 1:
+            errs.append(f"shared_prefix_forward: true runs in the one-stage torch backend; pipeline stages "
+                        f"(policy.megatron_cfg.pipeline_model_parallel_size={self.pipeline_parallel_size}, "
+                        "nemo_fp8/policy/torch_pipeline.py) run the unshared forward (valid with it: 1)")
         return errs
 
     def config_errors(self) -> list[str]:
