@@ -144,6 +144,7 @@ def test_a_response_never_sees_another(backends):
     (["policy.megatron_cfg.enabled=true"], r"shared_prefix_forward: true needs the torch backend"),
     (["policy.sequence_packing.enabled=true"], r"shared_prefix_forward: true cannot run with "
                                                r"policy.sequence_packing.enabled"),
+    (["policy.megatron_cfg.pipeline_model_parallel_size=2"], r"shared_prefix_forward: true runs in the one-stage"),
 ])
 def test_config_refuses_what_shared_prefix_cannot_run(tiny_cfg, overrides, match):
     assert tiny_cfg("policy.shared_prefix_forward=true").policy.shared_prefix_forward
