@@ -412,19 +412,23 @@ class PolicyConfig(StrictConfig):
         return errs
 
     def _shared_prefix_errors(self) -> list[str]:
+        """``shared_prefix_forward`` runs in the one-stage torch backend, on micro-batches of whole rows."""
         if not self.shared_prefix_forward:
             return []
         errs = []
         if self.megatron_cfg.enabled:
-            errs.append("shared_prefix_forward: true needs the torch backend (policy.megatron_cfg.enabled: false); the "
-                        "megatron backend has no shared-prefix forward (valid with megatron: false)")
+            errs.append("shared_prefix_forward: true needs the torch backend (policy.megatron_cfg.enabled: false); "
+                        "the megatron backend has no shared-prefix forward (with megatron: "
+                        "policy.shared_prefix_forward=false)")
         if self.sequence_packing.enabled:
-            errs.append("shared_prefix_forward: true cannot run with policy.sequence_packing.enabled: true: packing bins "
-                        "rows by length, not by prompt, and budgets every row's copy of its prompt; use one of them")
+            errs.append("shared_prefix_forward: true cannot run with policy.sequence_packing.enabled: true: packing "
+                        "bins rows by length, not by prompt, and budgets every row's copy of its prompt; set one of "
+                        "them to false")
         if self.pipeline_parallel_size > 1:
             errs.append(f"shared_prefix_forward: true runs in the one-stage torch backend; pipeline stages "
                         f"(policy.megatron_cfg.pipeline_model_parallel_size={self.pipeline_parallel_size}, "
-                        "nemo_fp8/policy/torch_pipeline.py) run the unshared forward (valid with it: 1)")
+                        "nemo_fp8/policy/torch_pipeline.py) run the unshared forward (valid with stages: "
+                        "policy.shared_prefix_forward=false)")
         return errs
 
     def config_errors(self) -> list[str]:
