@@ -166,3 +166,12 @@ def test_a_log_dir_turned_read_only_or_full_is_named(tmp_path, tmpfs):
     fill_disk(logs)
     _assert_named_and_closes(_metrics_logger(logs, tensorboard=False), logs,
                              f"the disk is full ([Errno {errno.ENOSPC}]")
+
+
+def test_a_lock_on_a_removed_folder_is_released_without_raising(tmp_path):
+    import shutil
+
+    lock = FolderLock(tmp_path / "logs", "r").acquire()  # the lock creates the folder
+    shutil.rmtree(tmp_path / "logs")
+    lock.release()
+    FolderLock(tmp_path / "logs", "r2").acquire().release()  # free again
