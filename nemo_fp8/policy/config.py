@@ -342,6 +342,10 @@ class PolicyConfig(StrictConfig):
     optimizer: OptimizerConfig = OptimizerConfig()
     megatron_cfg: MegatronConfig = MegatronConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    # torch backend: a micro-batch's rows with equal prompts run as one row [prompt, response_1, ...], the prompt
+    # computed once (Prefix Grouper's shared-prefix forward; verl's actor.use_prefix_grouper); the same log-probs
+    # and gradients up to float rounding (nemo_fp8/policy/shared_prefix.py)
+    shared_prefix_forward: bool = False
     generation: GenerationConfig = GenerationConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     profile: ProfileConfig = ProfileConfig()
@@ -407,9 +411,29 @@ class PolicyConfig(StrictConfig):
                         f"multiple of policy.data_parallel_size={self.data_parallel_size}")
         return errs
 
+    def _shared_prefix_errors(self) -> list[str]:
+        """``shared_prefix_forward`` runs in the one-stage torch backend, on micro-batches of whole rows."""
+        if not self.shared_prefix_forward:
+            return []
+        errs = []
+        if self.megatron_cfg.enabled:
+            errs.append("shared_prefix_forward: true needs the torch backend (policy.megatron_cfg.enabled: false); "
+                        "the megatron backend has no shared-prefix forward (with megatron: "
+                        "policy.shared_prefix_forward=false)")
+        if self.sequence_packing.enabled:
+            errs.append("shared_prefix_forward: true cannot run with policy.sequence_packing.enabled: true: packing "
+                        "bins rows by length, not by prompt, and budgets every row's copy of its prompt; set one of "
+                        "them to false")
+        if self.pipeline_parallel_size > 1:
+            errs.append(f"shared_prefix_forward: true runs in the one-stage torch backend; pipeline stages "
+                        f"(policy.megatron_cfg.pipeline_model_parallel_size={self.pipeline_parallel_size}, "
+                        "nemo_fp8/policy/torch_pipeline.py) run the unshared forward (valid with stages: "
+                        "policy.shared_prefix_forward=false)")
+        return errs
+
     def config_errors(self) -> list[str]:
         gbs, mbs, dp = self.train_global_batch_size, self.train_micro_batch_size, self.data_parallel_size
-        errs = self._packing_errors()
+        errs = self._packing_errors() + self._shared_prefix_errors()
         if gbs % (mbs * dp) != 0:
             errs.append(f"train_micro_batch_size: {mbs} x policy.data_parallel_size={dp} must divide "
                         f"policy.train_global_batch_size={gbs}")

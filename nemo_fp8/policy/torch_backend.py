@@ -34,6 +34,7 @@ from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.packing import (PackedRows, PackingShape, block_causal_mask, pack_rows, packing_efficiency,
                                      plan_logprobs, plan_train, round_up, unpack)
 from nemo_fp8.policy.schedule import scheduled_lr
+from nemo_fp8.policy.shared_prefix import pack_shared_prefix, shared_prefix_logprobs
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.utils.metrics import MetricAccumulator
 
@@ -271,9 +272,12 @@ class TorchPolicyBackend:
     # ----------------------------------------------------------------------- log-probs
     def _forward_logprobs(self, model: nn.Module, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> Tensor:
         """[b, t] float32 log-probs of ``mb``'s responses (on the device), 0 elsewhere; with sequence packing
-        the rows run as one packed row (``_forward_packed``; ``lengths`` as in ``pack_micro_batch``)."""
+        the rows run as one packed row (``_forward_packed``; ``lengths`` as in ``pack_micro_batch``), with
+        ``policy.shared_prefix_forward`` one row per distinct prompt (``_forward_shared_prefix``)."""
         if self.spec.train_packing is not None:
             return self._forward_packed(model, mb, lengths)
+        if self.cfg.shared_prefix_forward:
+            return self._forward_shared_prefix(model, mb)
         ids = mb.token_ids.to(self.device)
         attn = attention_mask_for(mb.prompt_lengths, mb.response_lengths, ids.shape[1]).to(self.device)
         logits = model(input_ids=ids, attention_mask=attn).logits  # [B, T, V]
@@ -292,6 +296,17 @@ class TorchPolicyBackend:
                        ).logits  # [1, T_total, V]
         lp = unpack(token_logprobs(logits, ids, self.temperature)[0], packed, mb.token_ids.shape[1])  # [b, t]
         return lp * mb.token_mask.to(self.device)
+
+    def _forward_shared_prefix(self, model: nn.Module, mb: TrainBatch) -> Tensor:
+        """The shared-prefix forward (``nemo_fp8.policy.shared_prefix``): the rows with equal prompts run as one
+        row ``[prompt, response_1, ...]`` with positions restarting per response and a mask that keeps responses
+        apart; log-probs gathered back to ``mb``'s ``[b, t]`` layout. The grouping reads ``mb``'s token ids on the
+        host (one device read per micro-batch on a GPU)."""
+        packed = pack_shared_prefix(mb.token_ids.cpu(), mb.prompt_lengths.tolist(), mb.response_lengths.tolist()
+                                    ).to(self.device)
+        logits = model(input_ids=packed.token_ids, attention_mask=packed.attention_mask,
+                       position_ids=packed.position_ids).logits  # [G, L, V]
+        return shared_prefix_logprobs(logits, packed, tuple(mb.token_ids.shape), self.temperature)
 
     @torch.no_grad()
     def get_logprobs(self, batch: TrainBatch, reference: bool = False) -> Tensor:
@@ -386,7 +401,9 @@ class TorchPolicyBackend:
 
         q and k are measured as attention consumes them (after q/k-norm and RoPE): the forward
         runs with an attention function that records them (``transformers.AttentionInterface``)
-        and then computes SDPA. Across data-parallel ranks the amax is the max over ranks.
+        and then computes SDPA. Across data-parallel ranks the amax is the max over ranks. Always the unshared
+        forward, also with ``policy.shared_prefix_forward`` (the recorder finds real tokens through the 2-D
+        padding mask; a prompt's q, k, v are the same in each of its rows, so the amax would not change).
 
         Raises:
             ValueError: the model's attention layers do not expose ``layer_idx``.

@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from nemo_fp8.utils.config import LoggerConfig
+from nemo_fp8.utils.run_dir import RunFailed, os_error_reason
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ def format_row(metrics: dict[str, Any]) -> str:
     return " ".join(cells)
 
 
+class MetricsWriteError(RunFailed):
+    """``metrics.jsonl`` could not be written (a full disk, a read-only file system, the folder removed, an I/O
+    error); the message names the file and the error. The trainer ends the run with it and the resume hint; the
+    step's checkpoint, written after its row, is not committed, so ``--resume`` redoes that step."""
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (one object per step), TensorBoard scalars and wandb (if enabled).
 
@@ -72,9 +79,18 @@ class MetricsLogger:
         self._printed_header = False
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append step ``step``'s row to ``metrics.jsonl``, then TensorBoard, wandb and the console.
+
+        Raises:
+            MetricsWriteError: ``metrics.jsonl`` could not be written (any ``OSError``; names the file and why).
+        """
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}}
-        with self.jsonl_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            with self.jsonl_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            raise MetricsWriteError(f"the metrics file {self.jsonl_path} (logger.log_dir) could not be written at "
+                                    f"step {step}: {os_error_reason(e)}") from e
         numeric = {k: v for k, v in row.items() if isinstance(v, float) and k != "step"}
         if self._tb is not None:
             for k, v in numeric.items():
@@ -88,13 +104,18 @@ class MetricsLogger:
         tqdm.write(format_row(row))
 
     def close(self) -> Path | None:
-        """Flush writers and draw the reward/mismatch curves; returns the PNG path (or None)."""
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
-        if self.cfg.plot_enabled and self.jsonl_path.exists():
-            return plot_curves(self.jsonl_path, self.dir / "curves.png")
+        """Flush writers and draw the reward/mismatch curves; returns the PNG path (or None). A folder that can no
+        longer be written (the run may be ending because of it, ``MetricsWriteError``) is logged, not raised: it
+        must not replace the error that ends the run."""
+        try:
+            if self._tb is not None:
+                self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+            if self.cfg.plot_enabled and self.jsonl_path.exists():
+                return plot_curves(self.jsonl_path, self.dir / "curves.png")
+        except OSError as e:
+            logger.warning("closing the metrics writers in %s: %s", self.dir, os_error_reason(e))
         return None
 
 

@@ -161,12 +161,16 @@ class FolderLock:
     def release(self) -> None:
         """Drop the lock (safe to call twice); the lock file stays, its content is stale. A folder this lock
         created and the run left holding only the lock file (a run refused before it wrote anything) is
-        removed."""
+        removed. A folder removed or made unreadable meanwhile (the run may be ending because of it) is left as
+        it is: the lock is still dropped, and nothing is raised over the error that ends the run."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            if self._created and [p.name for p in self.folder.iterdir()] == [LOCK]:
-                (self.folder / LOCK).unlink()
-                self.folder.rmdir()
+            try:
+                if self._created and [p.name for p in self.folder.iterdir()] == [LOCK]:
+                    (self.folder / LOCK).unlink()
+                    self.folder.rmdir()
+            except OSError as e:
+                logger.warning("releasing the lock of %s: %s", self.folder, os_error_reason(e))
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 

@@ -134,7 +134,8 @@ def test_override_values_yaml_cannot_parse_are_text_or_clear_errors():
         assert msg.startswith(f"override {bad!r}: the value of grpo.max_num_steps ") and "quote it" in msg
     assert "data.nope: unknown key" in _error("data.nope=x: y")  # a mapping for a key we lack: the schema says so
     # a mapping where the key holds one still parses as YAML; Hydra's ++key= means key=
-    cfg = load_config(TINY, ["++policy.megatron_cfg.env_vars={A: b}", "policy.megatron_cfg.enabled=true"])
+    cfg = load_config(TINY, ["++policy.megatron_cfg.env_vars={A: b}", "policy.megatron_cfg.enabled=true",
+                             "policy.shared_prefix_forward=false"])
     assert cfg.policy.megatron_cfg.env_vars == {"A": "b"}
 
 
@@ -145,7 +146,8 @@ def test_float64_is_the_torch_reference_and_the_engines_keep_their_dtypes():
 
     from nemo_fp8.policy.megatron.settings import train_dtype
 
-    on_gpu = ["policy.megatron_cfg.enabled=true", "policy.generation.backend=vllm"]
+    on_gpu = ["policy.megatron_cfg.enabled=true", "policy.shared_prefix_forward=false",
+              "policy.generation.backend=vllm"]
     for bf16 in ("true", "false"):  # megatron trains the CPU default's float64 as it trained float32
         gpu = load_config(TINY, [*on_gpu, f"policy.megatron_cfg.optimizer.bf16={bf16}"])
         was = load_config(TINY, [*on_gpu, f"policy.megatron_cfg.optimizer.bf16={bf16}", "policy.precision=float32"])

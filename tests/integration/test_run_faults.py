@@ -1,5 +1,6 @@
 """The main job when a part of it fails mid-run: a generation engine killed (one of one, one of two), a disk
-that fills while a checkpoint is written, the reward scorer raising, Ctrl-C right after a checkpoint. Each must
+that fills while a checkpoint is written, the log folder removed, the reward scorer raising, Ctrl-C right after a
+checkpoint. Each must
 end within 15 s of the fault with one line naming what failed and how to continue, leave no Ray process behind,
 and leave a state that ``--resume`` continues."""
 
@@ -87,6 +88,24 @@ def test_a_full_disk_while_checkpointing_is_named_and_resume_continues(tiny_mode
     fill_disk(ckpt / "step_9.tmp")
     resume_finishes(tiny_model_dir, tmp_path)
     assert not (ckpt / "step_9.tmp").exists()
+
+
+def test_a_log_dir_removed_mid_run_is_named_within_15_s(tiny_model_dir, tmp_path):
+    import shutil
+
+    proc = start_job(tiny_model_dir, tmp_path, "grpo.max_num_steps=50")
+    procs = wait_for_checkpoint(proc, tmp_path)
+    step_s = json.loads((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()[0])["timing/step"]
+    shutil.rmtree(tmp_path / "logs")  # the next step's row cannot be written
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - t0
+    line = error_line(err)
+    assert proc.returncode == 1 and elapsed < 15 + 2 * step_s, (proc.returncode, elapsed, step_s, err[-3000:])
+    assert f"the metrics file {tmp_path / 'logs' / 'metrics.jsonl'} (logger.log_dir) could not be written" in line
+    assert "[Errno 2] No such file or directory" in line, line
+    assert "last checkpoint: " in line and "continue with --resume" in line and "Traceback" not in err, err[-3000:]
+    assert_none_left(procs)
 
 
 SCORER_FAILS = """

@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 BASE = ("policy.precision=float32", "policy.megatron_cfg.fp8_cfg.enabled=false", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=2", "policy.logprob_batch_size=3", "grpo.num_prompts_per_step=8",
         "grpo.num_generations_per_prompt=1", "loss_fn.use_importance_sampling_correction=true")
-PACKED = ("policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=128",
+PACKED = ("policy.shared_prefix_forward=false", "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=128",
           "policy.sequence_packing.logprob_mb_tokens=256", "policy.sequence_packing.sequence_length_round=8")
 
 

@@ -96,7 +96,8 @@ def _load(model_dir: Path, tmp_path: Path, *overrides: str):
         "logger.tensorboard_enabled=false", "policy.precision=float64", "policy.megatron_cfg.fp8_cfg.enabled=false",
         f"policy.train_global_batch_size={GBS}", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=3",
         "grpo.num_prompts_per_step=8",
-        "grpo.num_generations_per_prompt=1", "loss_fn.use_importance_sampling_correction=true", *overrides])
+        "grpo.num_generations_per_prompt=1", "loss_fn.use_importance_sampling_correction=true",
+        "policy.shared_prefix_forward=false", *overrides])  # stages run the unshared forward
 
 
 def test_config_pipeline_keys(tiny_model_dir, tmp_path):
@@ -224,7 +225,8 @@ def test_tiny_job_with_three_pipeline_stages_runs_and_resumes(shipped_tiny_model
     2 training steps, then --resume from the stages' checkpoint for a third."""
     from tests.integration.test_main_job import FAST, rows, run_job
 
-    args = (*FAST, "policy.megatron_cfg.pipeline_model_parallel_size=3", "policy.generation.num_engines=1",
+    args = (*FAST, "policy.megatron_cfg.pipeline_model_parallel_size=3", "policy.shared_prefix_forward=false",
+            "policy.generation.num_engines=1",
             "cluster.num_cpus=4")
     run_job(shipped_tiny_model, tmp_path, *args, "grpo.max_num_steps=2", config="grpo_math_tiny.yaml")
     saved = {p.name for p in (tmp_path / "ckpt" / "step_2").rglob("*")}

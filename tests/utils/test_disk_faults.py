@@ -121,3 +121,57 @@ def test_the_job_refuses_a_read_only_log_dir_with_exit_2_and_no_traceback(tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"logger.log_dir: {ro} is on a read-only file system" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
+
+
+def _metrics_logger(log_dir, tensorboard: bool):
+    from nemo_fp8.utils.config import LoggerConfig
+    from nemo_fp8.utils.logger import MetricsLogger
+
+    return MetricsLogger(LoggerConfig(log_dir=str(log_dir), tensorboard_enabled=tensorboard, plot_enabled=True), {})
+
+
+def _assert_named_and_closes(metrics_logger, path, why: str):
+    """The next row (longer than the file's last page: a full tmpfs still fits a short one) fails with a
+    ``MetricsWriteError`` naming the file and ``why``, which ends the run as a known fault (no traceback);
+    closing the writers afterwards does not raise over it."""
+    from nemo_fp8.distributed.teardown import describe_failure
+    from nemo_fp8.utils.logger import MetricsWriteError
+
+    with pytest.raises(MetricsWriteError) as e:
+        metrics_logger.log(2, {f"train/metric_{i}": 0.5 for i in range(1000)})
+    assert f"the metrics file {path / 'metrics.jsonl'} (logger.log_dir) could not be written at step 2: {why}" \
+        in str(e.value)
+    what, traceback_helps = describe_failure(e.value)
+    assert what.startswith("MetricsWriteError: the metrics file") and not traceback_helps
+    metrics_logger.close()
+
+
+def test_a_removed_log_dir_is_named_when_the_next_row_is_written(tmp_path):
+    import shutil
+
+    logs = tmp_path / "logs"
+    metrics_logger = _metrics_logger(logs, tensorboard=True)
+    metrics_logger.log(1, {"train/reward_mean": 0.5})
+    shutil.rmtree(logs)
+    _assert_named_and_closes(metrics_logger, logs, "FileNotFoundError: [Errno 2] No such file or directory")
+
+
+def test_a_log_dir_turned_read_only_or_full_is_named(tmp_path, tmpfs):
+    logs = tmpfs.mount("logs", 1)
+    metrics_logger = _metrics_logger(logs, tensorboard=False)
+    metrics_logger.log(1, {"train/reward_mean": 0.5})
+    subprocess.run(["mount", "-o", "remount,ro", str(logs)], check=True)
+    _assert_named_and_closes(metrics_logger, logs, f"the file system is read-only ([Errno {errno.EROFS}]")
+    subprocess.run(["mount", "-o", "remount,rw", str(logs)], check=True)
+    fill_disk(logs)
+    _assert_named_and_closes(_metrics_logger(logs, tensorboard=False), logs,
+                             f"the disk is full ([Errno {errno.ENOSPC}]")
+
+
+def test_a_lock_on_a_removed_folder_is_released_without_raising(tmp_path):
+    import shutil
+
+    lock = FolderLock(tmp_path / "logs", "r").acquire()  # the lock creates the folder
+    shutil.rmtree(tmp_path / "logs")
+    lock.release()
+    FolderLock(tmp_path / "logs", "r2").acquire().release()  # free again
