@@ -37,7 +37,50 @@ def load_causal_lm(model_name: str, dtype: torch.dtype, device: torch.device) ->
         raise FileNotFoundError(f"policy.model_name: {model_name!r} is not a local HF checkpoint folder "
                                 "(needs config.json and weights); this machine cannot download from a model hub")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    if dtype == torch.float64:
+        compute_in_float64(model)
     return model.to(device)
+
+
+def _rms_norm_in_input_dtype(self, hidden_states: Tensor) -> Tensor:
+    """HF's RMSNorm (``Qwen3RMSNorm``, ``LlamaRMSNorm``) without its cast to float32: in the input's dtype."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _rotary_in_float64(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """HF's default RoPE (``Qwen3RotaryEmbedding.forward``) with the angles, cos and sin in float64."""
+    freqs = position_ids[..., None].to(torch.float64) * self.inv_freq_float64.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def compute_in_float64(model: nn.Module) -> int:
+    """Make a float64 HF model compute in float64 end to end; returns the number of modules changed.
+
+    transformers' RMSNorm computes in float32 whatever the model's dtype (it upcasts for half precision), and its
+    RoPE computes the inverse frequencies, angles, cos and sin in float32: in a float64 model these are the only
+    float32 steps, and the vectorised float32 ``rsqrt`` / ``cos`` / ``sin`` and sums that torch picks by CPU type
+    (``ATEN_CPU_CAPABILITY``) differ in the last bit, which the float64 CPU recipe exists to avoid
+    (docs/first-run.md). Norms get ``_rms_norm_in_input_dtype``; default RoPE (``rope_type: default``) gets its
+    inverse frequencies ``1 / theta^(2i/d)`` recomputed in float64 (RoFormer, Su et al. 2021) and
+    ``_rotary_in_float64``; other RoPE types keep transformers' forward.
+    """
+    import types
+
+    changed = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+            changed += 1
+        elif name.endswith("RotaryEmbedding") and getattr(module, "rope_type", None) == "default":
+            dim = module.inv_freq.numel() * 2
+            theta = module.config.rope_parameters["rope_theta"]
+            module.inv_freq_float64 = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            module.forward = types.MethodType(_rotary_in_float64, module)
+            changed += 1
+    return changed
 
 
 def load_tokenizer(name: str):
