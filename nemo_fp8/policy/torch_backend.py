@@ -127,6 +127,19 @@ def _packing_metrics(results: list[ShardTrainResult], g: int) -> dict[str, float
                                                      sum(r.padded_tokens[g] for r in results))}
 
 
+def scoring_model(model, reference_model, reference: bool):
+    """The model ``get_logprobs`` scores with: ``reference_model`` when ``reference`` (the frozen initial weights of
+    the KL penalty), else ``model`` (shared by every policy backend).
+
+    Raises:
+        ValueError: ``reference=True`` without a reference model.
+    """
+    chosen = reference_model if reference else model
+    if chosen is None:
+        raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
+    return chosen
+
+
 def row_index(rows: list[int]) -> slice | Tensor:
     """``rows`` as an index for ``TrainBatch.select``: a slice (a view, no copy) when they are consecutive."""
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
@@ -316,9 +329,7 @@ class TorchPolicyBackend:
             ValueError: ``reference=True`` without a reference model.
         """
         self.prepare_for_training()
-        model = self.reference if reference else self.model
-        if model is None:
-            raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
+        model = scoring_model(self.model, self.reference, reference)
         was_training = model.training
         model.eval()
         out = batched_logprobs(lambda mb, lengths: self._forward_logprobs(model, mb, lengths), batch,

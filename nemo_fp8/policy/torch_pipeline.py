@@ -50,7 +50,7 @@ from nemo_fp8.policy.packing import block_causal_mask, unpack
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, TorchPolicyBackend, enable_fp8_training,
                                            global_batches, logprob_micro_batches, micro_batches_on,
-                                           pack_micro_batch, row_index, train_micro_batches)
+                                           pack_micro_batch, row_index, scoring_model, train_micro_batches)
 from nemo_fp8.utils.metrics import MetricAccumulator
 
 logger = logging.getLogger(__name__)
@@ -232,9 +232,7 @@ class TorchPipelineBackend(TorchPolicyBackend):
             ValueError: ``reference=True`` without a reference model.
         """
         self.prepare_for_training()
-        model = self.reference if reference else self.model
-        if model is None:
-            raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
+        model = scoring_model(self.model, self.reference, reference)
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.token_ids.shape, dtype=torch.float32)

@@ -58,7 +58,7 @@ from nemo_fp8.policy.offload import HostBuffers
 from nemo_fp8.policy.packing import PackedRows, real_token_mask, unpack
 from nemo_fp8.policy.torch_backend import (ShardTrainResult, batched_logprobs, global_batches, logprob_micro_batches,
                                            micro_batches_on, pack_micro_batch, reduce_train_results, row_index,
-                                           train_micro_batches)
+                                           scoring_model, train_micro_batches)
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.utils.memory import CudaMemoryWindow
 from nemo_fp8.utils.metrics import MetricAccumulator
@@ -311,9 +311,7 @@ class MegatronPolicyBackend:
             ValueError: ``reference=True`` without a reference model.
         """
         self.prepare_for_training()
-        chunks = self.reference_chunks if reference else self.chunks
-        if chunks is None:
-            raise ValueError("get_logprobs(reference=True): no reference model (loss_fn.reference_policy_kl_penalty is 0)")
+        chunks = scoring_model(self.chunks, self.reference_chunks, reference)
         for chunk in chunks:
             chunk.eval()
             requantize_fp8_weights(chunk)
