@@ -4,6 +4,8 @@
     python tools/async_vs_sync_tiny.py --out-dir logs/async-vs-sync                 # seeds 42 43 44, age 1
     python tools/async_vs_sync_tiny.py --out-dir logs/async-vs-sync --max-age 2 grpo.max_num_steps=80
     python tools/async_vs_sync_tiny.py --out-dir logs/async-vs-sync --report-only   # the table again
+    python tools/async_vs_sync_tiny.py --out-dir logs/async-vs-sync --modes async \
+        --sync-from logs/spread/native-seed{seed}                                     # synchronous runs made already
 
 Each run is ``examples/run_grpo_math.py`` on its embedded default (``examples/configs/grpo_math_tiny_fp8.yaml``, 60
 steps, validated on 512 problems at steps 0, 20, 40, 60) with ``grpo.seed`` set, one after the other (they share
@@ -80,7 +82,7 @@ def report(out: Path, seeds: list[int], modes: list[str]) -> tuple[str, bool]:
         stats[mode] = (m, se)
         lines.append(f"| {mode} | " + " | ".join(f"{a:.4f}" for a in accs) + f" | {m:.4f} | {se:.4f} | "
                      f"{sum(walls) / len(walls):.0f} |")
-    (ms, ses), (ma, sea) = stats[modes[0]], stats[modes[1]]
+    (ms, ses), (ma, _) = stats[modes[0]], stats[modes[1]]
     ok = ma >= ms - ses
     lines.append("")
     lines.append(f"{modes[1]} - sync: {ma - ms:+.4f} (sync standard error {ses:.4f}); "
@@ -94,14 +96,26 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     p.add_argument("--max-age", type=int, default=1, help="grpo.async_grpo.max_trajectory_age_steps")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--modes", choices=["both", "sync", "async"], default="both", help="which runs to make")
+    p.add_argument("--sync-from", help="the synchronous runs' folders, '{seed}' in place of the seed (e.g. "
+                   "tools/first_run_spread.py's native-seed{seed}: the same command); linked as sync-seed<S>")
     p.add_argument("overrides", nargs="*", help="key=value for every run")
     args = p.parse_args(argv)
     modes = ["sync", f"async-age{args.max_age}"]
     extra = {"sync": [], modes[1]: ["grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false",
                                     f"grpo.async_grpo.max_trajectory_age_steps={args.max_age}"]}
+    if args.sync_from:
+        for seed in args.seeds:
+            link, target = args.out_dir / f"sync-seed{seed}", Path(args.sync_from.format(seed=seed)).resolve()
+            if not (target / "metrics.jsonl").is_file():
+                raise SystemExit(f"--sync-from: {target} has no metrics.jsonl")
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            if not link.exists():
+                link.symlink_to(target, target_is_directory=True)
+    run_modes = {"both": modes, "sync": modes[:1], "async": modes[1:]}[args.modes]
     if not args.report_only:
         for seed in args.seeds:
-            for mode in modes:
+            for mode in run_modes:
                 seconds = run_one(args.out_dir / f"{mode}-seed{seed}", seed, [*extra[mode], *args.overrides])
                 print(f"{mode} seed {seed}: {seconds:.0f} s, final accuracy "
                       f"{final_accuracy(args.out_dir / f'{mode}-seed{seed}'):.4f}", flush=True)
