@@ -131,7 +131,6 @@ class MegatronPolicyBackend:
         # chunks: this rank's model chunks (one per virtual pipeline stage; the whole model without PP), DDP-wrapped
         self.bridge, self.chunks, self.reference_chunks = self._build(spec.keep_reference, load_weights)
         self.model = self.chunks[0]
-        self.reference = self.reference_chunks[0] if self.reference_chunks else None
         self.optimizer, self.scheduler = self._build_optimizer()
         config = unwrap(self.model).config
         config.finalize_model_grads_func = None  # train_shard finalises, without the schedule's 1/token-count scale
@@ -604,7 +603,7 @@ class MegatronPolicyBackend:
         """Leave the process groups and drop the model."""
         from megatron.core import parallel_state
 
-        self.model = self.reference = self.optimizer = None  # type: ignore[assignment]
+        self.model = self.optimizer = None  # type: ignore[assignment]
         self.chunks = self.reference_chunks = []
         gc.collect()
         if parallel_state.is_initialized():

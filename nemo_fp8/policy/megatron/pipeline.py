@@ -93,10 +93,3 @@ def run_micro_batches(chunks: list, micro_batches: Sequence, forward: Callable, 
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(items),
         seq_length=seq_length, micro_batch_size=rows, forward_only=forward_only)
 
-
-def is_last_stage() -> bool:
-    """This rank holds the pipeline's last stage (its output layer): where log-probs and losses are computed."""
-    from megatron.core import parallel_state
-
-    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-
