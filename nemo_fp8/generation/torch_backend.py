@@ -12,6 +12,7 @@ scales, as vLLM's FP8 KV cache with FlashAttention 3 does.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -287,8 +288,9 @@ class TorchGenerationBackend:
         # of a short rollout's time, and the FP8 emulation's cost grows with its rows.
         first, inverse = _distinct_rows(prompts)
         sel = torch.tensor(first, device=dev)  # [U]
+        cache_kw = _cache_kwarg(self.model)
         out = self.model(input_ids=ids[sel], attention_mask=attn[sel], position_ids=pos[sel], use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]  # [U, V]
+        cache, logits = _output_cache(out), out.logits[:, -1]  # [U, V]
         if len(first) < b:
             rows = torch.tensor(inverse, device=dev)  # [B]
             cache.reorder_cache(rows)  # [U, ...] -> [B, ...] per layer
@@ -314,8 +316,8 @@ class TorchGenerationBackend:
                 break
             attn = torch.cat([attn, active.long()[:, None]], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1]
+                             use_cache=True, **{cache_kw: cache})
+            cache, logits = _output_cache(out), out.logits[:, -1]
             next_pos = next_pos + 1
 
         resp = torch.stack(tokens, 1) if tokens else torch.zeros((b, 0), dtype=torch.long, device=dev)  # [B, R]
@@ -331,6 +333,17 @@ class TorchGenerationBackend:
             token_ids[i, n:n + r] = resp[i, :r]
             gen_lp[i, n:n + r] = resp_lp[i, :r]
         return GenerationOutput(token_ids.cpu(), plen.cpu(), resp_len.cpu(), gen_lp.cpu(), truncated.cpu())
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The name under which ``model.forward`` takes the KV cache: ``cache`` in recent transformers (5.2x), which
+    warn on every call given the former ``past_key_values``; ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _output_cache(out) -> object:
+    """The KV cache a forward returned, under either name (a ``ModelOutput`` holds its set fields as keys)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def _distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -1,5 +1,7 @@
 """The torch reference backends on the project's tiny model: contracts, refit, FP8 paths."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -50,6 +52,16 @@ def test_generation_contract_and_reproducibility(tiny_cfg, tok):
     for i in range(10):
         last = out.token_ids[i, out.prompt_lengths[i] + out.response_lengths[i] - 1]
         assert bool(out.truncated[i]) == (last.item() != tok.eos_token_id)
+
+
+def test_generation_warns_nothing(tiny_cfg, tok):
+    """The decode loop passes the KV cache under the name this transformers takes: given the former
+    ``past_key_values``, transformers 5.2x warns (FutureWarning) on every forward, in every worker's log."""
+    gen = make_generation(tiny_cfg(), tok, precision="bfloat16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen.generate(prompts(tok, 2), SamplingParams(max_new_tokens=3, seed=0))
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "fp8"])
