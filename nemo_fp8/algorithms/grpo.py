@@ -276,11 +276,14 @@ def grpo_step(step: int, prompt_batches: Iterator[list[PromptSample]], policy: P
 
 def step_sampling(cfg: LoopConfig, step: int, round_idx: int) -> SamplingParams:
     """Sampling of generation round ``round_idx`` of step ``step``; the seed depends only on the run's seed, the
-    step and the round, so a step made ahead (asynchronous GRPO) samples what the synchronous loop would."""
+    step and the round, so a step made ahead (asynchronous GRPO) samples what the synchronous loop would (also each
+    request's limit under ``policy.generation.response_limits``, drawn from the request's seed)."""
     g, gen_cfg = cfg.grpo, cfg.policy.generation
+    limits = gen_cfg.response_limits
     return SamplingParams(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
                           seed=g.seed * 1_000_003 + step * 101 + round_idx,
-                          stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
+                          stop_token_ids=tuple(gen_cfg.stop_token_ids or ()),
+                          response_limits=None if limits is None else limits.limits())
 
 
 def rollout_metrics(rollouts: list[Rollout], usable: int) -> dict[str, float]:

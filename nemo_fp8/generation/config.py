@@ -11,6 +11,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from nemo_fp8.distributed.config import SUPPORTED_TENSOR_PARALLEL_SIZES, colocated_engine_error  # noqa: F401
+from nemo_fp8.generation.interfaces import ResponseLimits
 from nemo_fp8.utils.config import StrictConfig
 
 SUPPORTED_WEIGHT_BLOCK_SIZE = [128, 128]
@@ -112,6 +113,21 @@ class ColocationConfig(StrictConfig):
         return self.enabled and self.offload_trainer
 
 
+class ResponseLimitsConfig(StrictConfig):
+    """``policy.generation.response_limits``: long-tailed per-request response limits for measuring rollouts
+    (``nemo_fp8.generation.interfaces.ResponseLimits``). Each rollout request's own ``max_new_tokens`` is a lognormal
+    draw around ``median_tokens`` (log-space spread ``sigma``), clamped to ``[min_tokens, max_new_tokens]``.
+    Validation keeps ``max_new_tokens``. Meant for timing runs on a model that seldom stops (the random 8B
+    checkpoint), whose responses then follow the draws; on a trained model a limit truncates responses."""
+
+    median_tokens: int = Field(ge=1)
+    sigma: float = Field(1.0, gt=0, le=4)
+    min_tokens: int = Field(1, ge=1)
+
+    def limits(self) -> ResponseLimits:
+        return ResponseLimits(median_tokens=self.median_tokens, sigma=self.sigma, min_tokens=self.min_tokens)
+
+
 class GenerationConfig(StrictConfig):
     backend: Literal["torch", "vllm"] = "torch"
     # the torch reference engine's high-precision dtype (what vLLM runs in bf16: attention, norms, embeddings,
@@ -126,6 +142,7 @@ class GenerationConfig(StrictConfig):
     stop_token_ids: Optional[list[int]] = None
     vllm_cfg: VllmConfig = VllmConfig()
     colocated: ColocationConfig = ColocationConfig()
+    response_limits: Optional[ResponseLimitsConfig] = None
     num_engines: Optional[int] = Field(
         None, ge=1, description="rollout engines (data parallel). None: every GPU of the run, GPUs / "
         "vllm_cfg.tensor_parallel_size (colocated: the policy's GPUs; else colocated.resources'); on CPU, one torch "
@@ -140,6 +157,10 @@ class GenerationConfig(StrictConfig):
         if self.backend == "vllm" and tp not in SUPPORTED_TENSOR_PARALLEL_SIZES:
             errs.append(f"vllm_cfg.tensor_parallel_size: {tp} is not supported (valid: "
                         f"{', '.join(map(str, SUPPORTED_TENSOR_PARALLEL_SIZES))})")
+        lim = self.response_limits
+        if lim is not None and not lim.min_tokens <= lim.median_tokens <= self.max_new_tokens:
+            errs.append(f"response_limits: min_tokens={lim.min_tokens} <= median_tokens={lim.median_tokens} <= "
+                        f"max_new_tokens={self.max_new_tokens} does not hold; valid: a median between the two bounds")
         per_node = self.colocated.resources.gpus_per_node
         if not self.colocated.enabled and per_node is not None and per_node % self.engine_gpus:
             errs.append(f"colocated.resources.gpus_per_node: {per_node} is not a multiple of "

@@ -19,6 +19,8 @@ tagged with the version (GRPO step) of the weights they were measured on.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence
 
@@ -26,6 +28,28 @@ from torch import Tensor
 
 from nemo_fp8.batch import GenerationOutput
 from nemo_fp8.distributed.weight_sync import WeightVersion  # noqa: F401 (part of this interface)
+
+
+@dataclass(frozen=True)
+class ResponseLimits:
+    """Long-tailed per-request response limits, for measuring rollouts whose lengths vary as real RL's do.
+
+    Each request gets its own ``max_new_tokens``: a lognormal draw (median ``median_tokens``, log-space standard
+    deviation ``sigma``) rounded and clamped to ``[min_tokens, SamplingParams.max_new_tokens]``, drawn from the
+    request's seed (``request_seed``), so every engine and the asynchronous loop give a request the same limit. With
+    a model that seldom stops (random weights) the responses take these lengths, and a synchronous rollout waits
+    on its longest; with a trained model a limit truncates the responses it cuts. RL response lengths are
+    long-tailed (DAPO, arXiv 2503.14476; verl's and NeMo-RL's asynchronous trainers exist for that tail).
+    """
+
+    median_tokens: int
+    sigma: float
+    min_tokens: int = 1
+
+    def limit(self, seed: int, max_new_tokens: int) -> int:
+        """The token limit (>= 1, <= ``max_new_tokens``) of the request seeded ``seed``."""
+        draw = random.Random(seed).lognormvariate(math.log(self.median_tokens), self.sigma)
+        return max(1, min(max_new_tokens, max(self.min_tokens, round(draw))))
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,8 @@ class SamplingParams:
         greedy: argmax decoding (validation); logprobs are then of logits / temperature too.
         seed: seed of the sampling RNG for this call (reproducible rollouts and resume).
         stop_token_ids: extra ids that end a sequence besides the tokenizer's EOS.
+        response_limits: per-request limits under ``max_new_tokens`` (``ResponseLimits``); None: every request
+            may use ``max_new_tokens``.
     """
 
     max_new_tokens: int
@@ -46,6 +72,7 @@ class SamplingParams:
     greedy: bool = False
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    response_limits: Optional[ResponseLimits] = None
 
 
 def request_seed(seed: int, row: int) -> int:
@@ -56,6 +83,23 @@ def request_seed(seed: int, row: int) -> int:
     ``SamplingParams.seed``, the torch engine as the seed of the request's own generator.
     """
     return seed * 1_000_003 + row
+
+
+def request_max_new_tokens(sampling: SamplingParams, num_requests: int,
+                           request_seeds: Optional[Sequence[int]] = None) -> list[int]:
+    """Each request's token limit: ``sampling.max_new_tokens``, or with ``sampling.response_limits`` its own draw from
+    its seed (``request_seeds[i]``, else ``request_seed(sampling.seed, i)``, as the engines seed requests).
+
+    Raises:
+        ValueError: ``request_seeds`` not of ``num_requests`` seeds.
+    """
+    if request_seeds is not None and len(request_seeds) != num_requests:
+        raise ValueError(f"request_max_new_tokens: {len(request_seeds)} request_seeds for {num_requests} requests")
+    if sampling.response_limits is None:
+        return [sampling.max_new_tokens] * num_requests
+    seeds = request_seeds if request_seeds is not None else [request_seed(sampling.seed, i)
+                                                            for i in range(num_requests)]
+    return [sampling.response_limits.limit(int(s), sampling.max_new_tokens) for s in seeds]
 
 
 class GenerationBackend(Protocol):

@@ -23,7 +23,7 @@ from nemo_fp8.batch import GenerationOutput, concat_padded
 from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.fp8 import Fp8BlockLinear, LayerPrecisionPlan, plan_layer_precision
 from nemo_fp8.fp8.kv_scales import is_kv_scale_name, parse_kv_scale_name
-from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion
+from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens
 from nemo_fp8.models.hf import enable_fp8_kv_attention, load_causal_lm
 
 logger = logging.getLogger(__name__)
@@ -258,18 +258,20 @@ class TorchGenerationBackend:
         if request_seeds is not None and len(request_seeds) != n:
             raise ValueError(f"generate: {len(request_seeds)} request_seeds for {n} prompts")
         shared = torch.Generator(device=self.device).manual_seed(sampling.seed) if request_seeds is None else None
+        limits = request_max_new_tokens(sampling, n, request_seeds)
         chunks, start = [], 0
         for size in sizes:
             rows = slice(start, start + size)
             gens = shared if shared is not None else [torch.Generator(device=self.device).manual_seed(int(s))
                                                       for s in request_seeds[rows]]
-            chunks.append(self._generate_chunk(prompt_token_ids[rows], sampling, gens))
+            chunks.append(self._generate_chunk(prompt_token_ids[rows], sampling, gens, limits[rows]))
             start += size
         return _concat_outputs(chunks, self.pad_token_id)
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
-                        gen: torch.Generator | list[torch.Generator]):
-        """One forward batch; ``gen``: one generator for the batch, or one per row."""
+                        gen: torch.Generator | list[torch.Generator], max_new_tokens: list[int]):
+        """One forward batch; ``gen``: one generator for the batch, or one per row; ``max_new_tokens``: each row's
+        token limit (``request_max_new_tokens``)."""
         b, dev = len(prompts), self.device
         plen = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
         width = int(plen.max())
@@ -279,7 +281,7 @@ class TorchGenerationBackend:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p, device=dev)
             attn[i, width - len(p):] = 1
-        limit = (self.max_total_sequence_length - plen).clamp(max=sampling.max_new_tokens)  # [B]
+        limit = torch.minimum(self.max_total_sequence_length - plen, torch.tensor(max_new_tokens, device=dev))  # [B]
         stop_ids = torch.tensor((self.eos_token_id, *sampling.stop_token_ids), device=dev)
 
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P]

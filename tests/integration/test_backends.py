@@ -86,6 +86,25 @@ def test_repeated_prompts_share_one_prompt_pass(tiny_cfg, tok, precision, monkey
     torch.testing.assert_close(shared.generation_logprobs, each.generation_logprobs, atol=2e-2, rtol=0)
 
 
+def test_response_limits_cap_each_request_at_its_own_limit(tiny_cfg, tok):
+    """``SamplingParams.response_limits``: every row stops at its own drawn limit, or earlier at EOS."""
+    from nemo_fp8.generation.interfaces import ResponseLimits, request_max_new_tokens, request_seed
+
+    gen = make_generation(tiny_cfg(), tok, precision="bfloat16")
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5,
+                              response_limits=ResponseLimits(median_tokens=2, sigma=1.0, min_tokens=1))
+    seeds = [request_seed(5, i) for i in range(12)]
+    limits = request_max_new_tokens(sampling, 12, seeds)
+    assert len(set(limits)) > 2
+    out = gen.generate(prompts(tok, 12), sampling, request_seeds=seeds).validate()
+    for i, n in enumerate(out.response_lengths.tolist()):
+        assert 1 <= n <= limits[i]
+        assert bool(out.truncated[i]) == (out.token_ids[i, out.prompt_lengths[i] + n - 1].item() != tok.eos_token_id)
+        if out.truncated[i]:
+            assert n == limits[i]
+    assert out.truncated.any()
+
+
 def test_max_total_sequence_length_caps_responses(tiny_cfg, tok):
     cfg = tiny_cfg("policy.max_total_sequence_length=22", "data.max_input_seq_length=20")
     gen = make_generation(cfg, tok, precision="bfloat16")

@@ -38,7 +38,7 @@ from torch import Tensor
 from nemo_fp8.batch import GenerationOutput
 from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.generation.config import VllmConfig
-from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_seed
+from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens, request_seed
 from nemo_fp8.generation.vllm.engine_args import init_fp8
 from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
 
@@ -285,7 +285,8 @@ class VllmGenerationBackend:
         ``request_seeds``: each request's ``SamplingParams.seed`` (default ``request_seed(sampling.seed, i)``, the
         same seeds a one-engine call gets), unless ``vllm_cfg.seed_each_request`` is false: then no request has
         a seed and vLLM samples the batch from its engine-seeded generator. ``chunk_sizes`` is ignored (vLLM
-        schedules its own batches).
+        schedules its own batches). With ``sampling.response_limits`` each request's ``max_tokens`` is its own
+        (``request_max_new_tokens``, drawn from the same per-request seeds whether or not they reach vLLM).
 
         Raises:
             RuntimeError: a refit in progress or refused; ``kv_cache_dtype='fp8'`` and no KV
@@ -311,6 +312,7 @@ class VllmGenerationBackend:
         from vllm import SamplingParams as VSP
 
         seeded = not sampling.greedy and self.vllm_cfg.seed_each_request
+        limits = request_max_new_tokens(sampling, len(prompt_token_ids), request_seeds)
         params = []
         for i, p in enumerate(prompt_token_ids):
             if not p or len(p) >= self.max_total_sequence_length:
@@ -318,7 +320,7 @@ class VllmGenerationBackend:
                                  f"{self.max_total_sequence_length - 1} (max_total_sequence_length - 1)")
             params.append(VSP(
                 n=1, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=1.0, top_k=0,
-                max_tokens=min(sampling.max_new_tokens, self.max_total_sequence_length - len(p)),
+                max_tokens=min(limits[i], self.max_total_sequence_length - len(p)),
                 seed=None if not seeded else (int(request_seeds[i]) if request_seeds is not None
                                               else request_seed(sampling.seed, i)),
                 logprobs=0, detokenize=False,
