@@ -12,11 +12,10 @@
 #   long-tailed: async step <= 0.85 x sync step, BF16 and FP8; FP8 async step <= 0.80 x BF16 async step.
 #   uniform: reported, not judged (report.md: each phase side by side; the bound of a split is the slower side).
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default; common.sh's is 560 s
-source "$(dirname "$0")/../common.sh"; suite_init async-8b-4gpu
+source "$(dirname "$0")/../common.sh"; source "$(dirname "$0")/../mission.sh"
+suite_init async-8b-4gpu
 R=examples/configs/recipes/llm/async-8b-4gpu
-ARMS=examples/configs/recipes/llm/arms
-[ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py \
-  --out models/qwen3-8b-random ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
+mission_checkpoint  # the recipes' random Qwen3-8B checkpoint, written when missing
 DEFAULT_RUNS="sync-longtail-bf16 async-longtail-bf16 sync-longtail-fp8 async-longtail-fp8"
 DEFAULT_RUNS="$DEFAULT_RUNS sync-uniform-bf16 async-uniform-bf16 sync-uniform-fp8 async-uniform-fp8"
 for v in ${RUNS:-$DEFAULT_RUNS}; do
@@ -24,8 +23,8 @@ for v in ${RUNS:-$DEFAULT_RUNS}; do
     echo "unknown run $v (valid: <sync|async>-<longtail|uniform>-<bf16|fp8>)"; exit 2; }
   mode=${BASH_REMATCH[1]} workload=${BASH_REMATCH[2]} precision=${BASH_REMATCH[3]}
   arms=()
-  [ "$precision" = fp8 ] && arms+=("$ARMS/fp8.yaml")
-  [ "$workload" = longtail ] && arms+=("$ARMS/longtail.yaml")
+  [ "$precision" = fp8 ] && arms+=("$MISSION_ARMS/fp8.yaml")
+  [ "$workload" = longtail ] && arms+=("$MISSION_ARMS/longtail.yaml")
   arm_args=()
   [ ${#arms[@]} = 0 ] || mapfile -t arm_args < <("$PYTHON" tools/recipe.py overrides "${arms[@]}")
   # shellcheck disable=SC2086
