@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,20 @@ def test_cli_rejects_bad_shape(tmp_path, capsys):
     assert load_tool("make_small_model").main(["--out", str(tmp_path / "x"), "--hidden-size", "100"]) == 2
     assert "hidden_size=100 must be a positive multiple of 128" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_cli_stops_before_the_sft_without_the_reward_dependency(tmp_path):
+    """The evaluation after the SFT scores with math-verify: without it the build must stop at start-up, before any
+    training (a GPU build is ~10 minutes of SFT), and write nothing."""
+    out = tmp_path / "chains"
+    code = ("import runpy, sys; sys.modules['math_verify'] = None; sys.path.insert(0, 'tools'); "
+            f"sys.argv = ['make_small_model.py', '--task', 'chains', '--tiny', '--out', {str(out)!r}]; "
+            "runpy.run_path('tools/make_small_model.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "math_verify" in proc.stderr
+    assert "[sft]" not in proc.stdout and "[small]" not in proc.stdout
+    assert not out.exists()
 
 
 def test_check_spec_lists_every_error():

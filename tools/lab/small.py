@@ -45,6 +45,8 @@ from nemo_fp8.data.prompts import PromptFormatter
 from nemo_fp8.data.schema import MathExample
 from nemo_fp8.models.sft import (causal_lm_loss, deterministic_training, pad_sft_batch, save_checkpoint_atomically,
                                  state_dict_sha256)
+# At import, not inside the evaluation: a missing math-verify then stops the build before the SFT, not after it.
+from nemo_fp8.rewards.math_reward import score_response
 
 logger = logging.getLogger(__name__)
 
@@ -425,8 +427,6 @@ def evaluate_greedy(model, tokenizer, examples: Sequence[MathExample], formatter
     Raises:
         ValueError: no examples.
     """
-    from nemo_fp8.rewards.math_reward import score_response
-
     if not examples:
         raise ValueError("evaluate_greedy: no examples")
     t0 = time.perf_counter()
