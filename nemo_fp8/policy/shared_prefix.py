@@ -151,6 +151,22 @@ def pack_shared_prefix(token_ids: Tensor, prompt_lengths: Sequence[int], respons
                             *index.unbind(0), groups=groups)
 
 
+def shared_prefix_tokens(token_ids: Tensor, prompt_lengths: Sequence[int],
+                         response_lengths: Sequence[int]) -> tuple[int, int]:
+    """(real, computed) tokens of the rows' shared-prefix packing (``pack_shared_prefix``), without building it.
+
+    Real: each distinct prompt once plus every response; computed: ``SharedPrefixRows.computed_tokens`` (packed rows
+    x the longest, padding included). Their ratio is the layout's ``packing_efficiency``.
+
+    Args:
+        token_ids: [B, T] int64 on the host (rows as ``pack_shared_prefix`` takes them).
+        prompt_lengths, response_lengths: [B] host ints.
+    """
+    groups = group_by_prompt(token_ids, prompt_lengths)
+    lengths = [int(prompt_lengths[g[0]]) + sum(int(response_lengths[i]) for i in g) for g in groups]
+    return sum(lengths), len(lengths) * max(lengths, default=0)
+
+
 def shared_prefix_logprobs(logits: Tensor, packed: SharedPrefixRows, shape: tuple[int, int],
                            temperature: float = 1.0) -> Tensor:
     """Log-probs of the micro-batch's response tokens from the packed rows' logits, in the rows' layout.

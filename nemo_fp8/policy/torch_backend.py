@@ -20,7 +20,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.packing import (PackedRows, PackingShape, block_causal_mask, pack_rows, packing_efficiency,
                                      plan_logprobs, plan_train, round_up, unpack)
 from nemo_fp8.policy.schedule import scheduled_lr
-from nemo_fp8.policy.shared_prefix import pack_shared_prefix, shared_prefix_logprobs
+from nemo_fp8.policy.shared_prefix import pack_shared_prefix, shared_prefix_logprobs, shared_prefix_tokens
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.utils.metrics import MetricAccumulator
 
@@ -75,13 +75,20 @@ class ShardTrainResult:
     memory: dict[str, float] = field(default_factory=dict)  # this rank's GPU memory over the call (``CudaMemoryWindow``)
 
     def add_tokens(self, shape: Optional[PackingShape], lengths: list[int], gb_rows: list[list[int]],
-                   row_multiple: int = 1) -> None:
+                   row_multiple: int = 1, shared_prefix_of: Optional[Callable[[list[int]], tuple[int, int]]] = None
+                   ) -> None:
         """Record one global batch's micro-batch count, real tokens and computed tokens: with sequence packing
         (``shape``: ``PolicySpec.train_packing``) each packed row's padded length, else rows x the micro-batch's
         width rounded up to ``row_multiple`` (the megatron backend's recipe multiple). ``lengths``: CPU prompt +
-        response lengths of the shard's rows (no device read)."""
+        response lengths of the shard's rows (no device read). ``shared_prefix_of`` (``policy.shared_prefix_forward``:
+        a micro-batch's rows -> its (real, computed) tokens, ``shared_prefix.shared_prefix_tokens``) counts the
+        packed layout that forward computes instead, each prompt once."""
         real = padded = 0
         for rows in gb_rows:
+            if shared_prefix_of is not None:
+                r, c = shared_prefix_of(rows)
+                real, padded = real + r, padded + c
+                continue
             lens = [lengths[i] for i in rows]
             real += sum(lens)
             if shape is not None:
@@ -91,6 +98,12 @@ class ShardTrainResult:
         self.micro_batches.append(len(gb_rows))
         self.real_tokens.append(real)
         self.padded_tokens.append(padded)
+
+
+def _shared_prefix_counter(batch: TrainBatch) -> Callable[[list[int]], tuple[int, int]]:
+    """Rows of ``batch`` -> (real, computed) tokens of their shared-prefix packing (``shared_prefix_tokens``)."""
+    ids, p_lens, r_lens = batch.token_ids.cpu(), batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
+    return lambda rows: shared_prefix_tokens(ids[rows], [p_lens[i] for i in rows], [r_lens[i] for i in rows])
 
 
 def reduce_train_results(results: list[ShardTrainResult]) -> dict[str, float]:
@@ -369,9 +382,11 @@ class TorchPolicyBackend:
         if micro_batches is None:
             batch, micro_batches = train_micro_batches(self.spec, batch, self.dp_size)
         lengths = batch.sequence_lengths()
+        # with the shared-prefix forward, the packed layout's tokens (as _forward_shared_prefix computes them)
+        shared_prefix_of = _shared_prefix_counter(batch) if self.cfg.shared_prefix_forward else None
         for gb_rows, (n_tokens, n_seqs, mbs) in zip(micro_batches,
                                                      global_batches(batch, micro_batches, self.device, self.dp_size)):
-            result.add_tokens(self.spec.train_packing, lengths, gb_rows)
+            result.add_tokens(self.spec.train_packing, lengths, gb_rows, shared_prefix_of=shared_prefix_of)
             self.optimizer.zero_grad(set_to_none=True)
             acc = MetricAccumulator(loss_fn.metric_reductions)
             for mb, mb_lengths in mbs:  # on the device: moved once, used twice

@@ -7,7 +7,9 @@ import torch
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.config import ConfigError
-from nemo_fp8.policy.shared_prefix import group_by_prompt, pack_shared_prefix, shared_prefix_mask
+from nemo_fp8.policy.shared_prefix import (group_by_prompt, pack_shared_prefix, shared_prefix_mask,
+                                          shared_prefix_tokens)
+from nemo_fp8.policy.torch_backend import row_micro_batches
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 
@@ -109,6 +111,30 @@ def test_shared_logprobs_and_gradients_equal_unshared(backends):
     torch.testing.assert_close(g1, g0, rtol=0, atol=1e-10)
     for k in ("loss", "grad_norm", "is_weight_mean"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-10, abs=1e-12), k
+
+
+def test_packing_efficiency_counts_the_shared_layout(backends):
+    """With the shared-prefix forward, ``packing_efficiency`` is that layout's: real tokens (each prompt once, every
+    response) over the packed rows' computed tokens, micro-batch by micro-batch; not the unshared rows'."""
+    (cfg, plain), (_, shared) = backends
+    batch = make_grouped_batch(plain.model.config.vocab_size)
+    batch.prev_logprobs = plain.get_logprobs(batch)
+    [gb_rows] = row_micro_batches(batch.size, 27, 9)
+    real = computed = 0
+    for rows in gb_rows:
+        sel = torch.tensor(rows)
+        packed = pack_shared_prefix(batch.token_ids[sel], batch.prompt_lengths[sel].tolist(),
+                                    batch.response_lengths[sel].tolist())
+        r, c = shared_prefix_tokens(batch.token_ids[sel], batch.prompt_lengths[sel].tolist(),
+                                    batch.response_lengths[sel].tolist())
+        assert c == packed.computed_tokens and r == int((packed.token_ids != 0).sum())  # ids >= 3: 0 is padding
+        real, computed = real + r, computed + c
+    metrics = {name: pol.train(batch, ClippedPGLossFn(cfg.loss_fn)) for name, pol in (("plain", plain),
+                                                                                       ("shared", shared))}
+    assert metrics["shared"]["packing_efficiency"] == pytest.approx(real / computed)
+    unshared_real = int((batch.prompt_lengths + batch.response_lengths).sum())
+    assert real < unshared_real  # the prompts counted once
+    assert metrics["plain"]["packing_efficiency"] != pytest.approx(metrics["shared"]["packing_efficiency"])
 
 
 def test_a_response_never_sees_another(backends):
