@@ -9,9 +9,8 @@ from nemo_fp8.batch import TrainBatch
 from nemo_fp8.config import ConfigError
 from nemo_fp8.policy.shared_prefix import (group_by_prompt, pack_shared_prefix, shared_prefix_mask,
                                           shared_prefix_tokens)
-from nemo_fp8.policy.torch_backend import row_micro_batches
 from nemo_fp8.policy.spec import PolicySpec
-from nemo_fp8.policy.torch_backend import TorchPolicyBackend
+from nemo_fp8.policy.torch_backend import TorchPolicyBackend, row_micro_batches
 
 CPU = torch.device("cpu")
 GROUP_SIZES = (8, 1, 5, 2, 8, 3)  # 27 rows; the group of 1 is a prompt of its own
