@@ -30,6 +30,7 @@ driver ends, so a ``kill -9`` of the driver leaves no Ray process behind either.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -212,6 +213,13 @@ def graceful_teardown(workers, procs: RayProcesses, timeout_s: float = 5.0) -> N
 
 
 _FORK_HOOK = False
+# Ctrl-C while the main thread forks (the reward's pebble workers, a subprocess): Python runs the at-fork hooks as
+# Python code, and a KeyboardInterrupt raised inside one (logging's lock release, say) is printed as "Exception
+# ignored", lost, and can leave that lock held. While the main thread forks, the watchdog's SIGINT handler defers
+# the interrupt to just after the fork; the forking thread blocks SIGINT until the child has let go of the
+# watchdog's pipe, so that one Ctrl-C is never counted twice.
+_FORK = {"active": False, "deferred": False}
+_FORK_MASK = threading.local()
 
 
 def _drop_wakeup_fd() -> None:
@@ -219,6 +227,55 @@ def _drop_wakeup_fd() -> None:
         signal.set_wakeup_fd(-1)
     except ValueError:  # not the main thread: nothing was inherited that Python would write to
         pass
+
+
+def _restore_sigint_mask() -> None:
+    old = getattr(_FORK_MASK, "old", None)
+    if old is None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    else:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _before_fork() -> None:
+    """Registered after the imports' hooks, so it runs first of the before-fork hooks."""
+    _FORK_MASK.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if threading.current_thread() is threading.main_thread():
+        _FORK["active"] = True
+
+
+def _after_fork_in_parent() -> None:
+    """Runs last of the parent's after-fork hooks. A Ctrl-C the fork deferred is raised in the main thread once
+    this hook has returned, by a helper thread: raised inside a hook it would be lost again."""
+    _restore_sigint_mask()  # a Ctrl-C pending in this thread runs the handler now, and is deferred
+    if threading.current_thread() is threading.main_thread():
+        if _FORK["deferred"]:
+            threading.Thread(target=_raise_deferred_interrupt, daemon=True, name="deferred-ctrl-c").start()
+        _FORK["active"] = False  # the last statement: nothing after it can raise inside this hook
+
+
+def _raise_deferred_interrupt() -> None:
+    """``KeyboardInterrupt`` in the main thread once it has left the fork, as an asynchronous exception
+    (``PyThreadState_SetAsyncExc``): a signal again would reach the watchdog's pipe as a second Ctrl-C."""
+    while _FORK["active"]:
+        time.sleep(0.001)
+    _FORK["deferred"] = False
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                               ctypes.py_object(KeyboardInterrupt))
+
+
+def _after_fork_in_child() -> None:
+    _FORK["active"] = _FORK["deferred"] = False
+    _drop_wakeup_fd()
+    _restore_sigint_mask()
+
+
+def _sigint_during_fork_deferred(signum, frame) -> None:
+    """Python's default Ctrl-C (``KeyboardInterrupt``), deferred while the main thread forks."""
+    if _FORK["active"]:
+        _FORK["deferred"] = True
+        return
+    raise KeyboardInterrupt
 
 
 class SignalWatchdog:
@@ -232,7 +289,9 @@ class SignalWatchdog:
     processes, prints the resume hint and exits with 130.
 
     Uses ``signal.set_wakeup_fd``: the C-level signal handler writes the signal number to a pipe even while
-    the main thread is blocked in native code; a daemon thread reads it. A Python handler for SIGTERM must be
+    the main thread is blocked in native code; a daemon thread reads it. Where Ctrl-C has Python's default handler,
+    ``start`` replaces it with one that raises the ``KeyboardInterrupt`` after a fork of the main thread rather than
+    inside its at-fork hooks (``_FORK``). A Python handler for SIGTERM must be
     installed (``nemo_fp8.utils.run_dir.raise_on_sigterm``), else nothing is written. Main thread only.
 
     Args:
@@ -250,13 +309,17 @@ class SignalWatchdog:
         self._read_fd = self._write_fd = None
         self._old_fd = -1
         self._old_sigint = None
+        self._default_sigint = None  # Python's default handler, where start replaced it
 
     def start(self) -> "SignalWatchdog":
         """Start watching (main thread only: ``signal.set_wakeup_fd``)."""
         global _FORK_HOOK
         if not _FORK_HOOK:  # a forked child (the reward's pebble workers) must not write its signals to our pipe
-            os.register_at_fork(after_in_child=_drop_wakeup_fd)
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                                after_in_child=_after_fork_in_child)
             _FORK_HOOK = True
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._default_sigint = signal.signal(signal.SIGINT, _sigint_during_fork_deferred)
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._old_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
@@ -311,6 +374,8 @@ class SignalWatchdog:
             return
         if self._old_sigint is not None:
             signal.signal(signal.SIGINT, self._old_sigint)
+        if self._default_sigint is not None:
+            signal.signal(signal.SIGINT, self._default_sigint)
         signal.set_wakeup_fd(self._old_fd)
         os.close(self._write_fd)  # the reader sees EOF and returns
         self._write_fd = None

@@ -137,6 +137,49 @@ def test_ctrl_c_watchdog_ends_a_hanging_cleanup_after_its_grace():
     assert gone_within(pid, start, 5)
 
 
+# Ctrl-C while the main thread forks: the signal is handled inside an at-fork hook that runs in the fork's window
+# (as logging's lock release does), registered before the watchdog's hooks as an import's would be.
+FORK_DRIVER = textwrap.dedent("""
+    import logging, os, signal, sys, time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    def hook():
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # bytecode: a handler that runs now runs inside the hook
+            pass
+
+    os.register_at_fork(after_in_parent=hook)
+    from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
+    SignalWatchdog(RayProcesses(), lambda: "continue with --resume", interrupt_grace_s=60).start()
+    pid = None
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("not interrupted", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted after the fork", flush=True)
+    os.waitpid(pid, 0)
+    logging.getLogger("driver").info("logging still works")  # its lock was released by its own at-fork hook
+    time.sleep(0.5)  # the watchdog reads its pipe
+""")
+
+
+def test_ctrl_c_during_a_fork_is_raised_after_it_once():
+    """The KeyboardInterrupt is neither lost in the hook (Python prints "Exception ignored" with a traceback and
+    drops it) nor counted twice by the watchdog: it reaches the main thread's own code right after the fork."""
+    proc = subprocess.run([sys.executable, "-c", FORK_DRIVER], capture_output=True, text=True, timeout=60,
+                          preexec_fn=sigint_default, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["interrupted after the fork"], (proc.stdout, proc.stderr)
+    assert "logging still works" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("press Ctrl-C again to stop at once") == 1 and "second Ctrl-C" not in proc.stderr
+
+
 def test_rays_excepthook_is_replaced_once_ray_is_torn_down():
     # Ray's hook reports an uncaught exception to the GCS before printing it: with the GCS gone that waits 60 s
     # and Ray then ends the process, the error unprinted.
