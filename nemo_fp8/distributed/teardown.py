@@ -244,14 +244,22 @@ def _before_fork() -> None:
         _FORK["active"] = True
 
 
+def _end_fork_window() -> None:
+    """Unblock Ctrl-C (one that came meanwhile runs the handler now, and is deferred), then end the window. A deferred
+    Ctrl-C is raised in the main thread by a helper thread once the hooks are done: raised inside a hook it would be
+    lost again."""
+    _restore_sigint_mask()
+    if _FORK["deferred"]:
+        threading.Thread(target=_raise_deferred_interrupt, daemon=True, name="deferred-ctrl-c").start()
+    _FORK["active"] = False  # the last statement: nothing after it can raise inside this hook
+
+
 def _after_fork_in_parent() -> None:
-    """Runs last of the parent's after-fork hooks. A Ctrl-C the fork deferred is raised in the main thread once
-    this hook has returned, by a helper thread: raised inside a hook it would be lost again."""
-    _restore_sigint_mask()  # a Ctrl-C pending in this thread runs the handler now, and is deferred
+    """Runs last of the parent's after-fork hooks."""
     if threading.current_thread() is threading.main_thread():
-        if _FORK["deferred"]:
-            threading.Thread(target=_raise_deferred_interrupt, daemon=True, name="deferred-ctrl-c").start()
-        _FORK["active"] = False  # the last statement: nothing after it can raise inside this hook
+        _end_fork_window()
+    else:
+        _restore_sigint_mask()
 
 
 def _raise_deferred_interrupt() -> None:
@@ -265,9 +273,11 @@ def _raise_deferred_interrupt() -> None:
 
 
 def _after_fork_in_child() -> None:
-    _FORK["active"] = _FORK["deferred"] = False
+    """The child lets go of the watchdog's pipe before it unblocks Ctrl-C, which it then handles as the parent
+    would (after its hooks)."""
     _drop_wakeup_fd()
-    _restore_sigint_mask()
+    _FORK["active"], _FORK["deferred"] = True, False
+    _end_fork_window()
 
 
 def _sigint_during_fork_deferred(signum, frame) -> None:

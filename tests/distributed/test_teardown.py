@@ -137,8 +137,9 @@ def test_ctrl_c_watchdog_ends_a_hanging_cleanup_after_its_grace():
     assert gone_within(pid, start, 5)
 
 
-# Ctrl-C while the main thread forks: the signal is handled inside an at-fork hook that runs in the fork's window
-# (as logging's lock release does), registered before the watchdog's hooks as an import's would be.
+# Ctrl-C while the main thread forks: in the parent and in the child, the signal comes inside an at-fork hook that
+# runs in the fork's window (as logging's lock release does), registered before the watchdog's hooks as an
+# import's would be.
 FORK_DRIVER = textwrap.dedent("""
     import logging, os, signal, sys, time
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -148,21 +149,28 @@ FORK_DRIVER = textwrap.dedent("""
         for _ in range(1000):  # bytecode: a handler that runs now runs inside the hook
             pass
 
-    os.register_at_fork(after_in_parent=hook)
+    def wait_for_ctrl_c():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    os.register_at_fork(after_in_parent=hook, after_in_child=hook)
     from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
     SignalWatchdog(RayProcesses(), lambda: "continue with --resume", interrupt_grace_s=60).start()
     pid = None
     try:
         pid = os.fork()
         if pid == 0:
-            os._exit(0)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
+            try:
+                wait_for_ctrl_c()
+                os._exit(1)
+            except KeyboardInterrupt:
+                os._exit(7)
+        wait_for_ctrl_c()
         print("not interrupted", flush=True)
     except KeyboardInterrupt:
         print("interrupted after the fork", flush=True)
-    os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
     logging.getLogger("driver").info("logging still works")  # its lock was released by its own at-fork hook
     time.sleep(0.5)  # the watchdog reads its pipe
 """)
@@ -170,11 +178,12 @@ FORK_DRIVER = textwrap.dedent("""
 
 def test_ctrl_c_during_a_fork_is_raised_after_it_once():
     """The KeyboardInterrupt is neither lost in the hook (Python prints "Exception ignored" with a traceback and
-    drops it) nor counted twice by the watchdog: it reaches the main thread's own code right after the fork."""
+    drops it) nor counted twice by the watchdog (the child's own Ctrl-C never reaches the parent's pipe): in both
+    processes it reaches the main thread's own code right after the fork."""
     proc = subprocess.run([sys.executable, "-c", FORK_DRIVER], capture_output=True, text=True, timeout=60,
                           preexec_fn=sigint_default, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["interrupted after the fork"], (proc.stdout, proc.stderr)
+    assert proc.stdout.splitlines() == ["interrupted after the fork", "child exit 7"], (proc.stdout, proc.stderr)
     assert "logging still works" in proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert proc.stderr.count("press Ctrl-C again to stop at once") == 1 and "second Ctrl-C" not in proc.stderr
