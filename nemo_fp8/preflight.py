@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from nemo_fp8.config import MasterConfig
+from nemo_fp8.utils.cpus import usable_cpus
 from nemo_fp8.utils.run_dir import RunSetupError
 
 logger = logging.getLogger(__name__)
@@ -216,13 +217,14 @@ def idle_gpus_warning(cfg: MasterConfig, need: dict[str, float]) -> str | None:
 
 
 def available_resources(cfg: MasterConfig) -> dict[str, float] | None:
-    """What a local Ray started with ``cluster.num_cpus`` will have (None: joining a cluster, unknown
-    before connecting; ``check_cluster`` compares after ``ray.init``)."""
+    """What a local Ray started with ``cluster.num_cpus`` will have (default: the CPUs this process may run on,
+    :func:`nemo_fp8.utils.cpus.usable_cpus`, as ``init_ray`` starts it; None: joining a cluster, unknown before
+    connecting; ``check_cluster`` compares after ``ray.init``)."""
     if cfg.cluster.address:
         return None
     import torch
 
-    return {"CPU": float(cfg.cluster.num_cpus or os.cpu_count() or 1),
+    return {"CPU": float(cfg.cluster.num_cpus or usable_cpus()),
             "GPU": float(torch.cuda.device_count() if torch.cuda.is_available() else 0)}
 
 

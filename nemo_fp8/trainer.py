@@ -10,7 +10,6 @@ checkpoint when asked and runs ``nemo_fp8.algorithms.grpo.grpo_train``. The entr
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from nemo_fp8.models.hf import load_tokenizer, resolve_device
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.rewards.interfaces import RewardScorer
 from nemo_fp8.utils.checkpoint import CheckpointManager
+from nemo_fp8.utils.cpus import usable_cpus
 from nemo_fp8.utils.logger import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     # Asynchronous GRPO runs the engines beside the ranks: the CPUs are shared among all of them.
     ranks = cfg.policy.data_parallel_size * cfg.policy.pipeline_parallel_size
     side_by_side = ranks + (plan.num_engines if cfg.grpo.async_grpo.enabled else 0)
-    threads = cfg.cluster.torch_threads_per_worker or max(1, (os.cpu_count() or 1) // side_by_side)
+    threads = cfg.cluster.torch_threads_per_worker or max(1, usable_cpus() // side_by_side)
     policy, generation = start_groups(pg, plan, policy_spec(cfg, device), generation_spec(cfg, tokenizer, device),
                                       torch_threads=threads)
     weight_sync = make_weight_sync(cfg, policy, generation)

@@ -23,6 +23,9 @@ whatever variants have a ``metrics.jsonl``; a failed variant is reported and the
 seeds of a variant the report adds validation accuracy over seeds with standard errors, the gain over the run, the
 difference from ``bf16``, TIS truncation and response length over training, also written to ``parity.json`` for
 ``tools/check_metrics.py <out-dir>/parity.json --by variant 'bf16/gain >= 0.15'``.
+
+Runs side by side are bound each to its own block of the CPUs (``--no-cpu-bind`` to leave them unbound): each run
+sizes its torch threads and its local Ray cluster to the CPUs it may run on, not to the whole machine.
 """
 
 import argparse
@@ -35,6 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+from nemo_fp8.utils.cpus import split_cpus
 from nemo_fp8.utils.logger import read_metrics
 from lab.parity_report import (parity_table, reward_gap_table, seed_group_table, seed_summaries, seed_summary_table,
                                summarize_run)
@@ -157,7 +161,8 @@ def parallel_overrides(overrides: list[str], parallel: int, kv_cache_gib: float)
 
 
 def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 1,
-                 stagger_s: float = 0.0, poll_s: float = 1.0, devices: list[str] | None = None) -> list[str]:
+                 stagger_s: float = 0.0, poll_s: float = 1.0, devices: list[str] | None = None,
+                 cpus: list[int] | None = None, min_cpus_per_run: int = 4) -> list[str]:
     """Run each variant's command, starts ``stagger_s`` apart; returns the failed.
 
     Without ``devices`` at most ``parallel`` run at once and see every GPU of the machine. With ``devices`` (GPU
@@ -165,13 +170,25 @@ def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 
     ``parallel`` runs per device: ``devices=["0", "1", "2", "3"]``, ``parallel=1`` runs four variants at once, one
     GPU each. Each run's output goes to ``<out_dir>/<variant>/run.log`` (its first line names its device); a
     failed variant's last output is printed and the others go on.
+
+    With ``cpus`` (CPU ids, e.g. this process's affinity) and more than one run at once, the CPUs are split into
+    one block per concurrent run (:func:`nemo_fp8.utils.cpus.split_cpus`; a device's runs get neighbouring
+    blocks) and each run is bound to a free block (its affinity, inherited by its Ray cluster, engines and
+    trainer, which size their threads and Ray CPUs to it) with ``OMP_NUM_THREADS`` set to the block's size
+    unless the environment sets it: otherwise each run sizes its thread pools to the whole machine. Blocks of
+    fewer than ``min_cpus_per_run`` CPUs leave the runs unbound (said once).
     """
     pending, running, failed = list(commands), {}, []
     load = {d: 0 for d in devices or []}
     capacity = parallel * len(load) if load else parallel
+    blocks = split_cpus(cpus, capacity, min_cpus_per_run) if cpus and capacity > 1 else None
+    if cpus and capacity > 1 and blocks is None:
+        print(f"[compare_precision] {len(cpus)} CPUs for {capacity} runs at once: fewer than {min_cpus_per_run} "
+              "each, so the runs are not bound to CPUs", flush=True)
+    free_blocks = set(range(capacity)) if blocks else set()
     last_start = -float("inf")
     while pending or running:
-        for name, (proc, log, dev) in list(running.items()):
+        for name, (proc, log, dev, block) in list(running.items()):
             rc = proc.poll()
             if rc is None:
                 continue
@@ -179,6 +196,8 @@ def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 
             del running[name]
             if dev is not None:
                 load[dev] -= 1
+            if block is not None:
+                free_blocks.add(block)
             if rc != 0:
                 tail = (out_dir / name / "run.log").read_text(errors="replace")[-3000:]
                 print(f"[{name}] failed (exit {rc}); last output:\n{tail}", file=sys.stderr, flush=True)
@@ -189,21 +208,42 @@ def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 
             name = pending.pop(0)
             (out_dir / name).mkdir(parents=True, exist_ok=True)
             log = open(out_dir / name / "run.log", "w")
-            dev, env = None, None
+            dev, env, block, bind = None, dict(os.environ), None, None
             if load:
                 dev = min(load, key=load.get)
                 load[dev] += 1
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": dev}
+                env["CUDA_VISIBLE_DEVICES"] = dev
                 log.write(f"[compare_precision] CUDA_VISIBLE_DEVICES={dev}\n")
-                log.flush()
-            proc = subprocess.Popen(commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running[name] = (proc, log, dev)
+            if blocks:
+                # a device's runs take the blocks next to each other: device i's are i*parallel .. i*parallel+parallel-1
+                mine = [b for b in sorted(free_blocks) if dev is None or b // parallel == list(load).index(dev)]
+                block = (mine or sorted(free_blocks))[0]
+                free_blocks.discard(block)
+                bind = blocks[block]
+                env.setdefault("OMP_NUM_THREADS", str(len(bind)))
+                log.write(f"[compare_precision] CPUs {_cpu_ranges(bind)} (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})\n")
+            log.flush()
+            proc = subprocess.Popen(commands[name], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=(lambda cpus=bind: os.sched_setaffinity(0, cpus)) if bind else None)
+            running[name] = (proc, log, dev, block)
             last_start = time.monotonic()
             print(f"[{name}] started{'' if dev is None else ' on GPU ' + dev} ({len(running)} running, "
                   f"{len(pending)} waiting)", flush=True)
             continue
         time.sleep(poll_s)
     return failed
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (taskset's notation)."""
+    spans, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            spans.append(f"{start}-{c}" if c != start else str(c))
+            start = None
+    return ",".join(spans)
 
 
 def report_sources(out_dir: Path, names: list[str], also: list[Path] = ()) -> dict[str, Path]:
@@ -313,6 +353,9 @@ def main(argv=None) -> int:
     p.add_argument("--stagger-s", type=float, default=None,
                    help="seconds between two starts (default: 45 on gpu, to spread the engines' start-up work: "
                         "compilation, CUDA graph capture; 0 on cpu)")
+    p.add_argument("--cpu-bind", action=argparse.BooleanOptionalAction, default=True,
+                   help="with several runs at once, bind each to its own block of this process's CPUs (OMP_NUM_THREADS "
+                        "too), at least 4 CPUs a run, else unbound (default: on)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="GPU with --parallel > 1: each engine's fixed KV cache (vLLM kv_cache_memory_bytes) in GiB, "
                         "instead of vLLM's memory profiling, which other variants' sleep/wake on the same GPU upset "
@@ -351,7 +394,8 @@ def main(argv=None) -> int:
             print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
         if args.dry_run:
             return 0
-        failed = run_variants(commands, out_dir, args.parallel, args.stagger_s, devices=devices)
+        cpus = sorted(os.sched_getaffinity(0)) if args.cpu_bind and hasattr(os, "sched_getaffinity") else None
+        failed = run_variants(commands, out_dir, args.parallel, args.stagger_s, devices=devices, cpus=cpus)
     also = [Path(a).resolve() for a in args.also]
     bad = [str(a) for a in also if not a.is_dir()]
     if bad:

@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import ray
 
+from nemo_fp8.utils.cpus import usable_cpus
+
 logger = logging.getLogger(__name__)
 
 
@@ -16,7 +18,9 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
     """Start (``address`` None: a local cluster of this process's own, even where other runs have theirs)
     or join a Ray cluster, once per driver process.
 
-    Ray's dashboard and usage stats are off; workers inherit the driver's ``PYTHONPATH`` plus
+    A local cluster gets ``num_cpus`` CPUs, by default the ones this process may run on (its affinity mask,
+    :func:`nemo_fp8.utils.cpus.usable_cpus`; Ray itself counts the whole machine): runs bound to a share of the
+    machine's cores then schedule, and pre-start workers, for that share. Ray's dashboard and usage stats are off; workers inherit the driver's ``PYTHONPATH`` plus
     the repository root, so ``nemo_fp8`` imports there without an install too.
     """
     if ray.is_initialized():
@@ -31,7 +35,8 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
         ray.init(address=address, **kwargs)
     else:  # "local": a cluster of this run's own; with None Ray joins the newest other local run's cluster
         # (concurrent runs on one machine, compare_precision --parallel), unless RAY_ADDRESS names one
-        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus, **kwargs)
+        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus or usable_cpus(),
+                 **kwargs)
     logger.info("ray: %s", ray.cluster_resources())
 
 

@@ -42,11 +42,12 @@ class ClusterConfig(StrictConfig):
 
     Attributes:
         address: None starts a local Ray; else e.g. ``"auto"`` or ``"ray://host:10001"``.
-        num_cpus: a local Ray's CPUs (None: this machine's).
+        num_cpus: a local Ray's CPUs (None: those this process may run on, its affinity mask).
         gpus_per_node: GPUs of each node: the policy's bundles go into one ``STRICT_PACK`` placement group per
             this many GPUs (0: all on one node); a multiple of ``policy.generation.vllm_cfg.tensor_parallel_size``.
         num_nodes: nodes; with ``gpus_per_node``, the GPUs the run may use (checked by the preflight).
-        torch_threads_per_worker: torch CPU threads per actor (None: CPUs / data-parallel ranks).
+        torch_threads_per_worker: torch CPU threads per actor (None: the CPUs this process may run on / the actors
+            that compute side by side: data-parallel ranks x pipeline stages, plus the engines with async GRPO).
     """
 
     address: Optional[str] = None  # None: start a local Ray; else e.g. "auto" or "ray://host:10001"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import re
 import subprocess
@@ -244,3 +245,43 @@ def test_run_variants_puts_each_run_on_one_device(tmp_path):
     devs = [(tmp_path / f"v{i}" / "run.log").read_text().split("dev ")[1].strip() for i in range(5)]
     assert set(devs) == {"2", "5"} and devs[:2] == ["2", "5"]
     assert (tmp_path / "v0" / "run.log").read_text().startswith("[compare_precision] CUDA_VISIBLE_DEVICES=2\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 CPUs to split")
+def test_run_variants_binds_each_run_side_by_side_to_its_own_cpus(tmp_path, capsys):
+    """Two runs at a time on two CPUs: each run (and what it starts) runs on one CPU, never the other run's, with
+    OMP_NUM_THREADS set to its share; a freed block goes to the next run; too few CPUs a run leaves them unbound."""
+    cp = load_tool("compare_precision")
+    two = sorted(os.sched_getaffinity(0))[:2]
+    show = [sys.executable, "-c", "import os, subprocess, sys, time; time.sleep(0.4); "
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], "
+            "capture_output=True, text=True).stdout.strip(); "
+            "print('cpus', sorted(os.sched_getaffinity(0)), 'child', child, 'omp', os.environ.get('OMP_NUM_THREADS'))"]
+    env_omp = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        failed = cp.run_variants({f"v{i}": show for i in range(3)}, tmp_path, parallel=2, poll_s=0.05, cpus=two,
+                                 min_cpus_per_run=1)
+    finally:
+        if env_omp is not None:
+            os.environ["OMP_NUM_THREADS"] = env_omp
+    assert failed == []
+    seen = []
+    for i in range(3):
+        log = (tmp_path / f"v{i}" / "run.log").read_text()
+        cpus = log.split("cpus ")[1].split(" child")[0]
+        assert cpus in (f"[{two[0]}]", f"[{two[1]}]"), log
+        assert f"child {cpus} omp 1" in log, log  # the run's own children inherit the binding
+        assert f"[compare_precision] CPUs {cpus[1:-1]} (OMP_NUM_THREADS=1)" in log
+        seen.append(cpus)
+    assert seen[0] != seen[1]  # the first two ran at once, each on its own CPU
+    # with devices, a device's runs get neighbouring blocks; here one block a device
+    failed = cp.run_variants({"d0": show, "d1": show}, tmp_path, parallel=1, poll_s=0.05, devices=["0", "1"],
+                             cpus=two, min_cpus_per_run=1)
+    assert failed == []
+    assert f"cpus [{two[0]}]" in (tmp_path / "d0" / "run.log").read_text()
+    assert f"cpus [{two[1]}]" in (tmp_path / "d1" / "run.log").read_text()
+    capsys.readouterr()
+    failed = cp.run_variants({"u0": show, "u1": show}, tmp_path, parallel=2, poll_s=0.05, cpus=two)
+    assert failed == [] and "fewer than 4 each, so the runs are not bound" in capsys.readouterr().out
+    assert "[compare_precision] CPUs" not in (tmp_path / "u0" / "run.log").read_text()
