@@ -20,8 +20,9 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
 
     A local cluster gets ``num_cpus`` CPUs, by default the ones this process may run on (its affinity mask,
     :func:`nemo_fp8.utils.cpus.usable_cpus`; Ray itself counts the whole machine): runs bound to a share of the
-    machine's cores then schedule, and pre-start workers, for that share. Ray's dashboard and usage stats are off; workers inherit the driver's ``PYTHONPATH`` plus
-    the repository root, so ``nemo_fp8`` imports there without an install too.
+    machine's cores then schedule for that share. Ray's dashboard and usage stats are
+    off; workers inherit the driver's ``PYTHONPATH`` plus the repository root, so ``nemo_fp8`` imports there
+    without an install too.
     """
     if ray.is_initialized():
         return
