@@ -246,6 +246,12 @@ def _cpu_ranges(cpus: list[int]) -> str:
     return ",".join(spans)
 
 
+def _cut_note(over_seeds: list[dict]) -> str:
+    """``"; later steps of a, b left out"`` for the runs :func:`seed_summaries` read only in part, else ``""``."""
+    cut = [label for row in over_seeds for label in row["cut_runs"]]
+    return f" (later steps of {', '.join(cut)} left out)" if cut else ""
+
+
 def report_sources(out_dir: Path, names: list[str], also: list[Path] = ()) -> dict[str, Path]:
     """Label -> ``metrics.jsonl`` of each run in the report: ``<out_dir>/<name>`` for ``names``, then every
     variant folder with metrics under each ``also`` folder (another comparison's ``--out-dir``: runs split
@@ -315,8 +321,9 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                   "seeds; se of the final accuracy: the validation set's binomial error and the spread across seeds; "
                   "gain: final minus start; the difference from " + baseline + ": Welch's se across seeds (the set's "
                   "error is shared); TIS-clamped tokens: fraction of tokens whose IS weight was clamped (and of steps "
-                  "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`):\n\n"
-                  + seed_summary_table(over_seeds, baseline))
+                  "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`). Every run "
+                  f"is read up to step {over_seeds[0]['final_step']}, the last validation all of them reached"
+                  + _cut_note(over_seeds) + ":\n\n" + seed_summary_table(over_seeds, baseline))
         (out_dir / "parity.json").write_text(json.dumps(over_seeds, indent=1))
     if concurrency > 1:
         notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "

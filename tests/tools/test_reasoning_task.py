@@ -285,3 +285,26 @@ def test_run_variants_binds_each_run_side_by_side_to_its_own_cpus(tmp_path, caps
     failed = cp.run_variants({"u0": show, "u1": show}, tmp_path, parallel=2, poll_s=0.05, cpus=two)
     assert failed == [] and "fewer than 4 each, so the runs are not bound" in capsys.readouterr().out
     assert "[compare_precision] CPUs" not in (tmp_path / "u0" / "run.log").read_text()
+
+
+def test_seed_summaries_read_every_run_up_to_the_last_validation_all_reached(tmp_path):
+    """A comparison cut short (bf16 validated at step 20, fp8+tis only at 10): final accuracy, gain and late reward
+    are all taken at step 10, and the report names the run whose later steps it left out."""
+    cp = load_tool("compare_precision")
+    long = _run_rows(0.25, 0.30, 1e-4, 200.0, None, steps=10)[:-1] + [
+        {"step": 10, "val/accuracy": 0.30, "val/num_samples": 1024.0}]
+    long += [{"step": s, "train/reward_mean": 0.9, "mismatch/gen_kl_error": 1e-4, "train/response_length_mean": 300.0}
+             for s in range(11, 21)] + [{"step": 20, "val/accuracy": 0.60, "val/num_samples": 1024.0}]
+    short = _run_rows(0.25, 0.29, 5e-4, 200.0, 0.001, steps=10)
+    for name, rows in (("bf16", long), ("fp8+tis", short)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert cp.write_report(tmp_path, ["bf16", "fp8+tis"]) is not None
+    rows = {r["label"]: r for r in json.loads((tmp_path / "parity.json").read_text())}
+    assert rows["bf16"]["final_step"] == 10 and rows["bf16"]["final_acc"] == pytest.approx(0.30)
+    assert rows["bf16"]["gain"] == pytest.approx(0.05) and rows["bf16"]["cut_runs"] == ["bf16"]
+    assert rows["fp8+tis"]["diff_final"] == pytest.approx(-0.01) and rows["fp8+tis"]["cut_runs"] == []
+    assert rows["bf16"]["response_length_last"] == pytest.approx(210.0)  # step 10's, not step 20's 300
+    md = (tmp_path / "parity.md").read_text()
+    assert "read up to step 10, the last validation all of them reached (later steps of bf16 left out)" in md
+    assert "final acc (step 10) +- se" in md

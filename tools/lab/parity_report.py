@@ -335,18 +335,32 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         of ``tools/check_metrics.py``), ``label`` (as named), ``seeds``, the means over seeds of
         :func:`run_stats`' numbers, ``final_acc_sd``, ``final_acc_se``, ``gain``, ``gain_se``, ``gain_z`` and,
         for variants other than ``baseline`` when it ran, ``diff_final`` / ``diff_final_se`` /
-        ``diff_late_reward`` / ``diff_late_reward_se``. A run without validations is left out.
+        ``diff_late_reward`` / ``diff_late_reward_se``; ``final_step``, the step every number is taken up to, and
+        ``cut_runs``, the variant's runs that validated later than that (their later steps left out). A run without
+        validations is left out.
+
+    Every run is read up to ``final_step``, the last validation step that every run with validations reached: a
+    comparison cut short (a lease's end, a crash) then sets all runs' final accuracy and late reward at the same
+    step, instead of one arm's step 20 against another's step 10.
     """
+    last_val = {label: max(r.get("step", 0) for r in rows if _num(r.get("val/accuracy")))
+                for label, rows in runs.items() if any(_num(r.get("val/accuracy")) for r in rows)}
+    final_step = min(last_val.values(), default=0)
     groups: dict[str, list[dict]] = {}
+    cut: dict[str, list[str]] = {}
     for base, labels in _seed_groups(runs).items():
         for label in labels:
             try:
-                groups.setdefault(base, []).append(run_stats(runs[label]))
+                groups.setdefault(base, []).append(
+                    run_stats([r for r in runs[label] if r.get("step", 0) <= final_step]))
             except ValueError:
                 continue
+            if last_val[label] > final_step:
+                cut.setdefault(base, []).append(label)
     out = []
     for base, stats in groups.items():
-        row: dict = {"variant": base.replace("+", "_"), "label": base, "seeds": len(stats)}
+        row: dict = {"variant": base.replace("+", "_"), "label": base, "seeds": len(stats),
+                     "final_step": final_step, "cut_runs": cut.get(base, [])}
         for key in stats[0]:
             xs = [s[key] for s in stats if s[key] is not None]
             row[key] = sum(xs) / len(xs) if xs else None
@@ -387,7 +401,8 @@ def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
     def pm(v, se, fmt: str = "{:+.4f}") -> str:
         return "-" if v is None else fmt.format(v) + ("" if se is None else f" +- {se:.4f}")
 
-    head = ["variant", "seeds", "start acc", "final acc +- se", "gain +- se (z)", f"final - {baseline} +- se",
+    head = ["variant", "seeds", "start acc", f"final acc (step {rows[0]['final_step']}) +- se", "gain +- se (z)",
+            f"final - {baseline} +- se",
             f"late reward - {baseline} +- se", "gen_kl_error (max)", "mult_prob_err", "TIS-clamped tokens (steps)",
             "response tokens first -> last"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
