@@ -11,8 +11,10 @@
 #   PARALLEL       runs at once on each GPU (default 2: ~10 s a step each on an H200 at 50 steps, ~10 min a run)
 #   VARIANTS       compare_precision.py variants (default all 15 runs, the checked arms' seeds first)
 #   PARITY_ARGS    more compare_precision.py arguments / key=value overrides (e.g. grpo.max_num_steps=100)
-# One 30-minute lease holds the build and one wave of runs (8 on 4 GPUs), not all 15: split the arms over leases
-# with VARIANTS (each lease rebuilds the same bits) and join the reports. Several hosts or leases:
+# One 30-minute lease holds the build (~744 s on an H200) and part of a wave of runs, not all 15. Either give the
+# built folder as MODEL (kept, or sent in parts: 401 MiB; weights_sha256 in its small_model_spec.json names the
+# bits) so that the lease holds only runs, or split the arms over leases with VARIANTS (each lease rebuilds the same
+# bits) and join the reports. Several hosts or leases:
 # OUT=logs/suites/parity-reasoning-b VARIANTS=... on the second, then
 #   python tools/compare_precision.py --backend gpu --report-only --out-dir logs/suites/parity-reasoning \
 #       --also logs/suites/parity-reasoning-b   (and the checks below on the joint parity.json)
