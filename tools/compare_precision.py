@@ -247,7 +247,7 @@ def _cpu_ranges(cpus: list[int]) -> str:
 
 
 def _cut_note(over_seeds: list[dict]) -> str:
-    """``"; later steps of a, b left out"`` for the runs :func:`seed_summaries` read only in part, else ``""``."""
+    """``" (later steps of a, b left out)"`` for the runs :func:`seed_summaries` read only in part, else ``""``."""
     cut = [label for row in over_seeds for label in row["cut_runs"]]
     return f" (later steps of {', '.join(cut)} left out)" if cut else ""
 

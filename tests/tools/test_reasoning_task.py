@@ -288,19 +288,22 @@ def test_run_variants_binds_each_run_side_by_side_to_its_own_cpus(tmp_path, caps
 
 
 def test_seed_summaries_read_every_run_up_to_the_last_validation_all_reached(tmp_path):
-    """A comparison cut short (bf16 validated at step 20, fp8+tis only at 10): final accuracy, gain and late reward
-    are all taken at step 10, and the report names the run whose later steps it left out."""
+    """A comparison cut short (bf16 validated at step 20, fp8+tis only at 10, fp8 cut before its first validation):
+    final accuracy, gain and late reward are all taken at step 10, the report names the run whose later steps it
+    left out, and the run with nothing to compare is left out instead of pulling every run back to step 0."""
     cp = load_tool("compare_precision")
     long = _run_rows(0.25, 0.30, 1e-4, 200.0, None, steps=10)[:-1] + [
         {"step": 10, "val/accuracy": 0.30, "val/num_samples": 1024.0}]
     long += [{"step": s, "train/reward_mean": 0.9, "mismatch/gen_kl_error": 1e-4, "train/response_length_mean": 300.0}
              for s in range(11, 21)] + [{"step": 20, "val/accuracy": 0.60, "val/num_samples": 1024.0}]
     short = _run_rows(0.25, 0.29, 5e-4, 200.0, 0.001, steps=10)
-    for name, rows in (("bf16", long), ("fp8+tis", short)):
+    barely = _run_rows(0.25, 0.29, 5e-4, 200.0, 0.001, steps=10)[:4]  # cut at step 3: no validation after its start
+    for name, rows in (("bf16", long), ("fp8+tis", short), ("fp8", barely)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    assert cp.write_report(tmp_path, ["bf16", "fp8+tis"]) is not None
+    assert cp.write_report(tmp_path, ["bf16", "fp8+tis", "fp8"]) is not None
     rows = {r["label"]: r for r in json.loads((tmp_path / "parity.json").read_text())}
+    assert set(rows) == {"bf16", "fp8+tis"}
     assert rows["bf16"]["final_step"] == 10 and rows["bf16"]["final_acc"] == pytest.approx(0.30)
     assert rows["bf16"]["gain"] == pytest.approx(0.05) and rows["bf16"]["cut_runs"] == ["bf16"]
     assert rows["fp8+tis"]["diff_final"] == pytest.approx(-0.01) and rows["fp8+tis"]["cut_runs"] == []

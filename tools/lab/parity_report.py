@@ -336,20 +336,22 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         :func:`run_stats`' numbers, ``final_acc_sd``, ``final_acc_se``, ``gain``, ``gain_se``, ``gain_z`` and,
         for variants other than ``baseline`` when it ran, ``diff_final`` / ``diff_final_se`` /
         ``diff_late_reward`` / ``diff_late_reward_se``; ``final_step``, the step every number is taken up to, and
-        ``cut_runs``, the variant's runs that validated later than that (their later steps left out). A run without
-        validations is left out.
+        ``cut_runs``, the variant's runs that validated later than that (their later steps left out). A run with no
+        validation after its start is left out.
 
     Every run is read up to ``final_step``, the last validation step that every run with validations reached: a
     comparison cut short (a lease's end, a crash) then sets all runs' final accuracy and late reward at the same
     step, instead of one arm's step 20 against another's step 10.
     """
-    last_val = {label: max(r.get("step", 0) for r in rows if _num(r.get("val/accuracy")))
-                for label, rows in runs.items() if any(_num(r.get("val/accuracy")) for r in rows)}
+    val_steps = {label: [r.get("step", 0) for r in rows if _num(r.get("val/accuracy"))] for label, rows in runs.items()}
+    last_val = {label: max(steps) for label, steps in val_steps.items() if len(steps) >= 2}
     final_step = min(last_val.values(), default=0)
     groups: dict[str, list[dict]] = {}
     cut: dict[str, list[str]] = {}
     for base, labels in _seed_groups(runs).items():
         for label in labels:
+            if label not in last_val:
+                continue
             try:
                 groups.setdefault(base, []).append(
                     run_stats([r for r in runs[label] if r.get("step", 0) <= final_step]))
