@@ -215,9 +215,8 @@ def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 
                 env["CUDA_VISIBLE_DEVICES"] = dev
                 log.write(f"[compare_precision] CUDA_VISIBLE_DEVICES={dev}\n")
             if blocks:
-                # a device's runs take the blocks next to each other: device i's are i*parallel .. i*parallel+parallel-1
-                mine = [b for b in sorted(free_blocks) if dev is None or b // parallel == list(load).index(dev)]
-                block = (mine or sorted(free_blocks))[0]
+                # device i owns blocks i*parallel .. i*parallel+parallel-1 and runs at most parallel at once
+                block = min(b for b in free_blocks if dev is None or b // parallel == list(load).index(dev))
                 free_blocks.discard(block)
                 bind = blocks[block]
                 env.setdefault("OMP_NUM_THREADS", str(len(bind)))
