@@ -8,10 +8,11 @@
 #                  host of the same GPU type and software; on one H200 1,300 steps take ~590 s, 2,000 do not fit 10 min)
 #   START_MIN/MAX  the start's held-out greedy accuracy must lie in [START_MIN, START_MAX] (default 0.15-0.35)
 #   DEVICES        GPU indices (default 0,1,2,3)
-#   PARALLEL       runs at once on each GPU (default 2: ~10 s a step each on an H200 at 50 steps, ~10 min a run)
+#   PARALLEL       runs at once on each GPU (default 4: the 15 runs in one wave, each on 4 of a 64-CPU host's CPUs;
+#                  on H200s ~13 s a step for bf16, ~16 for fp8, ~20 for fp8kv+tis: ~21 min for the wave)
 #   VARIANTS       compare_precision.py variants (default all 15 runs, the checked arms' seeds first)
 #   PARITY_ARGS    more compare_precision.py arguments / key=value overrides (e.g. grpo.max_num_steps=100)
-# One 30-minute lease holds the build (~744 s on an H200) and part of a wave of runs, not all 15. Either give the
+# One 30-minute lease holds the build (~744 s on an H200) or the wave of 15 runs, not both. Either give the
 # built folder as MODEL (kept, or sent in parts: 401 MiB; weights_sha256 in its small_model_spec.json names the
 # bits) so that the lease holds only runs, or split the arms over leases with VARIANTS (each lease rebuilds the same
 # bits) and join the reports. Several hosts or leases:
@@ -23,7 +24,7 @@
 # seeds); FP8 + TIS's gen_kl_error <= 1e-3. The no-correction arm is measured (parity.md), not judged.
 # Each arm's config, as compare_precision.py's variant keys make it from the base recipe (a CPU test keeps them equal):
 # examples/configs/recipes/llm/parity-reasoning/{bf16,fp8-tis,fp8,fp8kv-tis,fp8-e2e-tis}.yaml
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-3600}  # two waves of ~10-minute runs after a ~12-minute build; common.sh's default is 560 s
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-3600}  # one ~21-minute wave after a ~12-minute build; common.sh's default is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init parity-reasoning
 MODEL=${MODEL:-models/reasoning-qwen3}
 [ -f "$MODEL/small_model_spec.json" ] || "$PYTHON" tools/make_small_model.py --task chains --out "$MODEL" \
@@ -41,7 +42,7 @@ PY
 ARMS="bf16 fp8+tis bf16-seed2 fp8+tis-seed2 bf16-seed3 fp8+tis-seed3 fp8 fp8-seed2 fp8-seed3 fp8kv+tis fp8kv+tis-seed2"
 ARMS="$ARMS fp8kv+tis-seed3 fp8-e2e+tis fp8-e2e+tis-seed2 fp8-e2e+tis-seed3"
 timeout "$SUITE_TIMEOUT" "$PYTHON" tools/compare_precision.py --backend gpu --out-dir "$OUT" \
-  --config examples/configs/recipes/llm/parity-reasoning/bf16.yaml --devices "${DEVICES:-0,1,2,3}" --parallel "${PARALLEL:-2}" --stagger-s 20 \
+  --config examples/configs/recipes/llm/parity-reasoning/bf16.yaml --devices "${DEVICES:-0,1,2,3}" --parallel "${PARALLEL:-4}" --stagger-s 20 \
   --variants "${VARIANTS:-${ARMS// /,}}" policy.model_name="$MODEL" data.train_path="$MODEL/data/rl_train.jsonl" \
   data.val_path="$MODEL/data/val.jsonl" checkpointing.enabled=false ${PARITY_ARGS:-} > "$OUT/parity.log" 2>&1
 tail -60 "$OUT/parity.log"
