@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from nemo_fp8.utils.cpus import split_cpus
+from nemo_fp8.utils.cpus import affinity_cpus, split_cpus
 from nemo_fp8.utils.logger import read_metrics
 from lab.parity_report import (parity_table, reward_gap_table, seed_group_table, seed_summaries, seed_summary_table,
                                summarize_run)
@@ -181,10 +181,12 @@ def run_variants(commands: dict[str, list[str]], out_dir: Path, parallel: int = 
     pending, running, failed = list(commands), {}, []
     load = {d: 0 for d in devices or []}
     capacity = parallel * len(load) if load else parallel
-    blocks = split_cpus(cpus, capacity, min_cpus_per_run) if cpus and capacity > 1 else None
-    if cpus and capacity > 1 and blocks is None:
-        print(f"[compare_precision] {len(cpus)} CPUs for {capacity} runs at once: fewer than {min_cpus_per_run} "
-              "each, so the runs are not bound to CPUs", flush=True)
+    blocks = None
+    if cpus and capacity > 1:
+        blocks = split_cpus(cpus, capacity, min_cpus_per_run)
+        if blocks is None:
+            print(f"[compare_precision] {len(cpus)} CPUs for {capacity} runs at once: fewer than {min_cpus_per_run} "
+                  "each, so the runs are not bound to CPUs", flush=True)
     free_blocks = set(range(capacity)) if blocks else set()
     last_start = -float("inf")
     while pending or running:
@@ -400,7 +402,7 @@ def main(argv=None) -> int:
             print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
         if args.dry_run:
             return 0
-        cpus = sorted(os.sched_getaffinity(0)) if args.cpu_bind and hasattr(os, "sched_getaffinity") else None
+        cpus = affinity_cpus() if args.cpu_bind else None
         failed = run_variants(commands, out_dir, args.parallel, args.stagger_s, devices=devices, cpus=cpus)
     also = [Path(a).resolve() for a in args.also]
     bad = [str(a) for a in also if not a.is_dir()]

@@ -13,13 +13,19 @@ import os
 from typing import Sequence
 
 
+def affinity_cpus() -> list[int] | None:
+    """The ids of the CPUs this process may run on (its affinity mask, ``os.sched_getaffinity``), sorted; None
+    where the platform has no affinity call (macOS)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return sorted(os.sched_getaffinity(0))
+
+
 def usable_cpus() -> int:
-    """How many CPUs this process may run on: the size of its affinity mask (``os.sched_getaffinity``), or
-    ``os.cpu_count()`` where the platform has no affinity call (macOS). Always >= 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return os.cpu_count() or 1
+    """How many CPUs this process may run on: the size of its affinity mask (:func:`affinity_cpus`), or
+    ``os.cpu_count()`` where the platform has no affinity call. Always >= 1."""
+    ids = affinity_cpus()
+    return max(1, len(ids)) if ids is not None else os.cpu_count() or 1
 
 
 def split_cpus(cpus: Sequence[int], slots: int, min_per_slot: int = 1) -> list[list[int]] | None:
