@@ -121,12 +121,15 @@ def test_mission_suite_composes_layout_arms_and_host(tmp_path):
     assert cfgs["fp8tw"].policy.generation.vllm_cfg.kv_cache_dtype == "auto"
 
 
-def test_mission_suite_refuses_an_unknown_layout_and_run(tmp_path):
-    for env, says in [("MISSION_LAYOUT=tp3", "valid: pp2 pp4 tp1 tp2 auto"), ("RUNS=fp4", "unknown run fp4")]:
+def test_mission_suite_refuses_an_unknown_layout_and_run_before_any_work(tmp_path):
+    """Bad input exits 2 before the 16 GB random checkpoint or a run starts: the stand-ins mark whether they ran."""
+    for env, says in [("MISSION_LAYOUT=tp3", "valid: pp2 pp4 tp1 tp2 auto"), ("RUNS='bf16 fp4'", "unknown run fp4")]:
         script = (f"PYTHON={sys.executable}; source tests/test_suites/common.sh; source tests/test_suites/mission.sh; "
-                  f"SUITE=mission-8b-4gpu; OUT={tmp_path}; CEILING=0 {env} mission_suite auto")
+                  f"SUITE=mission-8b-4gpu; OUT={tmp_path}; mission_checkpoint() {{ touch $OUT/checkpoint.started; }}; "
+                  f'run_grpo() {{ touch "$OUT/$1.started"; }}; CEILING=0 {env} mission_suite auto')
         res = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True)
         assert res.returncode == 2 and says in res.stdout + res.stderr
+        assert not list(tmp_path.glob("*.started")), res.stdout + res.stderr
 
 
 def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path, capsys):

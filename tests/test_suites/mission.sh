@@ -97,6 +97,7 @@ mission_suite() {
   [ "$G" = "$G0" ] || host+=(cluster.gpus_per_node="$G" policy.data_parallel_size=$((G / MP)))
   [ -z "${NEMO_FP8_SHARED_DATA:-}" ] || host+=(data.train_path="$NEMO_FP8_SHARED_DATA/gsm8k/train.jsonl"
                                                data.val_path="$NEMO_FP8_SHARED_DATA/gsm8k/test.jsonl")
+  for v in ${RUNS:-bf16 fp8 fp8kv}; do mission_arms "$v" > /dev/null || exit 2; done  # before any work
   echo "layout: $layout ($recipe${host[*]:+; $G GPUs})"
   # the checkpoint (host work) is written while the rollout ceiling below uses the GPUs
   mission_checkpoint &
