@@ -117,13 +117,20 @@ class Workers:
     placement: object = None  # nemo_fp8.distributed.placement.Placement
 
     def shutdown(self, timeout_s: Optional[float] = None) -> None:
-        """Shut both groups down and release their placement groups; ``timeout_s`` bounds each group's wait for
-        its actors' shutdown calls (the actors are ended either way). Failures are logged, not raised."""
-        for group in (self.generation, self.policy):
+        """Shut both groups down at once and release their placement groups; ``timeout_s`` bounds each group's
+        wait for its actors' shutdown calls (the actors are ended either way), so both together wait at most that
+        long: after a Ctrl-C both may be busy (asynchronous GRPO), one after the other would wait twice. Failures
+        are logged, not raised."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def shut(group) -> None:
             try:
                 group.shutdown(timeout_s)
             except Exception as e:  # a crashed actor must not hide the error that ended the run
                 logger.warning("shutdown of %s failed: %s", type(group).__name__, e)
+
+        with ThreadPoolExecutor(2, thread_name_prefix="shutdown") as pool:
+            list(pool.map(shut, (self.generation, self.policy)))
         if self.placement is not None:
             self.placement.remove()
 

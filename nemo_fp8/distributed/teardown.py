@@ -274,10 +274,67 @@ def _raise_deferred_interrupt() -> None:
 
 def _after_fork_in_child() -> None:
     """The child lets go of the watchdog's pipe before it unblocks Ctrl-C, which it then handles as the parent
-    would (after its hooks)."""
+    would (after its hooks); a worker of ``ctrl_c_ignoring_context`` ignores it from here on instead (a Ctrl-C
+    that came during the fork is dropped with it)."""
     _drop_wakeup_fd()
     _FORK["active"], _FORK["deferred"] = True, False
+    if getattr(_FORK_MASK, "child_ignores_sigint", False):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     _end_fork_window()
+
+
+def _ignore_sigint_in_a_pool_child() -> None:
+    """The after-fork hook of a process without the watchdog's hooks: a ``ctrl_c_ignoring_context`` worker
+    ignores Ctrl-C from here on."""
+    if getattr(_FORK_MASK, "child_ignores_sigint", False):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_POOL_HOOK = False
+
+
+def ctrl_c_ignoring_context(method: str | None = None):
+    """A ``multiprocessing`` context whose processes ignore Ctrl-C from the fork on, for pool workers whose parent
+    owns Ctrl-C and ends them (the reward's ``pebble`` workers, which set ``SIG_IGN`` themselves only once
+    ``multiprocessing`` has bootstrapped them: a Ctrl-C to the process group in between killed a worker with a
+    ``KeyboardInterrupt`` traceback).
+
+    The fork start method only (the default on Linux): the flag is set in the forking thread around
+    ``Process.start`` and read by an after-fork hook in the child, before ``multiprocessing``'s bootstrap runs.
+    Other start methods begin a fresh interpreter; their context is returned unchanged.
+
+    Args:
+        method: the start method (``multiprocessing.get_context``'s argument; None: the default).
+
+    Returns:
+        The context to hand to ``pebble.ProcessPool(context=...)`` or ``multiprocessing``.
+
+    Raises:
+        ValueError: an unknown start method (from ``multiprocessing.get_context``).
+    """
+    import multiprocessing
+
+    global _POOL_HOOK
+    ctx = multiprocessing.get_context(method)
+    if ctx.get_start_method() != "fork":
+        return ctx
+    ctx = multiprocessing.get_context("fork")  # the fork context itself, not the default one that names it
+    if not _POOL_HOOK:
+        os.register_at_fork(after_in_child=_ignore_sigint_in_a_pool_child)
+        _POOL_HOOK = True
+
+    class CtrlCIgnoringProcess(ctx.Process):
+        def start(self) -> None:
+            _FORK_MASK.child_ignores_sigint = True
+            try:
+                super().start()
+            finally:
+                _FORK_MASK.child_ignores_sigint = False
+
+    class CtrlCIgnoringContext(type(ctx)):
+        Process = CtrlCIgnoringProcess
+
+    return CtrlCIgnoringContext()
 
 
 def _sigint_during_fork_deferred(signum, frame) -> None:

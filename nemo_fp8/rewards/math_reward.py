@@ -331,12 +331,13 @@ class MathRewardScorer:
         """Return the process pool, starting it on first use."""
         with self._lock:
             if self._pool is None:
-                import multiprocessing
-
                 from pebble import ProcessPool
 
-                context = multiprocessing.get_context(self.mp_context)
-                self._pool = ProcessPool(max_workers=self.num_workers, context=context)
+                from nemo_fp8.distributed.teardown import ctrl_c_ignoring_context
+
+                # the workers ignore Ctrl-C from the fork on; this process owns it and stops them (close)
+                self._pool = ProcessPool(max_workers=self.num_workers,
+                                         context=ctrl_c_ignoring_context(self.mp_context))
             return self._pool
 
     def __call__(self, responses: list[str], ground_truths: list[str]) -> list[float]:

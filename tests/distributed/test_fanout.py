@@ -81,3 +81,26 @@ def actor_ends_within(actor, seconds: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+class Group:
+    """A worker group of real actors, as ``GenerationGroup`` and ``PolicyGroup`` shut theirs down."""
+
+    def __init__(self, actors):
+        self.actors = actors
+
+    def shutdown(self, timeout_s=None) -> None:
+        shutdown_actors(self.actors, timeout_s)
+
+
+def test_workers_shut_both_groups_down_at_once(actors):
+    from nemo_fp8.trainer import Workers
+
+    busy = [Echo.remote(1), Echo.remote(1)]  # each shutdown call is busy for 30 s
+    assert call_all(busy, "scaled", 1) == [1, 1]  # both started
+    t0 = time.monotonic()
+    Workers(policy=Group(busy[:1]), generation=Group(busy[1:]), refitter=None).shutdown(timeout_s=3.0)
+    assert 3.0 <= time.monotonic() - t0 < 5.5  # one bound, not one per group
+    for a in busy:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.scaled.remote(1), timeout=30)

@@ -189,6 +189,51 @@ def test_ctrl_c_during_a_fork_is_raised_after_it_once():
     assert proc.stderr.count("press Ctrl-C again to stop at once") == 1 and "second Ctrl-C" not in proc.stderr
 
 
+# Ctrl-C while the reward's pool forks a worker: once inside the fork's window (an at-fork hook registered before
+# the watchdog's) and once inside multiprocessing's bootstrap, before pebble's worker sets SIG_IGN itself.
+POOL_FORK_DRIVER = textwrap.dedent("""
+    import multiprocessing.util, os, signal
+    from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
+    from nemo_fp8.rewards import MathRewardScorer
+
+    os.register_at_fork(after_in_child=lambda: signal.raise_signal(signal.SIGINT))
+
+    class Bootstrap:
+        pass
+
+    bootstrap = Bootstrap()  # the registry holds it weakly
+    multiprocessing.util.register_after_fork(bootstrap, lambda _: signal.raise_signal(signal.SIGINT))
+    SignalWatchdog(RayProcesses(), lambda: "continue with --resume", interrupt_grace_s=60).start()
+    with MathRewardScorer(num_workers=2, timeout_s=30) as scorer:  # answers that need math-verify: the pool
+        print(scorer([r"\\boxed{\\frac{1}{2}}", r"\\boxed{x+1}", r"\\boxed{2^3}"], ["0.5", "1+x", "8"]), flush=True)
+        print(scorer.pop_stats()["num_errors"], flush=True)
+""")
+
+
+def test_the_reward_pools_workers_ignore_a_ctrl_c_that_comes_while_they_start():
+    """A worker that got Ctrl-C before pebble's own SIG_IGN died with a traceback (the parent owns Ctrl-C and
+    stops its workers): each worker here gets two, and every answer is still scored."""
+    proc = subprocess.run([sys.executable, "-c", POOL_FORK_DRIVER], capture_output=True, text=True, timeout=120,
+                          preexec_fn=sigint_default, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[1.0, 1.0, 1.0]", "0.0"], (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert "interrupted" not in proc.stderr, proc.stderr  # the children's Ctrl-C is their own
+
+
+def test_a_ctrl_c_ignoring_context_is_the_fork_context_with_its_own_process():
+    import multiprocessing
+
+    from nemo_fp8.distributed.teardown import ctrl_c_ignoring_context
+
+    ctx = ctrl_c_ignoring_context("fork")
+    assert ctx.get_start_method() == "fork" and ctx.Process is not multiprocessing.get_context("fork").Process
+    assert ctrl_c_ignoring_context("spawn") is multiprocessing.get_context("spawn")
+    with pytest.raises(ValueError):
+        ctrl_c_ignoring_context("no-such-method")
+
+
 def test_rays_excepthook_is_replaced_once_ray_is_torn_down():
     # Ray's hook reports an uncaught exception to the GCS before printing it: with the GCS gone that waits 60 s
     # and Ray then ends the process, the error unprinted.
