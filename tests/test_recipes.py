@@ -4,6 +4,7 @@ FP8 config changes, and the mission suites compose recipe + arms + host settings
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -130,6 +131,21 @@ def test_mission_suite_refuses_an_unknown_layout_and_run_before_any_work(tmp_pat
         res = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True)
         assert res.returncode == 2 and says in res.stdout + res.stderr
         assert not list(tmp_path.glob("*.started")), res.stdout + res.stderr
+
+
+def test_the_async_suite_refuses_an_unknown_run_before_the_checkpoint(tmp_path):
+    """The suite writes its 16 GB random checkpoint before its runs: a bad name must stop it first. Its Python is a
+    wrapper that records each command (and does not write a checkpoint)."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/calls\n'
+                       f'case "$*" in *write_random_checkpoint*) exit 0 ;; esac\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(wrapper), "OUT": str(tmp_path / "out"), "RUNS": "sync-longtail-bf16 fp4"}
+    res = subprocess.run(["bash", "tests/test_suites/llm/async-8b-4gpu.sh"], cwd=REPO, capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.returncode == 2 and "unknown run fp4" in res.stdout, res.stdout + res.stderr
+    calls = (tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else ""
+    assert "write_random_checkpoint" not in calls and "run_grpo_math" not in calls, calls
 
 
 def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path, capsys):

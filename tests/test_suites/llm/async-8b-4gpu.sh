@@ -15,12 +15,15 @@ SUITE_TIMEOUT=${SUITE_TIMEOUT:-1500}  # this suite's default; common.sh's is 560
 source "$(dirname "$0")/../common.sh"; source "$(dirname "$0")/../mission.sh"
 suite_init async-8b-4gpu
 R=examples/configs/recipes/llm/async-8b-4gpu
-mission_checkpoint  # the recipes' random Qwen3-8B checkpoint, written when missing
 DEFAULT_RUNS="sync-longtail-bf16 async-longtail-bf16 sync-longtail-fp8 async-longtail-fp8"
 DEFAULT_RUNS="$DEFAULT_RUNS sync-uniform-bf16 async-uniform-bf16 sync-uniform-fp8 async-uniform-fp8"
+RUN_NAME='^(sync|async)-(longtail|uniform)-(bf16|fp8)$'
+for v in ${RUNS:-$DEFAULT_RUNS}; do  # every name before any work
+  [[ "$v" =~ $RUN_NAME ]] || { echo "unknown run $v (valid: <sync|async>-<longtail|uniform>-<bf16|fp8>)"; exit 2; }
+done
+mission_checkpoint  # the recipes' random Qwen3-8B checkpoint, written when missing
 for v in ${RUNS:-$DEFAULT_RUNS}; do
-  [[ "$v" =~ ^(sync|async)-(longtail|uniform)-(bf16|fp8)$ ]] || {
-    echo "unknown run $v (valid: <sync|async>-<longtail|uniform>-<bf16|fp8>)"; exit 2; }
+  [[ "$v" =~ $RUN_NAME ]]
   mode=${BASH_REMATCH[1]} workload=${BASH_REMATCH[2]} precision=${BASH_REMATCH[3]}
   arms=()
   [ "$precision" = fp8 ] && arms+=("$MISSION_ARMS/fp8.yaml")
