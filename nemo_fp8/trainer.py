@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -430,15 +432,28 @@ def _stop_error(e: BaseException, hint: str, watchdog, workers) -> BaseException
     return RunFailed(f"{what}; {hint}")
 
 
+@contextmanager
+def _logged_if_slow(what: str, over_s: float = 2.0):
+    """Log a teardown phase that took ``over_s`` seconds or more: after Ctrl-C the watchdog ends a cleanup that
+    runs 20 s (``SignalWatchdog``), and these lines say which phase took the time."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        if time.monotonic() - t0 >= over_s:
+            logger.info("teardown: %s took %.1f s", what, time.monotonic() - t0)
+
+
 def _end_ray(procs, watchdog, workers: Optional[Workers], graceful_wait_s: Optional[float]) -> None:
     """Tear Ray down: ``graceful_teardown`` when ``graceful_wait_s`` is set (the actors still answer: done or Ctrl-C;
     it bounds each wait), else ``fast_teardown``; then stop the watchdog and let the reaper go."""
     from nemo_fp8.distributed.teardown import fast_teardown, graceful_teardown
 
-    if graceful_wait_s is not None:
-        graceful_teardown(workers, procs, graceful_wait_s)
-    else:
-        fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
+    with _logged_if_slow("shutting the actors and Ray down"):
+        if graceful_wait_s is not None:
+            graceful_teardown(workers, procs, graceful_wait_s)
+        else:
+            fast_teardown(procs, shutdown_timeout_s=2.0 if watchdog.fired.is_set() else 5.0)
     watchdog.stop()
     procs.close_reaper()
 
@@ -515,9 +530,11 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         raise err from None
     finally:
         if metrics_logger is not None:
-            png = metrics_logger.close()
+            with _logged_if_slow("writing the curves"):
+                png = metrics_logger.close()
             if png:
                 logger.info("curves: %s", png)
         if scorer is not None:
-            scorer.close()
+            with _logged_if_slow("stopping the reward workers"):
+                scorer.close()
         _end_ray(procs, watchdog, workers, graceful_wait_s)

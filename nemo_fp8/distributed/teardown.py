@@ -345,6 +345,18 @@ def _sigint_during_fork_deferred(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def main_thread_at(depth: int = 6) -> str:
+    """Where the main thread is now, innermost call first: ``"main thread at file:line in func <- ..."`` (``depth``
+    frames), for a cleanup that did not finish in time to say what it was waiting on."""
+    import traceback
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "main thread gone"
+    calls = traceback.extract_stack(frame)[::-1][:depth]
+    return "main thread at " + " <- ".join(f"{Path(c.filename).name}:{c.lineno} in {c.name}" for c in calls)
+
+
 class SignalWatchdog:
     """Make sure the process ends soon after SIGTERM (code 143) or Ctrl-C (code 130), even with the main thread
     blocked in Ray.
@@ -403,7 +415,8 @@ class SignalWatchdog:
             except (OSError, ValueError):  # closed by stop()
                 return
             if data is None:  # the Ctrl-C countdown ran out
-                self._exit(130, f"interrupted (Ctrl-C); cleanup did not finish within {self.interrupt_grace_s:.0f} s")
+                self._exit(130, f"interrupted (Ctrl-C); cleanup did not finish within {self.interrupt_grace_s:.0f} s "
+                                f"({main_thread_at()})")
             if not data:
                 return
             if signal.SIGTERM in data:
@@ -418,7 +431,7 @@ class SignalWatchdog:
         self.fired.set()
         self.procs.kill(wait_s=2.0)  # the actors run in sessions of their own: the group's SIGTERM missed them
         time.sleep(self.grace_s)
-        self._exit(143, f"terminated (SIGTERM); cleanup did not finish within {self.grace_s:.0f} s")
+        self._exit(143, f"terminated (SIGTERM); cleanup did not finish within {self.grace_s:.0f} s ({main_thread_at()})")
 
     def _exit(self, code: int, why: str) -> None:
         """Kill the Ray processes, print ``why`` and the resume hint, end the process with ``code``."""

@@ -134,6 +134,7 @@ def test_ctrl_c_watchdog_ends_a_hanging_cleanup_after_its_grace():
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and time.monotonic() - t0 < 10, err
     assert "cleanup did not finish within 2 s" in err and "continue with --resume" in err, err
+    assert "(main thread at <string>:17 in <module>)" in err, err  # where it hung: the cleanup's lock.acquire()
     assert gone_within(pid, start, 5)
 
 

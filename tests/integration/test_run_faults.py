@@ -22,6 +22,13 @@ def error_line(err: str) -> str:
     return next((x for x in err.splitlines() if x.startswith("error: ")), err[-2000:])
 
 
+def log_lines(err: str, n: int = 40) -> str:
+    """The run's stderr without its progress bars, last ``n`` lines: what a failed check shows in full (pytest cuts
+    a long non-string message short)."""
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "%|" not in x]
+    return "\n".join(lines[-n:])
+
+
 def cpu_ticks(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
@@ -146,7 +153,7 @@ def test_ctrl_c_right_after_a_checkpoint_ends_within_15_s(tiny_model_dir, tmp_pa
     (os.killpg if to_group else os.kill)(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 130 and elapsed < 15, (proc.returncode, elapsed, err[-3000:])
+    assert proc.returncode == 130 and elapsed < 15, f"exit {proc.returncode} after {elapsed:.1f} s\n{log_lines(err)}"
     assert "press Ctrl-C again to stop at once" in err and "continue with --resume" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert_none_left(procs)
