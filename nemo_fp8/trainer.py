@@ -440,8 +440,9 @@ def _logged_if_slow(what: str, over_s: float = 2.0):
     try:
         yield
     finally:
-        if time.monotonic() - t0 >= over_s:
-            logger.info("teardown: %s took %.1f s", what, time.monotonic() - t0)
+        took_s = time.monotonic() - t0
+        if took_s >= over_s:
+            logger.info("teardown: %s took %.1f s", what, took_s)
 
 
 def _end_ray(procs, watchdog, workers: Optional[Workers], graceful_wait_s: Optional[float]) -> None:

@@ -278,14 +278,13 @@ def _after_fork_in_child() -> None:
     that came during the fork is dropped with it)."""
     _drop_wakeup_fd()
     _FORK["active"], _FORK["deferred"] = True, False
-    if getattr(_FORK_MASK, "child_ignores_sigint", False):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_sigint_in_a_pool_child()  # before the unblock: a Ctrl-C pending from the fork is dropped
     _end_fork_window()
 
 
 def _ignore_sigint_in_a_pool_child() -> None:
-    """The after-fork hook of a process without the watchdog's hooks: a ``ctrl_c_ignoring_context`` worker
-    ignores Ctrl-C from here on."""
+    """A ``ctrl_c_ignoring_context`` worker ignores Ctrl-C from here on. Called by ``_after_fork_in_child`` and,
+    in a process without the watchdog's hooks, registered as an after-fork hook of its own."""
     if getattr(_FORK_MASK, "child_ignores_sigint", False):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
