@@ -9,13 +9,15 @@
 #   START_MIN/MAX  the start's held-out greedy accuracy must lie in [START_MIN, START_MAX] (default 0.15-0.35)
 #   DEVICES        GPU indices (default 0,1,2,3)
 #   PARALLEL       runs at once on each GPU (default 4: the 15 runs in one wave, each on 4 of a 64-CPU host's CPUs;
-#                  on H200s ~13 s a step for bf16, ~16 for fp8, ~20 for fp8kv+tis: ~21 min for the wave)
+#                  on H200s ~13 s a step for bf16, ~16 for fp8, ~20 for fp8kv+tis: ~16 min for the wave's 40 steps)
 #   VARIANTS       compare_precision.py variants (default all 15 runs, the checked arms' seeds first)
 #   PARITY_ARGS    more compare_precision.py arguments / key=value overrides (e.g. grpo.max_num_steps=100)
-# One 30-minute lease holds the build (~744 s on an H200) or the wave of 15 runs, not both. Either give the
+# One 30-minute lease holds the build (~750 s on an H200) or the wave of 15 runs, not both. Either give the
 # built folder as MODEL (kept, or sent in parts: 401 MiB; weights_sha256 in its small_model_spec.json names the
 # bits) so that the lease holds only runs, or split the arms over leases with VARIANTS (each lease rebuilds the same
-# bits) and join the reports. Several hosts or leases:
+# bits: a4a3a6eb... on two H200 hosts) and join the reports. One H200 (16 CPUs) holds the build and three runs to
+# step 40 (DEVICES=0 PARALLEL=3: ~920 s, 1,704 s of the lease with the machine's start), two where one is
+# fp8kv+tis (~20 s a step). Several hosts or leases:
 # OUT=logs/suites/parity-reasoning-b VARIANTS=... on the second, then
 #   python tools/compare_precision.py --backend gpu --report-only --out-dir logs/suites/parity-reasoning \
 #       --also logs/suites/parity-reasoning-b   (and the checks below on the joint parity.json)
@@ -24,7 +26,7 @@
 # seeds); FP8 + TIS's gen_kl_error <= 1e-3. The no-correction arm is measured (parity.md), not judged.
 # Each arm's config, as compare_precision.py's variant keys make it from the base recipe (a CPU test keeps them equal):
 # examples/configs/recipes/llm/parity-reasoning/{bf16,fp8-tis,fp8,fp8kv-tis,fp8-e2e-tis}.yaml
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-3600}  # one ~21-minute wave after a ~12-minute build; common.sh's default is 560 s
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-3600}  # one ~16-minute wave after a ~12-minute build; common.sh's default is 560 s
 source "$(dirname "$0")/../common.sh"; suite_init parity-reasoning
 MODEL=${MODEL:-models/reasoning-qwen3}
 [ -f "$MODEL/small_model_spec.json" ] || "$PYTHON" tools/make_small_model.py --task chains --out "$MODEL" \
