@@ -6,7 +6,7 @@
     python tools/compare_precision.py --backend gpu --report-only                           # redraw from existing logs
     python tools/compare_precision.py --backend gpu --dry-run                               # print the commands
     python tools/compare_precision.py --backend gpu --report-only --also logs/compare/gpu-b  # + another host's runs
-    python tools/compare_precision.py --backend gpu --parallel 7                            # all variants at once, one GPU
+    python tools/compare_precision.py --backend gpu --parallel 8                            # all variants at once, one GPU
     python tools/compare_precision.py --backend gpu --variants fp8+tis-seed2,bf16-seed3     # any variant, another seed
     python tools/compare_precision.py --backend gpu --devices 0,1,2,3 \\
         --config examples/configs/recipes/llm/parity-reasoning/bf16.yaml   # one GPU per run, four at once
@@ -76,6 +76,7 @@ GPU_VARIANTS = {
     "fp8+tis": _FP8 + _TIS + _TRAIN_BF16,                        # FP8 rollout + TIS
     "fp8": _FP8 + _NO_IS_FP8 + _TRAIN_BF16,                      # FP8 rollout, no correction
     "fp8kv+tis": _FP8_KV + _TIS + _TRAIN_BF16,                   # FP8 rollout + FP8 KV cache + TIS
+    "fp8kv": _FP8_KV + _NO_IS_FP8 + _TRAIN_BF16,                 # FP8 rollout + FP8 KV cache, no correction
     "fp8-e2e+tis": _FP8 + _TIS + _TRAIN_FP8,                     # FP8 rollout + FP8 training (blockwise e4m3)
     "fp8+fp16-train+tis": _FP8 + _TIS + _TRAIN_FP16,             # FP8 rollout + FP16 training (loss scaling)
 }
@@ -249,7 +250,7 @@ def _cpu_ranges(cpus: list[int]) -> str:
 
 def _cut_note(over_seeds: list[dict]) -> str:
     """``" (later steps of a, b left out)"`` for the runs :func:`seed_summaries` read only in part, else ``""``."""
-    cut = [label for row in over_seeds for label in row["cut_runs"]]
+    cut = list(dict.fromkeys(label for row in over_seeds for label in row["cut_runs"]))
     return f" (later steps of {', '.join(cut)} left out)" if cut else ""
 
 
@@ -322,9 +323,9 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                   "seeds; se of the final accuracy: the validation set's binomial error and the spread across seeds; "
                   "gain: final minus start; the difference from " + baseline + ": Welch's se across seeds (the set's "
                   "error is shared); TIS-clamped tokens: fraction of tokens whose IS weight was clamped (and of steps "
-                  "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`). Every run "
-                  f"is read up to step {over_seeds[0]['final_step']}, the last validation all of them reached"
-                  + _cut_note(over_seeds) + ":\n\n" + seed_summary_table(over_seeds, baseline))
+                  "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`). Each row "
+                  f"reads its runs, and for its difference {baseline}'s, up to `step`, the last validation all of "
+                  "them reached" + _cut_note(over_seeds) + ":\n\n" + seed_summary_table(over_seeds, baseline))
         (out_dir / "parity.json").write_text(json.dumps(over_seeds, indent=1))
     if concurrency > 1:
         notes += (f"\nUp to {concurrency} variants ran at once on the same device: step times include that sharing, "

@@ -271,6 +271,7 @@ def test_every_variant_is_a_valid_config(backend):
         "bf16": ("bfloat16", "auto", False, False, False, 42), "bf16-seed2": ("bfloat16", "auto", False, False, False, 43),
         "bf16+tis": ("bfloat16", "auto", True, False, False, 42), "fp8": ("fp8", "auto", False, False, False, 42),
         "fp8+tis": ("fp8", "auto", True, False, False, 42), "fp8kv+tis": ("fp8", "fp8", True, False, False, 42),
+        "fp8kv": ("fp8", "fp8", False, False, False, 42),
         "fp8-e2e+tis": ("fp8", "auto", True, True, False, 42), "fp8+fp16-train+tis": ("fp8", "auto", True, False, True, 42)}
     for name, overrides in table.items():
         cfg = load_config(cp.DEFAULT_CONFIG[backend], overrides)
@@ -283,7 +284,8 @@ def test_every_variant_is_a_valid_config(backend):
             if m.fp8_cfg.enabled:
                 assert (m.fp8_cfg.fp8, m.fp8_cfg.fp8_recipe) == ("e4m3", "blockwise")
     if backend == "gpu":
-        assert set(table) == {"bf16", "bf16-seed2", "fp8+tis", "fp8", "fp8kv+tis", "fp8-e2e+tis", "fp8+fp16-train+tis"}
+        assert set(table) == {"bf16", "bf16-seed2", "fp8+tis", "fp8", "fp8kv+tis", "fp8kv", "fp8-e2e+tis",
+                              "fp8+fp16-train+tis"}
 
 
 def test_any_variant_with_another_sampling_seed(capsys):
@@ -307,7 +309,7 @@ def test_any_variant_with_another_sampling_seed(capsys):
 def test_dry_run_prints_one_command_per_variant(tmp_path, capsys):
     assert tool().main(["--backend", "gpu", "--dry-run", "--out-dir", str(tmp_path), "grpo.max_num_steps=5"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(lines) == 7 and all(line.endswith("grpo.max_num_steps=5") for line in lines)
+    assert len(lines) == len(tool().GPU_VARIANTS) and all(line.endswith("grpo.max_num_steps=5") for line in lines)
     assert f"logger.log_dir={tmp_path}/fp8kv+tis" in lines[4]
     assert not list(tmp_path.iterdir())
 
@@ -315,7 +317,8 @@ def test_dry_run_prints_one_command_per_variant(tmp_path, capsys):
 def test_parallel_dry_run_shares_the_gpu_between_engines(tmp_path, capsys):
     assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert len(lines) == 7 and all("policy.generation.vllm_cfg.gpu_memory_utilization=0.15" in line for line in lines)
+    assert len(lines) == len(tool().GPU_VARIANTS)
+    assert all("policy.generation.vllm_cfg.gpu_memory_utilization=0.15" in line for line in lines)
     # a value given on the command line wins
     assert tool().main(["--backend", "gpu", "--dry-run", "--parallel", "3", "--out-dir", str(tmp_path),
                         "policy.generation.vllm_cfg.gpu_memory_utilization=0.1"]) == 0

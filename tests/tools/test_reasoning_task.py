@@ -165,7 +165,7 @@ def test_builder_rejects_bad_chain_flags(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- recipes and report
-ARMS = {"fp8+tis": "fp8-tis", "fp8": "fp8", "fp8kv+tis": "fp8kv-tis", "fp8-e2e+tis": "fp8-e2e-tis"}
+ARMS = {"fp8+tis": "fp8-tis", "fp8": "fp8", "fp8kv+tis": "fp8kv-tis", "fp8kv": "fp8kv", "fp8-e2e+tis": "fp8-e2e-tis"}
 
 
 def test_recipes_load_and_each_arm_is_the_base_plus_its_compare_precision_keys():
@@ -203,7 +203,7 @@ def test_seed_summaries_and_the_suites_checks(tmp_path):
     """The report's parity.json through tools/check_metrics.py, as the suite reads it."""
     cp = load_tool("compare_precision")
     finals = {"bf16": (0.50, 0.52, 0.48), "fp8+tis": (0.50, 0.51, 0.49), "fp8": (0.40, 0.45, 0.35),
-              "fp8kv+tis": (0.5, 0.5, 0.5), "fp8-e2e+tis": (0.5, 0.5, 0.5)}
+              "fp8kv+tis": (0.5, 0.5, 0.5), "fp8-e2e+tis": (0.5, 0.5, 0.5), "fp8kv": (0.5, 0.5, 0.5)}
     names = []
     for arm, accs in finals.items():
         for seed, acc in enumerate(accs, start=1):
@@ -222,14 +222,14 @@ def test_seed_summaries_and_the_suites_checks(tmp_path):
     assert rows["fp8"]["diff_final_se"] == pytest.approx((0.05 ** 2 / 3 + 0.02 ** 2 / 3) ** 0.5)
     assert rows["fp8+tis"]["is_steps_truncating"] == pytest.approx(0.5) and bf["is_frac_tokens_truncated"] is None
     assert bf["response_length_first"] == pytest.approx(201.5) and bf["response_length_last"] == pytest.approx(219.5)
-    assert "| bf16 | 3 | 0.2500 | 0.5000 +- " in (tmp_path / "parity.md").read_text()
+    assert "| bf16 | 3 | 20 | 0.2500 | 0.5000 +- " in (tmp_path / "parity.md").read_text()
     # the suite's own checks (every quoted check after its check_metrics.py), on this report
     suite = (REPO / "tests" / "test_suites" / "llm" / "parity-reasoning.sh").read_text()
     checks = re.findall(r'"([^"$]+ (?:<=|>=) [^"]+)"', suite.split("tools/check_metrics.py", 1)[1])
-    assert len(checks) == 10 and "last(bf16/gain) >= 0.15" in checks
+    assert len(checks) == 11 and "last(bf16/gain) >= 0.15" in checks and "last(fp8kv/seeds) >= 3" in checks
     ok = subprocess.run([sys.executable, str(REPO / "tools" / "check_metrics.py"), str(tmp_path / "parity.json"),
                          "--by", "variant", *checks], capture_output=True, text=True, cwd=REPO)
-    assert ok.returncode == 0 and "10/10 checks passed" in ok.stdout, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "11/11 checks passed" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "check_metrics.py"), str(tmp_path / "parity.json"),
                           "--by", "variant", "abs(last(fp8/diff_final)) <= 0.015"], capture_output=True, text=True,
                          cwd=REPO)
@@ -287,10 +287,11 @@ def test_run_variants_binds_each_run_side_by_side_to_its_own_cpus(tmp_path, caps
     assert "[compare_precision] CPUs" not in (tmp_path / "u0" / "run.log").read_text()
 
 
-def test_seed_summaries_read_every_run_up_to_the_last_validation_all_reached(tmp_path):
-    """A comparison cut short (bf16 validated at step 20, fp8+tis only at 10, fp8 cut before its first validation):
-    final accuracy, gain and late reward are all taken at step 10, the report names the run whose later steps it
-    left out, and the run with nothing to compare is left out instead of pulling every run back to step 0."""
+def test_seed_summaries_compare_each_arm_with_bf16_at_the_last_validation_both_reached(tmp_path):
+    """A comparison cut short (bf16 and fp8-e2e+tis validated at step 20, fp8+tis only at 10, fp8 cut before its
+    first validation): bf16's and fp8-e2e+tis's rows read them to step 20; fp8+tis's row and its difference from
+    bf16 read both to step 10 (the report names the bf16 run whose later steps that comparison left out); the run
+    with nothing to compare is left out instead of pulling every run back to step 0."""
     cp = load_tool("compare_precision")
     long = _run_rows(0.25, 0.30, 1e-4, 200.0, None, steps=10)[:-1] + [
         {"step": 10, "val/accuracy": 0.30, "val/num_samples": 1024.0}]
@@ -298,16 +299,23 @@ def test_seed_summaries_read_every_run_up_to_the_last_validation_all_reached(tmp
              for s in range(11, 21)] + [{"step": 20, "val/accuracy": 0.60, "val/num_samples": 1024.0}]
     short = _run_rows(0.25, 0.29, 5e-4, 200.0, 0.001, steps=10)
     barely = _run_rows(0.25, 0.29, 5e-4, 200.0, 0.001, steps=10)[:4]  # cut at step 3: no validation after its start
-    for name, rows in (("bf16", long), ("fp8+tis", short), ("fp8", barely)):
+    e2e = long[:-1] + [{"step": 20, "val/accuracy": 0.58, "val/num_samples": 1024.0}]  # ran as far as bf16
+    for name, rows in (("bf16", long), ("fp8+tis", short), ("fp8", barely), ("fp8-e2e+tis", e2e)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    assert cp.write_report(tmp_path, ["bf16", "fp8+tis", "fp8"]) is not None
+    assert cp.write_report(tmp_path, ["bf16", "fp8+tis", "fp8", "fp8-e2e+tis"]) is not None
     rows = {r["label"]: r for r in json.loads((tmp_path / "parity.json").read_text())}
-    assert set(rows) == {"bf16", "fp8+tis"}
-    assert rows["bf16"]["final_step"] == 10 and rows["bf16"]["final_acc"] == pytest.approx(0.30)
-    assert rows["bf16"]["gain"] == pytest.approx(0.05) and rows["bf16"]["cut_runs"] == ["bf16"]
-    assert rows["fp8+tis"]["diff_final"] == pytest.approx(-0.01) and rows["fp8+tis"]["cut_runs"] == []
-    assert rows["bf16"]["response_length_last"] == pytest.approx(210.0)  # step 10's, not step 20's 300
+    assert set(rows) == {"bf16", "fp8+tis", "fp8-e2e+tis"}
+    bf, tis, e2e_row = rows["bf16"], rows["fp8+tis"], rows["fp8-e2e+tis"]
+    # fp8+tis's early end moves only its own comparison back: fp8-e2e+tis meets bf16 at step 20
+    assert e2e_row["final_step"] == 20 and e2e_row["diff_final"] == pytest.approx(-0.02) and e2e_row["cut_runs"] == []
+    assert bf["final_step"] == 20 and bf["final_acc"] == pytest.approx(0.60) and bf["cut_runs"] == []
+    assert bf["gain"] == pytest.approx(0.35) and bf["response_length_last"] == pytest.approx(300.0)
+    assert tis["final_step"] == 10 and tis["final_acc"] == pytest.approx(0.29) and tis["cut_runs"] == ["bf16"]
+    # against bf16 at step 10 (0.30 and its reward to step 10), not at its step 20 (0.60, reward 0.9)
+    assert tis["diff_final"] == pytest.approx(-0.01)
+    bf16_late_10 = sum(0.2 + 0.30 * s / 10 for s in range(7, 11)) / 4  # run_stats' last 40% of steps 1-10
+    assert tis["diff_late_reward"] == pytest.approx(tis["late_reward"] - bf16_late_10)
     md = (tmp_path / "parity.md").read_text()
-    assert "read up to step 10, the last validation all of them reached (later steps of bf16 left out)" in md
-    assert "final acc (step 10) +- se" in md
+    assert "up to `step`, the last validation all of them reached (later steps of bf16 left out)" in md
+    assert "| bf16 | 1 | 20 | 0.2500 | 0.6000 +- " in md and "| fp8+tis | 1 | 10 | 0.2500 | 0.2900 +- " in md

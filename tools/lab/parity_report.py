@@ -335,34 +335,40 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         of ``tools/check_metrics.py``), ``label`` (as named), ``seeds``, the means over seeds of
         :func:`run_stats`' numbers, ``final_acc_sd``, ``final_acc_se``, ``gain``, ``gain_se``, ``gain_z`` and,
         for variants other than ``baseline`` when it ran, ``diff_final`` / ``diff_final_se`` /
-        ``diff_late_reward`` / ``diff_late_reward_se``; ``final_step``, the step every number is taken up to, and
-        ``cut_runs``, the variant's runs that validated later than that (their later steps left out). A run with no
-        validation after its start is left out.
+        ``diff_late_reward`` / ``diff_late_reward_se``; ``final_step``, the step the row's numbers are taken up
+        to, and ``cut_runs``, the runs (the variant's, or the baseline's for this comparison) that validated later
+        than that (their later steps left out). A run with no validation after its start is left out.
 
-    Every run is read up to ``final_step``, the last validation step that every run with validations reached: a
-    comparison cut short (a lease's end, a crash) then sets all runs' final accuracy and late reward at the same
-    step, instead of one arm's step 20 against another's step 10.
+    Every run of a row is read up to its ``final_step``: the last validation step that every run of the variant
+    reached and, for a variant set against ``baseline``, every baseline run too; the difference reads the baseline's
+    runs up to the same step. A comparison cut short (a lease's end, a crash) then compares like with like, one
+    arm's step 20 never against another's step 10, and an arm cut early moves only its own comparison back.
     """
     val_steps = {label: [r.get("step", 0) for r in rows if _num(r.get("val/accuracy"))] for label, rows in runs.items()}
     last_val = {label: max(steps) for label, steps in val_steps.items() if len(steps) >= 2}
-    final_step = min(last_val.values(), default=0)
-    groups: dict[str, list[dict]] = {}
-    cut: dict[str, list[str]] = {}
-    for base, labels in _seed_groups(runs).items():
+    labels_of = {base: [lb for lb in labels if lb in last_val] for base, labels in _seed_groups(runs).items()}
+    labels_of = {base: labels for base, labels in labels_of.items() if labels}
+
+    def stats_at(labels: list[str], step: int) -> list[dict]:
+        out = []
         for label in labels:
-            if label not in last_val:
-                continue
             try:
-                groups.setdefault(base, []).append(
-                    run_stats([r for r in runs[label] if r.get("step", 0) <= final_step]))
+                out.append(run_stats([r for r in runs[label] if r.get("step", 0) <= step]))
             except ValueError:
                 continue
-            if last_val[label] > final_step:
-                cut.setdefault(base, []).append(label)
-    out = []
-    for base, stats in groups.items():
-        row: dict = {"variant": base.replace("+", "_"), "label": base, "seeds": len(stats),
-                     "final_step": final_step, "cut_runs": cut.get(base, [])}
+        return out
+
+    base_labels = labels_of.get(baseline, [])
+    out, groups = [], {}
+    for base, labels in labels_of.items():
+        pair = labels if base == baseline else labels + base_labels
+        step = min(last_val[lb] for lb in pair)
+        stats = stats_at(labels, step)
+        if not stats:
+            continue
+        groups[base] = stats
+        row: dict = {"variant": base.replace("+", "_"), "label": base, "seeds": len(stats), "final_step": step,
+                     "cut_runs": [lb for lb in pair if last_val[lb] > step]}
         for key in stats[0]:
             xs = [s[key] for s in stats if s[key] is not None]
             row[key] = sum(xs) / len(xs) if xs else None
@@ -376,13 +382,15 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         row["gain_se"] = math.sqrt(p0 * (1 - p0) / n + p1 * (1 - p1) / n + sd_gain ** 2 / len(stats))
         row["gain_z"] = gain / row["gain_se"] if row["gain_se"] > 0 else None
         out.append(row)
-    ref = next((r for r in out if r["label"] == baseline), None)
+    if baseline not in groups:
+        return out
     for row in out:
-        if ref is None or row is ref:
+        if row["label"] == baseline:
             continue
+        ref = stats_at(base_labels, row["final_step"])
         for key, diff in (("final_acc", "diff_final"), ("late_reward", "diff_late_reward")):
             a = [s[key] for s in groups[row["label"]] if s[key] is not None]
-            b = [s[key] for s in groups[baseline] if s[key] is not None]
+            b = [s[key] for s in ref if s[key] is not None]
             if not a or not b:
                 continue
             row[diff] = sum(a) / len(a) - sum(b) / len(b)
@@ -403,13 +411,14 @@ def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
     def pm(v, se, fmt: str = "{:+.4f}") -> str:
         return "-" if v is None else fmt.format(v) + ("" if se is None else f" +- {se:.4f}")
 
-    head = ["variant", "seeds", "start acc", f"final acc (step {rows[0]['final_step']}) +- se", "gain +- se (z)",
+    head = ["variant", "seeds", "step", "start acc", "final acc +- se", "gain +- se (z)",
             f"final - {baseline} +- se",
             f"late reward - {baseline} +- se", "gen_kl_error (max)", "mult_prob_err", "TIS-clamped tokens (steps)",
             "response tokens first -> last"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["label"], str(r["seeds"]), f(r["start_acc"]), pm(r["final_acc"], r["final_acc_se"], "{:.4f}"),
+        cells = [r["label"], str(r["seeds"]), str(r["final_step"]), f(r["start_acc"]),
+                 pm(r["final_acc"], r["final_acc_se"], "{:.4f}"),
                  pm(r["gain"], r["gain_se"]) + ("" if r["gain_z"] is None else f" ({r['gain_z']:+.1f})"),
                  pm(r.get("diff_final"), r.get("diff_final_se")),
                  pm(r.get("diff_late_reward"), r.get("diff_late_reward_se")),
