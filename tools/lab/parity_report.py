@@ -349,14 +349,14 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
     labels_of = {base: [lb for lb in labels if lb in last_val] for base, labels in _seed_groups(runs).items()}
     labels_of = {base: labels for base, labels in labels_of.items() if labels}
 
-    def stats_at(labels: list[str], step: int) -> list[dict]:
-        out = []
+    def stats_at(labels: list[str], step: int) -> list[dict]:  # run_stats of each run read up to `step`
+        found = []
         for label in labels:
             try:
-                out.append(run_stats([r for r in runs[label] if r.get("step", 0) <= step]))
+                found.append(run_stats([r for r in runs[label] if r.get("step", 0) <= step]))
             except ValueError:
                 continue
-        return out
+        return found
 
     base_labels = labels_of.get(baseline, [])
     out, groups = [], {}
