@@ -267,6 +267,27 @@ def report_sources(out_dir: Path, names: list[str], also: list[Path] = ()) -> di
     return sources
 
 
+def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str, str]:
+    """Label -> the baseline run it is set against in the time ratios, the reward pairing and the plot: the run of
+    ``baseline`` with the same sampling seed in the same folder (``fp8-seed2`` -> ``bf16-seed2``: the same host, and
+    the same sampling random numbers, so the per-step reward difference is tightest), else that folder's seed-1
+    ``baseline`` run. Only runs in ``present`` (those with a training step) pair. A baseline run maps to itself,
+    which :func:`~nemo_fp8.utils.plots._pair_of` sets against the report's own ``baseline`` (another seed or host of
+    BF16: the size of the noise). A run with neither in its folder is absent: it pairs with ``baseline``.
+    """
+    label_at = {(path.parent.parent, path.parent.name): label for label, path in sources.items() if label in present}
+    pairs = {}
+    for label, path in sources.items():
+        if label not in present:
+            continue
+        folder, seed = path.parent.parent, split_seed(path.parent.name)[1]
+        own = label_at.get((folder, baseline if seed == 1 else f"{baseline}-seed{seed}"))
+        ref = own or label_at.get((folder, baseline))
+        if ref is not None:
+            pairs[label] = ref
+    return pairs
+
+
 def _shown(path: Path) -> str:
     """``path`` relative to the working directory where it lies below it (plot titles, notes), else as is."""
     try:
@@ -295,12 +316,7 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
         runs[name] = rows
     if not runs:
         return None
-    # an ``also`` folder's runs take their time ratios and reward pairing to that folder's own baseline (same host);
-    # a folder whose baseline run has no training step pairs with ours, in the table, the gap table and the plot alike
-    base_in = {path.parent.parent: label for label, path in sources.items()
-               if path.parent.name == baseline and label in runs}
-    baseline_of = {label: base_in[path.parent.parent] for label, path in sources.items()
-                   if path.parent.parent != out_dir and path.parent.parent in base_in}
+    baseline_of = baseline_pairs(sources, baseline, runs)
     png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({_shown(out_dir)})", baseline=baseline,
                       baseline_of=baseline_of)
     table = parity_table(summaries, baseline, baseline_of=baseline_of)
@@ -315,14 +331,17 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                   "from the baseline move together: count independent seeds, not variants:\n\n" + gaps)
     seeds = seed_group_table(runs, baseline)
     if seeds:
-        notes += ("\nOver sampling seeds (`<variant>-seed<N>`), each run's mean training reward over its last 40% of "
-                  "steps; the difference from " + baseline + " with its standard error across seeds:\n\n" + seeds)
+        notes += ("\nOver sampling seeds (`<variant>-seed<N>`), each run's mean training reward over the last 40% of "
+                  "its steps up to `step` (the last training step that the row's runs and " + baseline + "'s all "
+                  "logged); the difference from " + baseline + " with Welch's standard error across seeds (with two "
+                  "seeds each sd rests on one degree of freedom; the paired column below holds then):\n\n" + seeds)
     over_seeds = seed_summaries(runs, baseline)
     if over_seeds:
         notes += ("\nValidation over sampling seeds (each variant's runs `<variant>`, `<variant>-seed<N>`): means over "
                   "seeds; se of the final accuracy: the validation set's binomial error and the spread across seeds; "
                   "gain: final minus start; the difference from " + baseline + ": Welch's se across seeds (the set's "
-                  "error is shared); TIS-clamped tokens: fraction of tokens whose IS weight was clamped (and of steps "
+                  "error is shared); paired by seed and step: the late reward minus that of " + baseline + "'s run of "
+                  "the same seed, step by step, averaged over seeds, se sqrt(sum se_i^2) / seeds; TIS-clamped tokens: fraction of tokens whose IS weight was clamped (and of steps "
                   "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`). Each row "
                   f"reads its runs, and for its difference {baseline}'s, up to `step`, the last validation all of "
                   "them reached" + _cut_note(over_seeds) + ":\n\n" + seed_summary_table(over_seeds, baseline))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lab.parity_report import (
+    paired_over_seeds,
     paired_reward_gap,
     parity_table,
     reward_gap_table,
@@ -119,11 +120,58 @@ def test_seed_group_table_hand_computed():
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
     assert list(rows) == ["bf16", "fp8+tis"]
     sd = math.sqrt(0.02)  # two values 0.2 apart: sample sd 0.1414
-    assert rows["bf16"] == ["1,2", "0.6000", f"{sd:.4f}", "-"]
+    assert rows["bf16"] == ["1,2", "5", "0.6000", f"{sd:.4f}", "-"]
     se = math.sqrt(sd ** 2 / 2 + sd ** 2 / 2)
-    assert rows["fp8+tis"][:3] == ["1,3", "0.4000", f"{sd:.4f}"]
-    assert rows["fp8+tis"][3] == f"{-0.2:+.4f} +- {se:.4f} ({-0.2 / se:+.1f})"
+    assert rows["fp8+tis"][:4] == ["1,3", "5", "0.4000", f"{sd:.4f}"]
+    assert rows["fp8+tis"][4] == f"{-0.2:+.4f} +- {se:.4f} ({-0.2 / se:+.1f})"
     assert seed_group_table({"bf16": runs["bf16"], "fp8": runs["fp8+tis"]}) == ""
+
+
+def test_seed_group_table_reads_every_run_of_a_comparison_to_the_same_step():
+    """A BF16 run that went on to step 10 (a longer recipe) is read to step 5 like the FP8 runs, so its later,
+    higher rewards stay out of the window; its row alone reads both BF16 seeds to their common step."""
+    runs = {"bf16": _reward_rows([0, 0, 0, 0.4, 0.6, 0.9, 0.9, 0.9, 0.9, 0.9]),  # to 5: 0.5; to 10: 0.9
+            "bf16-seed2": _reward_rows([0, 0, 0, 0.6, 0.8, 0.9, 0.9]),           # to 5: 0.7; to 7: (0.8+0.9+0.9)/3
+            "fp8": _reward_rows([0, 0, 0, 0.3, 0.3]), "fp8-seed2": _reward_rows([0, 0, 0, 0.5, 0.5])}
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in seed_group_table(runs).splitlines()[2:]}
+    assert rows["fp8"][:3] == ["1,2", "5", "0.4000"] and rows["fp8"][4].startswith("-0.2000 +- ")
+    # bf16's own row: both seeds to step 7, the last 40% of 7 steps = steps 5-7: (0.6+0.9+0.9)/3, (0.8+0.9+0.9)/3
+    assert rows["bf16"][:3] == ["1,2", "7", f"{(0.8 + 2.6 / 3) / 2:.4f}"]
+
+
+def test_paired_over_seeds_pairs_each_seed_with_the_baselines_run_of_that_seed():
+    """fp8 seed 1 is 0.1 below bf16 seed 1 at every late step with one step 0.2 below; seed 2 sits 0.05 above
+    bf16 seed 2: each pair's own se, combined as sqrt(se1^2 + se2^2) / 2; seed 3 has no bf16 run and is left out."""
+    runs = {"bf16": _reward_rows([0.5] * 5), "bf16-seed2": _reward_rows([0.4] * 5),
+            "fp8": _reward_rows([0.5, 0.5, 0.5, 0.4, 0.3]), "fp8-seed2": _reward_rows([0.45] * 5),
+            "fp8-seed3": _reward_rows([0.0] * 5)}
+    got = paired_over_seeds(runs, ["fp8", "fp8-seed2", "fp8-seed3"], ["bf16", "bf16-seed2"], step=5)
+    g1 = paired_reward_gap(runs["fp8"], runs["bf16"], 0.6, 1.0)   # diffs -0.1, -0.2: mean -0.15, se 0.05
+    assert g1["diff"] == pytest.approx(-0.15) and g1["se"] == pytest.approx(0.05)
+    assert got["seeds"] == 2 and got["diff"] == pytest.approx((-0.15 + 0.05) / 2)
+    assert got["se"] == pytest.approx(math.sqrt(0.05 ** 2 + 0.0) / 2)
+    # read up to step 3: seed 1's late steps are then step 3 only (one pair: se NaN), the same for seed 2
+    assert paired_over_seeds(runs, ["fp8"], ["bf16"], step=3)["diff"] == pytest.approx(0.0)
+    assert paired_over_seeds(runs, ["fp8-seed3"], ["bf16", "bf16-seed2"], step=5) is None
+
+
+def test_report_pairs_each_seed_with_bf16_of_that_seed_in_its_own_folder(tmp_path):
+    """Runs split over two leases: folder b holds seed 2 of every arm, folder a seed 1. Each FP8 run pairs with the
+    BF16 run of its own seed and folder; b's BF16 pairs with a's (seed 1: the size of seed noise)."""
+    cp = tool()
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, names in ((a, ["bf16", "fp8"]), (b, ["bf16-seed2", "fp8-seed2"])):
+        for name in names:
+            (folder / name).mkdir(parents=True)
+            (folder / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in fake_run(2.0, 1e-4, [0.1, 0.2, 0.3])))
+    sources = cp.report_sources(b, ["bf16-seed2", "fp8-seed2"], [a])
+    pairs = cp.baseline_pairs(sources, "bf16", set(sources))
+    assert pairs == {"bf16-seed2": "bf16-seed2", "fp8-seed2": "bf16-seed2", "bf16": "bf16", "fp8": "bf16"}
+    assert cp.baseline_pairs(sources, "bf16", {"fp8-seed2", "fp8", "bf16"}) == {"bf16": "bf16", "fp8": "bf16"}
+    _, md = cp.write_report(b, ["bf16-seed2", "fp8-seed2"], also=[a])
+    gaps = md.read_text().split("steps 60-100%")[1]
+    assert "| fp8-seed2 | bf16-seed2 |" in gaps and "| bf16-seed2 | bf16 |" in gaps and "| fp8 | bf16 |" in gaps
 
 
 def test_accuracy_per_data_source_first_and_last():

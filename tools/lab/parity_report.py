@@ -154,34 +154,45 @@ def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window
     Every run draws the same prompts (``data.seed``), so the spread across seeds is sampling and trajectory
     noise only: the statistic for "does this variant differ from BF16 by more than seed noise". A run of a
     (variant, seed) already counted (the same seed on another host, ``name@folder``) is left out, as it is
-    nearly a copy. Empty when no group has two seeds.
+    nearly a copy. Each row reads its runs, and for its difference the baseline's, up to ``step``, the last
+    training step all of them logged: a run that went on longer (another lease, a longer recipe) would otherwise
+    put later, higher-reward steps in its window. Empty when no group has two seeds.
     """
-    groups: dict[str, dict[int, float]] = {}
-    for base, labels in _seed_groups(runs).items():
+    groups = {base: labels for base, labels in _seed_groups(runs).items() if len(labels) >= 2}
+    last = {lb: max(_rewards_by_step(runs[lb]), default=0) for labels in groups.values() for lb in labels}
+
+    def late(labels: list[str], upto: int) -> list[tuple[int, float]]:  # (seed, mean reward in the window)
+        out = []
         for label in labels:
-            rewards = [v for _, v in sorted(_rewards_by_step(runs[label]).items())]
+            rewards = [v for st, v in sorted(_rewards_by_step(runs[label]).items()) if st <= upto]
             part = rewards[int(window[0] * len(rewards)):int(window[1] * len(rewards))]
             if part:
-                groups.setdefault(base, {})[_seed_of(label)[1]] = sum(part) / len(part)
+                out.append((_seed_of(label)[1], sum(part) / len(part)))
+        return out
 
-    def stats(xs):
+    def stats(xs: list[float]) -> tuple[float, float]:
         m = sum(xs) / len(xs)
         return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
-    multi = {b: sorted(g.items()) for b, g in groups.items() if len(g) >= 2}
-    if not multi:
+    if not groups:
         return ""
-    ref = stats([v for _, v in multi[baseline]]) if baseline in multi else None
-    lines = ["| variant | seeds | reward, mean over seeds | sd across seeds | diff from " + baseline + " +- se (z) |",
-             "|---|---|---|---|---|"]
-    for base, g in multi.items():
+    lines = ["| variant | seeds | step | reward, mean over seeds | sd across seeds | diff from " + baseline +
+             " +- se (z) |", "|---|---|---|---|---|---|"]
+    for base, labels in groups.items():
+        pair = labels + (groups[baseline] if base != baseline and baseline in groups else [])
+        upto = min(last[lb] for lb in pair)
+        g = late(labels, upto)
+        if len(g) < 2:
+            continue
         m, sd = stats([v for _, v in g])
+        ref = [v for _, v in late(groups[baseline], upto)] if base != baseline and baseline in groups else []
         cell = "-"
-        if ref is not None and base != baseline:
-            se = math.sqrt(sd ** 2 / len(g) + ref[1] ** 2 / len(multi[baseline]))
-            cell = f"{m - ref[0]:+.4f} +- {se:.4f} ({(m - ref[0]) / se:+.1f})" if se > 0 else f"{m - ref[0]:+.4f}"
-        lines.append(f"| {base} | {','.join(str(k) for k, _ in g)} | {m:.4f} | {sd:.4f} | {cell} |")
-    return "\n".join(lines) + "\n"
+        if len(ref) >= 2:
+            rm, rsd = stats(ref)
+            se = math.sqrt(sd ** 2 / len(g) + rsd ** 2 / len(ref))
+            cell = f"{m - rm:+.4f} +- {se:.4f} ({(m - rm) / se:+.1f})" if se > 0 else f"{m - rm:+.4f}"
+        lines.append(f"| {base} | {','.join(str(k) for k, _ in g)} | {upto} | {m:.4f} | {sd:.4f} | {cell} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
 
@@ -319,6 +330,38 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
 
 
+def paired_over_seeds(runs: dict[str, list[dict]], labels: list[str], base_labels: list[str], step: int,
+                      window: tuple[float, float] = (0.6, 1.0)) -> dict | None:
+    """Late training reward of a variant minus the baseline's, paired by seed and by step: for each sampling seed
+    both ran, :func:`paired_reward_gap` of the two runs (read up to ``step``, over ``window`` of the steps), then the
+    mean over those seeds.
+
+    With few seeds the spread across seeds (Welch's se) rests on one or two degrees of freedom and can come out far
+    too small or large; each seed's pair also measures its own sampling noise from its ~16 late steps, so
+    ``se`` = sqrt(sum se_i^2) / k (seeds independent, steps taken as independent within a pair).
+
+    Returns:
+        dict ``diff`` (reward units), ``se``, ``seeds`` (k, the seeds paired), or None when no seed of ``labels``
+        has a baseline run of the same seed with a common step in the window.
+    """
+    base_by_seed = {_seed_of(lb)[1]: lb for lb in base_labels}
+    gaps = []
+    for label in labels:
+        ref = base_by_seed.get(_seed_of(label)[1])
+        if ref is None or ref == label:
+            continue
+        try:
+            gaps.append(paired_reward_gap([r for r in runs[label] if r.get("step", 0) <= step],
+                                          [r for r in runs[ref] if r.get("step", 0) <= step], *window))
+        except ValueError:
+            continue
+    if not gaps:
+        return None
+    k = len(gaps)
+    return {"diff": sum(g["diff"] for g in gaps) / k, "se": math.sqrt(sum(g["se"] ** 2 for g in gaps)) / k,
+            "seeds": k}
+
+
 def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[dict]:
     """One row per variant over its sampling seeds (``<variant>``, ``<variant>-seed<N>``): issue 51's numbers.
 
@@ -335,7 +378,9 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         of ``tools/check_metrics.py``), ``label`` (as named), ``seeds``, the means over seeds of
         :func:`run_stats`' numbers, ``final_acc_sd``, ``final_acc_se``, ``gain``, ``gain_se``, ``gain_z`` and,
         for variants other than ``baseline`` when it ran, ``diff_final`` / ``diff_final_se`` /
-        ``diff_late_reward`` / ``diff_late_reward_se``; ``final_step``, the step the row's numbers are taken up
+        ``diff_late_reward`` / ``diff_late_reward_se``, and where seeds pair with the baseline's
+        ``diff_late_reward_paired`` / ``diff_late_reward_paired_se`` / ``paired_seeds`` (:func:`paired_over_seeds`,
+        the se that holds with two seeds); ``final_step``, the step the row's numbers are taken up
         to, and ``cut_runs``, the runs (the variant's, or the baseline's for this comparison) that validated later
         than that (their later steps left out). A run with no validation after its start is left out.
 
@@ -396,7 +441,19 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
             row[diff] = sum(a) / len(a) - sum(b) / len(b)
             row[diff + "_se"] = (math.sqrt(_mean_sd(a)[1] ** 2 / len(a) + _mean_sd(b)[1] ** 2 / len(b))
                                  if len(a) > 1 and len(b) > 1 else None)
+        paired = paired_over_seeds(runs, labels_of[row["label"]], base_labels, row["final_step"])
+        if paired is not None:
+            row["diff_late_reward_paired"], row["diff_late_reward_paired_se"] = paired["diff"], paired["se"]
+            row["paired_seeds"] = paired["seeds"]
     return out
+
+
+def _paired_cell(row: dict) -> str:
+    """``"-0.0097 +- 0.0035 (-2.8)"``: a :func:`seed_summaries` row's paired late-reward difference, or ``"-"``."""
+    d, se = row.get("diff_late_reward_paired"), row.get("diff_late_reward_paired_se")
+    if d is None:
+        return "-"
+    return f"{d:+.4f} +- {se:.4f} ({d / se:+.1f})" if se and se > 0 else f"{d:+.4f}"
 
 
 def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
@@ -413,7 +470,7 @@ def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
 
     head = ["variant", "seeds", "step", "start acc", "final acc +- se", "gain +- se (z)",
             f"final - {baseline} +- se",
-            f"late reward - {baseline} +- se", "gen_kl_error (max)", "mult_prob_err", "TIS-clamped tokens (steps)",
+            f"late reward - {baseline} +- se", "paired by seed and step +- se (z)", "gen_kl_error (max)", "mult_prob_err", "TIS-clamped tokens (steps)",
             "response tokens first -> last"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -422,6 +479,7 @@ def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
                  pm(r["gain"], r["gain_se"]) + ("" if r["gain_z"] is None else f" ({r['gain_z']:+.1f})"),
                  pm(r.get("diff_final"), r.get("diff_final_se")),
                  pm(r.get("diff_late_reward"), r.get("diff_late_reward_se")),
+                 _paired_cell(r),
                  f(r["gen_kl_error"], "{:.2e}") + f" ({f(r['gen_kl_error_max'], '{:.1e}')})",
                  f(r["token_mult_prob_error"]),
                  f(r["is_frac_tokens_truncated"], "{:.2e}") + f" ({f(r['is_steps_truncating'], '{:.0%}')})",
