@@ -341,8 +341,9 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                   "seeds; se of the final accuracy: the validation set's binomial error and the spread across seeds; "
                   "gain: final minus start; the difference from " + baseline + ": Welch's se across seeds (the set's "
                   "error is shared); paired by seed and step: the late reward minus that of " + baseline + "'s run of "
-                  "the same seed, step by step, averaged over seeds, se sqrt(sum se_i^2) / seeds; TIS-clamped tokens: fraction of tokens whose IS weight was clamped (and of steps "
-                  "with any); also in parity.json (`tools/check_metrics.py parity.json --by variant`). Each row "
+                  "the same seed, step by step, averaged over seeds, se sqrt(sum se_i^2) / seeds; TIS-clamped "
+                  "tokens: fraction of tokens whose IS weight was clamped (and of steps with any); also in "
+                  "parity.json (`tools/check_metrics.py parity.json --by variant`). Each row "
                   f"reads its runs, and for its difference {baseline}'s, up to `step`, the last validation all of "
                   "them reached" + _cut_note(over_seeds) + ":\n\n" + seed_summary_table(over_seeds, baseline))
         (out_dir / "parity.json").write_text(json.dumps(over_seeds, indent=1))

@@ -164,7 +164,8 @@ def test_report_pairs_each_seed_with_bf16_of_that_seed_in_its_own_folder(tmp_pat
     for folder, names in ((a, ["bf16", "fp8"]), (b, ["bf16-seed2", "fp8-seed2"])):
         for name in names:
             (folder / name).mkdir(parents=True)
-            (folder / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in fake_run(2.0, 1e-4, [0.1, 0.2, 0.3])))
+            rows = fake_run(2.0, 1e-4, [0.1, 0.2, 0.3])
+            (folder / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     sources = cp.report_sources(b, ["bf16-seed2", "fp8-seed2"], [a])
     pairs = cp.baseline_pairs(sources, "bf16", set(sources))
     assert pairs == {"bf16-seed2": "bf16-seed2", "fp8-seed2": "bf16-seed2", "bf16": "bf16", "fp8": "bf16"}

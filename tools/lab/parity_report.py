@@ -470,8 +470,8 @@ def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:
 
     head = ["variant", "seeds", "step", "start acc", "final acc +- se", "gain +- se (z)",
             f"final - {baseline} +- se",
-            f"late reward - {baseline} +- se", "paired by seed and step +- se (z)", "gen_kl_error (max)", "mult_prob_err", "TIS-clamped tokens (steps)",
-            "response tokens first -> last"]
+            f"late reward - {baseline} +- se", "paired by seed and step +- se (z)", "gen_kl_error (max)",
+            "mult_prob_err", "TIS-clamped tokens (steps)", "response tokens first -> last"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"], str(r["seeds"]), str(r["final_step"]), f(r["start_acc"]),
