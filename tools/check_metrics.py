@@ -18,6 +18,7 @@ is the default run unless ``--run name=path`` names the runs. A check is a compa
 
 Prints one table row per check (the check, the values of its sides separated by ";", PASS or FAIL) and exits 0 when every
 check passes, 1 when one fails, 2 on bad input (no file, unknown key or run, a check that does not parse).
+``--missing-fails`` makes an unknown run or key a FAIL row instead (a suite's share of its runs).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ _METRIC = re.compile(r"(?:(?P<run>[A-Za-z_][\w-]*):)?(?P<key>[A-Za-z_][\w.-]*(?:
 
 class CheckError(ValueError):
     """A check that cannot be evaluated: bad syntax, an unknown function, run or metric key."""
+
+
+class MissingError(CheckError):
+    """A check naming a run or a metric key that the files lack (``--missing-fails`` makes it a FAIL row)."""
 
 
 def read_rows(path: Path, by: Sequence[str] = ()) -> list[dict]:
@@ -70,11 +75,11 @@ def read_rows(path: Path, by: Sequence[str] = ()) -> list[dict]:
 def _series(runs: dict[str, list[dict]], default: str | None, run: str | None, key: str) -> list[float]:
     name = run or default
     if name not in runs:
-        raise CheckError(f"unknown run {name!r} in {(run + ':') if run else ''}{key} (runs: {', '.join(runs)})")
+        raise MissingError(f"unknown run {name!r} in {(run + ':') if run else ''}{key} (runs: {', '.join(runs)})")
     values = [float(r[key]) for r in runs[name] if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
     if not values:
         near = sorted({k for r in runs[name] for k in r if k.split("/")[0] == key.split("/")[0]})[:12]
-        raise CheckError(f"run {name!r} has no metric {key!r}" + (f" (same section: {', '.join(near)})" if near else ""))
+        raise MissingError(f"run {name!r} has no metric {key!r}" + (f" (same section: {', '.join(near)})" if near else ""))
     return values
 
 
@@ -161,15 +166,25 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def check_all(checks: Sequence[str], runs: dict[str, list[dict]], default: str | None) -> tuple[list, bool]:
+def check_all(checks: Sequence[str], runs: dict[str, list[dict]], default: str | None,
+              missing_fails: bool = False) -> tuple[list, bool]:
     """Evaluate every check; returns (rows of (check, values, "PASS"/"FAIL"), all passed).
 
+    ``missing_fails``: a check naming a run or metric the files lack is a FAIL row whose values say what is
+    missing, instead of an error (a suite run on a share of its runs still prints its table and fails).
+
     Raises:
-        CheckError: the first check that cannot be evaluated (see ``evaluate``).
+        CheckError: the first check that cannot be evaluated (see ``evaluate``), a missing run or metric too
+            unless ``missing_fails``.
     """
     rows, ok = [], True
     for c in checks:
-        passed, shown = evaluate(c, runs, default)
+        try:
+            passed, shown = evaluate(c, runs, default)
+        except MissingError as e:
+            if not missing_fails:
+                raise
+            passed, shown = False, f"missing: {e}"
         ok &= passed
         rows.append((c, shown, "PASS" if passed else "FAIL"))
     return rows, ok
@@ -207,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--by", default="", help="for a .json list of rows (benchmarks): the fields naming a row, "
                                             "e.g. precision or model,precision")
     p.add_argument("--out", help="also write the table here (markdown)")
+    p.add_argument("--missing-fails", action="store_true",
+                   help="a check naming a run or metric the files lack fails (a table row) instead of being an error")
     args = p.parse_intermixed_args(argv)
     try:
         paths = parse_runs(args.run)
@@ -220,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CheckError("no checks given")
         by = tuple(f for f in args.by.split(",") if f)
         runs = {name: read_rows(path, by) for name, path in paths.items()}
-        rows, ok = check_all(items, runs, default)
+        rows, ok = check_all(items, runs, default, missing_fails=args.missing_fails)
     except (CheckError, FileNotFoundError) as e:
         print(f"check_metrics: error: {e}", file=sys.stderr)
         return 2

@@ -85,6 +85,24 @@ def test_cli_table_and_exit_codes(runs, tmp_path):
     assert cli("--run", "a b=x", "count(timing/step) > 0").returncode == 2
 
 
+def test_missing_fails_makes_an_absent_run_or_metric_a_fail_row(runs, tmp_path):
+    """A suite run on a share of its arms: the checks on absent arms fail in the table, the rest still count; a
+    check that does not parse stays an error."""
+    r, fp8, _ = runs
+    rows, ok = cm.check_all(["count(timing/step) == 3", "last(fp8kv_tis/seeds) >= 3", "count(other:timing/step) > 0"],
+                            r, "fp8", missing_fails=True)
+    assert not ok and [x[2] for x in rows] == ["PASS", "FAIL", "FAIL"]
+    assert rows[1][1].startswith("missing: run 'fp8' has no metric 'fp8kv_tis/seeds'")
+    assert rows[2][1].startswith("missing: unknown run 'other'")
+    with pytest.raises(cm.CheckError, match="has no metric"):
+        cm.check_all(["last(fp8kv_tis/seeds) >= 3"], r, "fp8")
+    with pytest.raises(cm.CheckError, match="does not parse"):
+        cm.check_all(["mean(timing/step < "], r, "fp8", missing_fails=True)
+    out = subprocess.run([sys.executable, str(TOOL), str(fp8), "count(timing/step) == 3", "last(x/seeds) >= 3",
+                          "--missing-fails"], capture_output=True, text=True)
+    assert out.returncode == 1 and "1/2 checks passed" in out.stdout and "missing: run 'run' has no metric" in out.stdout
+
+
 def test_benchmark_rows_by_field(tmp_path):
     rows = [{"model": "dense", "precision": "bf16", "fixed_tok_s": 100.0},
             {"model": "dense", "precision": "fp8-deepgemm", "fixed_tok_s": 150.0}]

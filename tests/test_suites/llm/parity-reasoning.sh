@@ -52,7 +52,7 @@ timeout "$SUITE_TIMEOUT" "$PYTHON" tools/compare_precision.py --backend gpu --ou
   --variants "${VARIANTS:-${ARMS// /,}}" policy.model_name="$MODEL" data.train_path="$MODEL/data/rl_train.jsonl" \
   data.val_path="$MODEL/data/val.jsonl" checkpointing.enabled=false ${PARITY_ARGS:-} > "$OUT/parity.log" 2>&1
 tail -60 "$OUT/parity.log"
-"$PYTHON" tools/check_metrics.py "$OUT/parity.json" --by variant --out "$OUT/checks.md" \
+"$PYTHON" tools/check_metrics.py "$OUT/parity.json" --by variant --out "$OUT/checks.md" --missing-fails \
   "last(bf16/seeds) >= 3" "last(fp8_tis/seeds) >= 3" "last(fp8/seeds) >= 3" "last(fp8kv_tis/seeds) >= 3" \
   "last(fp8-e2e_tis/seeds) >= 3" "last(fp8kv/seeds) >= 3" \
   "last(bf16/gain) >= 0.15" "last(bf16/gain_z) >= 5" \
