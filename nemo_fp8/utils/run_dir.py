@@ -247,14 +247,24 @@ class Terminated(KeyboardInterrupt):
 
 def raise_on_sigterm() -> None:
     """Make SIGTERM raise :class:`Terminated` in the main thread (``ray.init`` replaces the handler
-    with ``sys.exit``; call this again after it). No-op outside the main thread."""
+    with ``sys.exit``; call this again after it). No-op outside the main thread.
+
+    A process forked from this one (the reward's ``pebble`` workers) inherits the handler; there SIGTERM takes its
+    default action instead, ending the child quietly: the parent owns the run's end, and a ``Terminated`` raised in a
+    worker still bootstrapping printed a traceback when SIGTERM reached the whole process group."""
+    import os
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
+    owner = os.getpid()
 
     def _handler(signum, frame):
+        if os.getpid() != owner:  # an inherited copy in a forked child
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         raise Terminated()
 
     signal.signal(signal.SIGTERM, _handler)

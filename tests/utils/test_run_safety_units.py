@@ -153,6 +153,37 @@ def test_sigterm_becomes_terminated():
         signal.signal(signal.SIGTERM, old)
 
 
+def test_a_forked_child_ends_quietly_on_sigterm(tmp_path):
+    """A process forked after raise_on_sigterm (the reward's pebble worker) inherits the handler: SIGTERM to the
+    process group must end it as SIGTERM's default does (killed by signal 15, no Terminated traceback), while the
+    parent still gets Terminated."""
+    import multiprocessing
+
+    old = signal.getsignal(signal.SIGTERM)
+    err = tmp_path / "child.err"
+    try:
+        raise_on_sigterm()
+        ready = multiprocessing.get_context("fork").Event()
+
+        def child():
+            os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT), 2)
+            ready.set()
+            time.sleep(30)
+
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        assert ready.wait(10)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGTERM, err.read_text()
+        assert "Traceback" not in err.read_text()
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_interrupt_hint_is_accurate(tmp_path):
     from nemo_fp8.trainer import interrupt_hint
 
