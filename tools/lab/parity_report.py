@@ -170,25 +170,21 @@ def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window
                 out.append((_seed_of(label)[1], sum(part) / len(part)))
         return out
 
-    def stats(xs: list[float]) -> tuple[float, float]:
-        m = sum(xs) / len(xs)
-        return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
     if not groups:
         return ""
     lines = ["| variant | seeds | step | reward, mean over seeds | sd across seeds | diff from " + baseline +
              " +- se (z) |", "|---|---|---|---|---|---|"]
     for base, labels in groups.items():
-        pair = labels + (groups[baseline] if base != baseline and baseline in groups else [])
-        upto = min(last[lb] for lb in pair)
+        ref_labels = groups.get(baseline, []) if base != baseline else []
+        upto = min(last[lb] for lb in labels + ref_labels)
         g = late(labels, upto)
         if len(g) < 2:
             continue
-        m, sd = stats([v for _, v in g])
-        ref = [v for _, v in late(groups[baseline], upto)] if base != baseline and baseline in groups else []
+        m, sd = _mean_sd([v for _, v in g])
+        ref = [v for _, v in late(ref_labels, upto)]
         cell = "-"
         if len(ref) >= 2:
-            rm, rsd = stats(ref)
+            rm, rsd = _mean_sd(ref)
             se = math.sqrt(sd ** 2 / len(g) + rsd ** 2 / len(ref))
             cell = f"{m - rm:+.4f} +- {se:.4f} ({(m - rm) / se:+.1f})" if se > 0 else f"{m - rm:+.4f}"
         lines.append(f"| {base} | {','.join(str(k) for k, _ in g)} | {upto} | {m:.4f} | {sd:.4f} | {cell} |")
@@ -324,6 +320,11 @@ def run_stats(rows: list[dict], window: tuple[float, float] = (0.6, 1.0)) -> dic
             "is_steps_truncating": mean([float(x > 0) for x in trunc])}
 
 
+def _upto(rows: list[dict], step: int) -> list[dict]:
+    """A run's rows up to and including ``step``: the run as it stood then."""
+    return [r for r in rows if r.get("step", 0) <= step]
+
+
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     m = sum(xs) / len(xs)
@@ -351,8 +352,7 @@ def paired_over_seeds(runs: dict[str, list[dict]], labels: list[str], base_label
         if ref is None or ref == label:
             continue
         try:
-            gaps.append(paired_reward_gap([r for r in runs[label] if r.get("step", 0) <= step],
-                                          [r for r in runs[ref] if r.get("step", 0) <= step], *window))
+            gaps.append(paired_reward_gap(_upto(runs[label], step), _upto(runs[ref], step), *window))
         except ValueError:
             continue
     if not gaps:
@@ -398,7 +398,7 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         found = []
         for label in labels:
             try:
-                found.append(run_stats([r for r in runs[label] if r.get("step", 0) <= step]))
+                found.append(run_stats(_upto(runs[label], step)))
             except ValueError:
                 continue
         return found
