@@ -271,9 +271,11 @@ def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str
     """Label -> the baseline run it is set against in the time ratios, the reward pairing and the plot: the run of
     ``baseline`` with the same sampling seed in the same folder (``fp8-seed2`` -> ``bf16-seed2``: the same host, and
     the same sampling random numbers, so the per-step reward difference is tightest), else that folder's seed-1
-    ``baseline`` run. Only runs in ``present`` (those with a training step) pair. A baseline run maps to itself,
-    which :func:`~nemo_fp8.utils.plots._pair_of` sets against the report's own ``baseline`` (another seed or host of
-    BF16: the size of the noise). A run with neither in its folder is absent: it pairs with ``baseline``.
+    ``baseline`` run, else the ``baseline`` run of the same seed in another folder (a lease that ran no BF16: the
+    same prompts and sampling seed on another host). Only runs in ``present`` (those with a training step) pair. A
+    baseline run maps to itself, which :func:`~nemo_fp8.utils.plots._pair_of` sets against the report's own
+    ``baseline`` (another seed or host of BF16: the size of the noise). A run with none of these is absent: it
+    pairs with ``baseline``.
     """
     label_at = {(path.parent.parent, path.parent.name): label for label, path in sources.items() if label in present}
     pairs = {}
@@ -281,8 +283,10 @@ def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str
         if label not in present:
             continue
         folder, seed = path.parent.parent, split_seed(path.parent.name)[1]
-        own = label_at.get((folder, baseline if seed == 1 else f"{baseline}-seed{seed}"))
-        ref = own or label_at.get((folder, baseline))
+        same_seed = baseline if seed == 1 else f"{baseline}-seed{seed}"
+        elsewhere = [lb for (f, name), lb in sorted(label_at.items(), key=lambda kv: str(kv[0][0]))
+                     if name == same_seed and f != folder]
+        ref = label_at.get((folder, same_seed)) or label_at.get((folder, baseline)) or next(iter(elsewhere), None)
         if ref is not None:
             pairs[label] = ref
     return pairs

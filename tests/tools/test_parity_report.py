@@ -175,6 +175,21 @@ def test_report_pairs_each_seed_with_bf16_of_that_seed_in_its_own_folder(tmp_pat
     assert "| fp8-seed2 | bf16-seed2 |" in gaps and "| bf16-seed2 | bf16 |" in gaps and "| fp8 | bf16 |" in gaps
 
 
+def test_a_folder_without_bf16_pairs_each_seed_with_bf16_of_that_seed_elsewhere(tmp_path):
+    """A lease that ran only FP8 KV arms: its seed-2 run pairs with the BF16 seed-2 run of another folder, not with
+    the report's seed-1 BF16; a seed that no folder's BF16 ran still falls back to the report's baseline."""
+    cp = tool()
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for folder, name in ((a, "bf16"), (b, "bf16-seed2"), (b, "fp8-seed2"), (c, "fp8kv-seed2"), (c, "fp8kv-seed3")):
+        _write_run(folder / name, fake_run(2.0, 1e-4, [0.1, 0.2, 0.3]))
+    sources = cp.report_sources(a, ["bf16"], [b, c])
+    assert cp.baseline_pairs(sources, "bf16", set(sources)) == {
+        "bf16": "bf16", "bf16-seed2": "bf16-seed2", "fp8-seed2": "bf16-seed2", "fp8kv-seed2": "bf16-seed2"}
+    _, md = cp.write_report(a, ["bf16"], also=[b, c])
+    gaps = md.read_text().split("steps 60-100%")[1]
+    assert "| fp8kv-seed2 | bf16-seed2 |" in gaps and "| fp8kv-seed3 | bf16 |" in gaps
+
+
 def test_accuracy_per_data_source_first_and_last():
     rows = fake_run(2.0, 0.0, [0.1, 0.4, 0.3])
     for r, (a, b) in zip([r for r in rows if "val/accuracy" in r], [(0.2, 0.0), (0.7, 0.1), (0.6, 0.0)]):
