@@ -522,9 +522,9 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         graceful_wait_s = 30.0
         return out
     except BaseException as e:
-        # SIGTERM (often to the whole process group: Ray's GCS may be gone) gets no graceful calls. Ray turns a
-        # signal inside ray.get into a plain KeyboardInterrupt, and the watchdog's kill of the actors may surface
-        # first as an actor error: the watchdog tells them apart.
+        # SIGTERM gets no graceful calls to the actors (a SIGTERM to every process may have taken Ray's GCS; one to
+        # the process group misses it: cluster.init_ray). Ray turns a signal inside ray.get into a plain
+        # KeyboardInterrupt, and a dying actor may surface first as an actor error: the watchdog tells them apart.
         err = _stop_error(e, hint(), watchdog, workers)
         if isinstance(err, KeyboardInterrupt) and not isinstance(err, Terminated):
             graceful_wait_s = 5.0  # the actors may be busy with the interrupted call: do not wait for it long

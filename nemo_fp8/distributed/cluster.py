@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import ray
 
@@ -36,9 +37,44 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
         ray.init(address=address, **kwargs)
     else:  # "local": a cluster of this run's own; with None Ray joins the newest other local run's cluster
         # (concurrent runs on one machine, compare_precision --parallel), unless RAY_ADDRESS names one
-        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus or usable_cpus(),
-                 **kwargs)
+        with ray_services_in_own_process_group():
+            ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus or usable_cpus(),
+                     **kwargs)
     logger.info("ray: %s", ray.cluster_resources())
+
+
+@contextlib.contextmanager
+def ray_services_in_own_process_group() -> Iterator[None]:
+    """Inside the block, the processes a local ``ray.init`` starts (GCS, raylet, its agents) each lead a process
+    group of their own (``subprocess.Popen(process_group=0)``, Linux), so a SIGTERM to the driver's process group
+    (``timeout``, ``kill -- -PGID``) does not reach them.
+
+    Why: with the raylet gone, the driver's Ray core worker ends the process at its next touch of the object store
+    (``connection.cc``: "The connection to the plasma store is failed. Terminate the process", exit code 1, no
+    Python code runs), often within 50 ms of the signal and before the driver has said how to resume. With the
+    services alive, the driver disconnects first (``ray.shutdown()``) and kills what is left after
+    (:func:`nemo_fp8.distributed.teardown.fast_teardown`). They still share the driver's fate: Ray sets
+    ``PR_SET_PDEATHSIG`` on them, and this project's reaper kills what is left of a killed driver. Ray has no
+    option for this; the block swaps Ray's ``ConsolePopen`` (``ray._private.services``, the one place it starts
+    its processes) for a subclass and puts it back. Where that class is missing the block does nothing.
+    """
+    from ray._private import services
+
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or os.name != "posix":
+        yield
+        return
+
+    class _OwnGroupPopen(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 def free_address() -> tuple[str, int]:

@@ -2,16 +2,19 @@
 
 Two cases the graceful path (``group.shutdown()`` then ``ray.shutdown()``) handles badly:
 
-* SIGTERM to the whole process group (``timeout``, SLURM's ``scancel`` and time limit, systemd):
-  the local Ray's GCS and raylet are in the driver's group and die with it; every call to an actor
-  then waits until Ray gives up on the GCS (60 s) and ends the driver with exit code 1.
+* SIGTERM to the whole process group (``timeout``, ``kill -- -PGID``): had the local Ray's GCS and raylet been in
+  the driver's group, they would die with it, and Ray's core worker ends the driver (exit code 1, nothing printed)
+  at its next touch of the object store, often before any Python code runs. ``init_ray`` starts them in process
+  groups of their own (``cluster.ray_services_in_own_process_group``), and the teardown disconnects from Ray before
+  it kills them. A SIGTERM to every process (systemd's default, SLURM) still reaches them; the driver then races
+  Ray's exit as before.
 * an actor process that died (OOM killer, a crash in a native library): Ray raises
   ``ActorDiedError`` with a long message; the other actors and Ray's agents live on.
 
 ``SignalWatchdog`` acts on SIGTERM and Ctrl-C without the main thread, which may be blocked inside Ray's C++
-(``ray.get`` on an actor whose raylet is gone never returns to Python). SIGTERM: it kills the recorded Ray
-processes at once, then gives the main thread ``grace_s`` to clean up and exit (it raises
-``Terminated``), and otherwise prints the resume hint and ends the process with code 143. Ctrl-C: the main
+(``ray.get`` on an actor whose raylet is gone never returns to Python). SIGTERM: it gives the main thread
+``grace_s`` to clean up and exit (it raises ``Terminated``), and otherwise prints the resume hint, kills the
+recorded Ray processes and ends the process with code 143. Ctrl-C: the main
 thread cleans up gracefully; a second Ctrl-C, or a cleanup still running ``interrupt_grace_s`` later, kills the
 Ray processes and ends the process with code 130 after the resume hint.
 
@@ -22,7 +25,7 @@ put Python's own hook back once Ray is stopped.
 ``RayProcesses`` remembers the processes a local Ray started for this driver (its descendants in
 ``/proc``, with their start times so that a reused pid is never hit) while they can still be found;
 the actors' worker processes run in sessions of their own and outlive the raylet, so they are only
-reachable through this record. ``fast_teardown`` kills them and bounds ``ray.shutdown()`` in time.
+reachable through this record. ``fast_teardown`` bounds ``ray.shutdown()`` in time, then kills them.
 A reaper process (in a session of its own) gets the same record and kills what is left when the
 driver ends, so a ``kill -9`` of the driver leaves no Ray process behind either. Linux only
 (``/proc``); elsewhere the record is empty and the teardown is ``ray.shutdown()``.
@@ -195,11 +198,15 @@ def restore_excepthook() -> None:
 
 
 def fast_teardown(procs: RayProcesses, shutdown_timeout_s: float = 5.0) -> None:
-    """Kill the recorded Ray processes, then ``bounded_ray_shutdown(shutdown_timeout_s)``."""
+    """The end of a run whose actors are not asked to stop (SIGTERM, a failure): ``bounded_ray_shutdown(
+    shutdown_timeout_s)``, then kill the recorded Ray processes that outlive it.
+
+    Disconnecting first matters: while this process's core worker is connected, a raylet killed under it makes Ray
+    end this process with exit code 1 at the next touch of the object store (``cluster.init_ray``)."""
     procs.record()
-    killed = procs.kill()
-    logger.info("teardown: killed %d Ray process(es)", len(killed))
     bounded_ray_shutdown(shutdown_timeout_s)
+    killed = procs.kill()
+    logger.info("teardown: killed %d Ray process(es) left after ray.shutdown()", len(killed))
 
 
 def graceful_teardown(workers, procs: RayProcesses, timeout_s: float = 5.0) -> None:
@@ -360,11 +367,11 @@ class SignalWatchdog:
     """Make sure the process ends soon after SIGTERM (code 143) or Ctrl-C (code 130), even with the main thread
     blocked in Ray.
 
-    SIGTERM: the recorded Ray processes are killed at once; if the process still runs ``grace_s`` later, the
-    resume hint is printed and the process exits with 143. Ctrl-C: the notice that a second Ctrl-C ends the run at
-    once is printed and the main thread cleans up (``absorb_interrupts`` keeps a second Ctrl-C from interrupting
-    that cleanup); a second Ctrl-C, or a process still running ``interrupt_grace_s`` later, kills the Ray
-    processes, prints the resume hint and exits with 130.
+    SIGTERM: the main thread cleans up (it gets ``Terminated``); if the process still runs ``grace_s`` later, the
+    resume hint is printed, the recorded Ray processes are killed and the process exits with 143. Ctrl-C: the
+    notice that a second Ctrl-C ends the run at once is printed and the main thread cleans up
+    (``absorb_interrupts`` keeps a second Ctrl-C from interrupting that cleanup); a second Ctrl-C, or a process
+    still running ``interrupt_grace_s`` later, prints the resume hint, kills the Ray processes and exits with 130.
 
     Uses ``signal.set_wakeup_fd``: the C-level signal handler writes the signal number to a pipe even while
     the main thread is blocked in native code; a daemon thread reads it. Where Ctrl-C has Python's default handler,
@@ -427,16 +434,17 @@ class SignalWatchdog:
                 deadline = time.monotonic() + self.interrupt_grace_s
                 print("interrupted (Ctrl-C): cleaning up; press Ctrl-C again to stop at once", file=sys.stderr,
                       flush=True)
-        self.fired.set()
-        self.procs.kill(wait_s=2.0)  # the actors run in sessions of their own: the group's SIGTERM missed them
-        time.sleep(self.grace_s)
+        self.fired.set()  # the main thread disconnects from Ray, then kills (fast_teardown); killing Ray's processes
+        time.sleep(self.grace_s)  # from here first would let Ray end the process with code 1 (cluster.init_ray)
         self._exit(143, f"terminated (SIGTERM); cleanup did not finish within {self.grace_s:.0f} s ({main_thread_at()})")
 
     def _exit(self, code: int, why: str) -> None:
-        """Kill the Ray processes, print ``why`` and the resume hint, end the process with ``code``."""
+        """Print ``why`` and the resume hint, kill the Ray processes, end the process with ``code`` at once (Ray may
+        end a process whose raylet it loses, with code 1: no wait between the kill and the exit; the reaper sees
+        that they are gone)."""
         try:
-            self.procs.kill(wait_s=2.0)
             print(f"{why}; {self.hint()}", file=sys.stderr, flush=True)
+            self.procs.kill(wait_s=0.0)
         finally:
             os._exit(code)
 

@@ -46,7 +46,7 @@ def test_reaper_kills_what_a_kill_9_driver_left_behind():
     assert gone_within(pid, start, 10), "the orphaned child outlived its killed driver"
 
 
-def test_watchdog_kills_at_once_and_exits_143_when_the_cleanup_hangs():
+def test_watchdog_kills_and_exits_143_when_the_cleanup_hangs():
     # The main thread gets Terminated, then its cleanup hangs (as ray.shutdown() waiting on a dead GCS).
     driver = textwrap.dedent("""
         import subprocess, threading
@@ -269,3 +269,31 @@ def test_failures_are_named_in_one_line():
     except CheckpointWriteError as e:
         assert describe_failure(e) == ("CheckpointWriteError: checkpoint step_2: the disk is full", False)
     assert describe_failure(ValueError("bad\nmore")) == ("ValueError: bad", True)
+
+
+def test_a_local_rays_services_lead_process_groups_of_their_own():
+    # A SIGTERM to the driver's process group must not reach the raylet: with it gone, Ray's core worker ends the
+    # driver with exit code 1 at its next touch of the object store, before the resume hint is printed.
+    driver = textwrap.dedent("""
+        import os
+        import ray
+        from ray._private import services
+        from nemo_fp8.distributed.cluster import init_ray
+        from nemo_fp8.distributed.teardown import RayProcesses, descendants, fast_teardown
+        base = services.ConsolePopen
+        init_ray(None, 1)
+        assert services.ConsolePopen is base, services.ConsolePopen
+        names = {p: open(f"/proc/{p}/cmdline", "rb").read().split(b"\\0")[0].rsplit(b"/", 1)[-1].decode()
+                 for p in descendants(os.getpid())}
+        services_ = {p: n for p, n in names.items() if n in ("gcs_server", "raylet")}
+        assert sorted(services_.values()) == ["gcs_server", "raylet"], names
+        print(sum(os.getpgid(p) == os.getpgid(0) for p in services_), flush=True)
+        procs = RayProcesses()
+        procs.record()
+        fast_teardown(procs)
+        print(len(procs.alive()), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "0"], (proc.stdout, proc.stderr[-2000:])
