@@ -224,8 +224,9 @@ _FORK_HOOK = False
 # Python code, and a KeyboardInterrupt raised inside one (logging's lock release, say) is printed as "Exception
 # ignored", lost, and can leave that lock held. While the main thread forks, the watchdog's SIGINT handler defers
 # the interrupt to just after the fork; the forking thread blocks SIGINT until the child has let go of the
-# watchdog's pipe, so that one Ctrl-C is never counted twice.
-_FORK = {"active": False, "deferred": False}
+# watchdog's pipe, so that one Ctrl-C is never counted twice. SIGTERM's Terminated is deferred the same way
+# (_sigterm_deferred_during_fork).
+_FORK = {"active": False, "deferred": None}  # deferred: the interrupt to raise after the fork (a class)
 _FORK_MASK = threading.local()
 
 
@@ -257,7 +258,7 @@ def _end_fork_window() -> None:
     lost again."""
     _restore_sigint_mask()
     if _FORK["deferred"]:
-        threading.Thread(target=_raise_deferred_interrupt, daemon=True, name="deferred-ctrl-c").start()
+        threading.Thread(target=_raise_deferred_interrupt, daemon=True, name="deferred-interrupt").start()
     _FORK["active"] = False  # the last statement: nothing after it can raise inside this hook
 
 
@@ -270,13 +271,14 @@ def _after_fork_in_parent() -> None:
 
 
 def _raise_deferred_interrupt() -> None:
-    """``KeyboardInterrupt`` in the main thread once it has left the fork, as an asynchronous exception
-    (``PyThreadState_SetAsyncExc``): a signal again would reach the watchdog's pipe as a second Ctrl-C."""
+    """The deferred interrupt (``KeyboardInterrupt``, or ``Terminated`` for SIGTERM) in the main thread once it has
+    left the fork, as an asynchronous exception (``PyThreadState_SetAsyncExc``): a signal again would reach the
+    watchdog's pipe as a second Ctrl-C."""
     while _FORK["active"]:
         time.sleep(0.001)
-    _FORK["deferred"] = False
+    exc, _FORK["deferred"] = _FORK["deferred"] or KeyboardInterrupt, None
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
-                                               ctypes.py_object(KeyboardInterrupt))
+                                               ctypes.py_object(exc))
 
 
 def _after_fork_in_child() -> None:
@@ -284,7 +286,7 @@ def _after_fork_in_child() -> None:
     would (after its hooks); a worker of ``ctrl_c_ignoring_context`` ignores it from here on instead (a Ctrl-C
     that came during the fork is dropped with it)."""
     _drop_wakeup_fd()
-    _FORK["active"], _FORK["deferred"] = True, False
+    _FORK["active"], _FORK["deferred"] = True, None
     _ignore_sigint_in_a_pool_child()  # before the unblock: a Ctrl-C pending from the fork is dropped
     _end_fork_window()
 
@@ -346,9 +348,25 @@ def ctrl_c_ignoring_context(method: str | None = None):
 def _sigint_during_fork_deferred(signum, frame) -> None:
     """Python's default Ctrl-C (``KeyboardInterrupt``), deferred while the main thread forks."""
     if _FORK["active"]:
-        _FORK["deferred"] = True
+        _FORK["deferred"] = _FORK["deferred"] or KeyboardInterrupt
         return
     raise KeyboardInterrupt
+
+
+def _sigterm_deferred_during_fork(handler: Callable, owner: int) -> Callable:
+    """``handler`` (``raise_on_sigterm``'s: it raises ``Terminated``), deferred like Ctrl-C while the main thread of
+    process ``owner`` forks: raised inside an at-fork hook, ``Terminated`` would be printed as "Exception ignored"
+    and lost, and the run would go on training until the watchdog's grace ran out. A SIGTERM outranks a deferred
+    Ctrl-C. In a forked child (another pid) ``handler`` runs as it is."""
+    from nemo_fp8.utils.run_dir import Terminated
+
+    def _handler(signum, frame):
+        if _FORK["active"] and os.getpid() == owner:
+            _FORK["deferred"] = Terminated
+            return
+        return handler(signum, frame)
+
+    return _handler
 
 
 def main_thread_at(depth: int = 6) -> str:
@@ -395,6 +413,7 @@ class SignalWatchdog:
         self._old_fd = -1
         self._old_sigint = None
         self._default_sigint = None  # Python's default handler, where start replaced it
+        self._old_sigterm = None  # the SIGTERM handler start wrapped (deferred during a fork)
 
     def start(self) -> "SignalWatchdog":
         """Start watching (main thread only: ``signal.set_wakeup_fd``)."""
@@ -405,6 +424,9 @@ class SignalWatchdog:
             _FORK_HOOK = True
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._default_sigint = signal.signal(signal.SIGINT, _sigint_during_fork_deferred)
+        term = signal.getsignal(signal.SIGTERM)
+        if callable(term):  # raise_on_sigterm's handler
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_deferred_during_fork(term, os.getpid()))
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._old_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
@@ -463,6 +485,8 @@ class SignalWatchdog:
             signal.signal(signal.SIGINT, self._old_sigint)
         if self._default_sigint is not None:
             signal.signal(signal.SIGINT, self._default_sigint)
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
         signal.set_wakeup_fd(self._old_fd)
         os.close(self._write_fd)  # the reader sees EOF and returns
         self._write_fd = None

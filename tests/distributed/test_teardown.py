@@ -190,6 +190,45 @@ def test_ctrl_c_during_a_fork_is_raised_after_it_once():
     assert proc.stderr.count("press Ctrl-C again to stop at once") == 1 and "second Ctrl-C" not in proc.stderr
 
 
+# SIGTERM while the main thread forks: an after-fork hook in the parent raises it (as a reward worker's fork under
+# a SIGTERM to the group). Terminated must reach the main thread's code, not be lost in the hook.
+SIGTERM_FORK_DRIVER = textwrap.dedent("""
+    import logging, os, signal, time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from nemo_fp8.utils.run_dir import Terminated, raise_on_sigterm
+
+    def hook():
+        signal.raise_signal(signal.SIGTERM)
+        for _ in range(1000):  # bytecode: a handler that runs now runs inside the hook
+            pass
+
+    os.register_at_fork(after_in_parent=hook)
+    raise_on_sigterm()
+    from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
+    watchdog = SignalWatchdog(RayProcesses(), lambda: "continue with --resume", grace_s=30).start()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("not terminated", flush=True)
+    except Terminated:
+        print("terminated after the fork", watchdog.fired.wait(5), flush=True)
+    logging.info("logging still works")
+""")
+
+
+def test_sigterm_during_a_fork_is_raised_after_it():
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_FORK_DRIVER], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["terminated after the fork True"], (proc.stdout, proc.stderr)
+    assert "logging still works" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
 # Ctrl-C while the reward's pool forks a worker: once inside the fork's window (an at-fork hook registered before
 # the watchdog's) and once inside multiprocessing's bootstrap, before pebble's worker sets SIG_IGN itself.
 POOL_FORK_DRIVER = textwrap.dedent("""
