@@ -141,20 +141,26 @@ def test_ctrl_c_watchdog_ends_a_hanging_cleanup_after_its_grace():
 # Ctrl-C while the main thread forks: in the parent and in the child, the signal comes inside an at-fork hook that
 # runs in the fork's window (as logging's lock release does), registered before the watchdog's hooks as an
 # import's would be.
-FORK_DRIVER = textwrap.dedent("""
-    import logging, os, signal, sys, time
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def fork_driver_prelude(sig: str) -> str:
+    """Driver code: logging on, ``hook()`` raising ``sig`` (``SIGINT``, ``SIGTERM``) with bytecode after it (a
+    handler that runs then runs inside the hook), ``wait_for_signal()`` (5 s)."""
+    return textwrap.dedent(f"""
+        import logging, os, signal, sys, time
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    def hook():
-        signal.raise_signal(signal.SIGINT)
-        for _ in range(1000):  # bytecode: a handler that runs now runs inside the hook
-            pass
+        def hook():
+            signal.raise_signal(signal.{sig})
+            for _ in range(1000):
+                pass
 
-    def wait_for_ctrl_c():
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
+        def wait_for_signal():
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    """)
 
+
+FORK_DRIVER = fork_driver_prelude("SIGINT") + textwrap.dedent("""
     os.register_at_fork(after_in_parent=hook, after_in_child=hook)
     from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
     SignalWatchdog(RayProcesses(), lambda: "continue with --resume", interrupt_grace_s=60).start()
@@ -163,11 +169,11 @@ FORK_DRIVER = textwrap.dedent("""
         pid = os.fork()
         if pid == 0:
             try:
-                wait_for_ctrl_c()
+                wait_for_signal()
                 os._exit(1)
             except KeyboardInterrupt:
                 os._exit(7)
-        wait_for_ctrl_c()
+        wait_for_signal()
         print("not interrupted", flush=True)
     except KeyboardInterrupt:
         print("interrupted after the fork", flush=True)
@@ -192,16 +198,8 @@ def test_ctrl_c_during_a_fork_is_raised_after_it_once():
 
 # SIGTERM while the main thread forks: an after-fork hook in the parent raises it (as a reward worker's fork under
 # a SIGTERM to the group). Terminated must reach the main thread's code, not be lost in the hook.
-SIGTERM_FORK_DRIVER = textwrap.dedent("""
-    import logging, os, signal, time
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+SIGTERM_FORK_DRIVER = fork_driver_prelude("SIGTERM") + textwrap.dedent("""
     from nemo_fp8.utils.run_dir import Terminated, raise_on_sigterm
-
-    def hook():
-        signal.raise_signal(signal.SIGTERM)
-        for _ in range(1000):  # bytecode: a handler that runs now runs inside the hook
-            pass
-
     os.register_at_fork(after_in_parent=hook)
     raise_on_sigterm()
     from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
@@ -210,9 +208,7 @@ SIGTERM_FORK_DRIVER = textwrap.dedent("""
         pid = os.fork()
         if pid == 0:
             os._exit(0)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_signal()
         print("not terminated", flush=True)
     except Terminated:
         print("terminated after the fork", watchdog.fired.wait(5), flush=True)
