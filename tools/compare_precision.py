@@ -284,9 +284,9 @@ def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str
             continue
         folder, seed = path.parent.parent, split_seed(path.parent.name)[1]
         same_seed = baseline if seed == 1 else f"{baseline}-seed{seed}"
-        elsewhere = [lb for (f, name), lb in sorted(label_at.items(), key=lambda kv: str(kv[0][0]))
-                     if name == same_seed and f != folder]
-        ref = label_at.get((folder, same_seed)) or label_at.get((folder, baseline)) or next(iter(elsewhere), None)
+        ref = label_at.get((folder, same_seed)) or label_at.get((folder, baseline)) or next(
+            (lb for (f, name), lb in sorted(label_at.items(), key=lambda kv: str(kv[0][0]))
+             if name == same_seed and f != folder), None)  # looked for only where the folder has no baseline
         if ref is not None:
             pairs[label] = ref
     return pairs
