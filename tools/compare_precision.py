@@ -292,6 +292,25 @@ def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str
     return pairs
 
 
+def host_baseline_pairs(sources: dict[str, Path], baseline: str, present, pairs: dict[str, str]) -> dict[str, str]:
+    """Label -> the baseline run it takes its time ratios to: the run of ``baseline`` in its own folder (the same
+    host) with the same sampling seed, else that folder's lowest seed of ``baseline``; where the folder has none,
+    ``pairs`` (:func:`baseline_pairs`). Seconds compare only on one host; the seed does not matter to them, where
+    it does to the reward pairing (a lease that ran ``bf16-seed3`` beside ``fp8-e2e+tis`` times the latter against
+    the former, but pairs its rewards with seed 1's ``bf16`` from another folder)."""
+    in_folder: dict[Path, dict[int, str]] = {}
+    for label, path in sources.items():
+        name, seed = split_seed(path.parent.name)
+        if label in present and name == baseline:
+            in_folder.setdefault(path.parent.parent, {})[seed] = label
+    out = dict(pairs)
+    for label, path in sources.items():
+        here = in_folder.get(path.parent.parent)
+        if label in present and here:
+            out[label] = here.get(split_seed(path.parent.name)[1]) or here[min(here)]
+    return out
+
+
 def _shown(path: Path) -> str:
     """``path`` relative to the working directory where it lies below it (plot titles, notes), else as is."""
     try:
@@ -323,7 +342,7 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     baseline_of = baseline_pairs(sources, baseline, runs)
     png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({_shown(out_dir)})", baseline=baseline,
                       baseline_of=baseline_of)
-    table = parity_table(summaries, baseline, baseline_of=baseline_of)
+    table = parity_table(summaries, baseline, baseline_of=host_baseline_pairs(sources, baseline, runs, baseline_of))
     notes = ("\nTimes are seconds per training step (first step left out: warm-up); `step s` excludes validation "
              "and checkpointing. Accuracy: `val/accuracy` (greedy when `grpo.val_greedy`).\n")
     gaps = reward_gap_table(runs, baseline, baseline_of)
@@ -345,7 +364,9 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
                   "seeds; se of the final accuracy: the validation set's binomial error and the spread across seeds; "
                   "gain: final minus start; the difference from " + baseline + ": Welch's se across seeds (the set's "
                   "error is shared); paired by seed and step: the late reward minus that of " + baseline + "'s run of "
-                  "the same seed, step by step, averaged over seeds, se sqrt(sum se_i^2) / seeds; TIS-clamped "
+                  "the same seed, step by step, averaged over seeds, se sqrt(sum se_i^2) / seeds, and from three seeds "
+                  "the paired t-test's se across seeds, sd(diff_i) / sqrt(seeds), which assumes nothing about the "
+                  "steps; TIS-clamped "
                   "tokens: fraction of tokens whose IS weight was clamped (and of steps with any); also in "
                   "parity.json (`tools/check_metrics.py parity.json --by variant`). Each row "
                   f"reads its runs, and for its difference {baseline}'s, up to `step`, the last validation all of "

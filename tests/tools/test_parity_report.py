@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lab.parity_report import (
+    _paired_cell,
     paired_over_seeds,
     paired_reward_gap,
     parity_table,
@@ -154,6 +155,21 @@ def test_paired_over_seeds_pairs_each_seed_with_the_baselines_run_of_that_seed()
     # read up to step 3: seed 1's late steps are then step 3 only (one pair: se NaN), the same for seed 2
     assert paired_over_seeds(runs, ["fp8"], ["bf16"], step=3)["diff"] == pytest.approx(0.0)
     assert paired_over_seeds(runs, ["fp8-seed3"], ["bf16", "bf16-seed2"], step=5) is None
+    assert got["seed_se"] is None  # two seeds: the sd across them has one degree of freedom
+
+
+def test_paired_over_seeds_gives_the_paired_t_tests_se_across_three_seeds():
+    """Three seeds whose late gaps are -0.1, -0.2 and 0.0, each flat over its late steps (pooled se 0): the se
+    across seeds is their sd / sqrt(3) = 0.1 / sqrt(3), and the table cell reads t and its 2 degrees of freedom."""
+    runs = {"bf16": _reward_rows([0.5] * 5), "bf16-seed2": _reward_rows([0.5] * 5),
+            "bf16-seed3": _reward_rows([0.5] * 5), "fp8": _reward_rows([0.4] * 5),
+            "fp8-seed2": _reward_rows([0.3] * 5), "fp8-seed3": _reward_rows([0.5] * 5)}
+    got = paired_over_seeds(runs, ["fp8", "fp8-seed2", "fp8-seed3"], ["bf16", "bf16-seed2", "bf16-seed3"], step=5)
+    assert got["seeds"] == 3 and got["diff"] == pytest.approx(-0.1) and got["se"] == pytest.approx(0.0)
+    assert got["seed_se"] == pytest.approx(0.1 / math.sqrt(3))
+    cell = _paired_cell({"diff_late_reward_paired": got["diff"], "diff_late_reward_paired_se": got["se"],
+                         "diff_late_reward_paired_seed_se": got["seed_se"], "paired_seeds": got["seeds"]})
+    assert cell == f"-0.1000; seeds +- {0.1 / math.sqrt(3):.4f} (t -1.7, 2 df)"
 
 
 def test_report_pairs_each_seed_with_bf16_of_that_seed_in_its_own_folder(tmp_path):
@@ -188,6 +204,27 @@ def test_a_folder_without_bf16_pairs_each_seed_with_bf16_of_that_seed_elsewhere(
     _, md = cp.write_report(a, ["bf16"], also=[b, c])
     gaps = md.read_text().split("steps 60-100%")[1]
     assert "| fp8kv-seed2 | bf16-seed2 |" in gaps and "| fp8kv-seed3 | bf16 |" in gaps
+
+
+def test_time_ratios_take_the_bf16_run_of_the_same_folder_whatever_its_seed(tmp_path):
+    """A lease that ran ``bf16-seed3`` beside ``fp8-e2e+tis`` (seed 1): the FP8 run's rewards pair with seed 1's
+    BF16 in another folder (the same sampling numbers), but its time ratios take the BF16 run of its own host."""
+    cp = tool()
+    a, c = tmp_path / "a", tmp_path / "c"
+    for folder, name, gen_s in ((a, "bf16", 1.0), (c, "bf16-seed3", 2.0), (c, "fp8-e2e+tis", 3.0),
+                                (c, "fp8-seed3", 3.0)):
+        _write_run(folder / name, fake_run(gen_s, 1e-4, [0.1, 0.2, 0.3]))
+    sources = cp.report_sources(c, ["bf16-seed3", "fp8-e2e+tis", "fp8-seed3"], [a])
+    pairs = cp.baseline_pairs(sources, "bf16", set(sources))
+    assert pairs["fp8-e2e+tis"] == "bf16" and pairs["fp8-seed3"] == "bf16-seed3"
+    hosts = cp.host_baseline_pairs(sources, "bf16", set(sources), pairs)
+    assert hosts == {"bf16": "bf16", "bf16-seed3": "bf16-seed3", "fp8-e2e+tis": "bf16-seed3",
+                     "fp8-seed3": "bf16-seed3"}
+    _, md = cp.write_report(c, ["bf16-seed3", "fp8-e2e+tis", "fp8-seed3"], also=[a])
+    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[-3:-1]]
+            for line in md.read_text().split("\n\n")[0].splitlines()[2:]}
+    assert rows["fp8-e2e+tis"] == rows["fp8-seed3"] and rows["fp8-e2e+tis"][1] == "1.50"  # gen 3.0 s / 2.0 s
+    assert "| fp8-e2e+tis | bf16 |" in md.read_text().split("steps 60-100%")[1]  # rewards: seed 1's BF16
 
 
 def test_accuracy_per_data_source_first_and_last():

@@ -340,10 +340,15 @@ def paired_over_seeds(runs: dict[str, list[dict]], labels: list[str], base_label
     With few seeds the spread across seeds (Welch's se) rests on one or two degrees of freedom and can come out far
     too small or large; each seed's pair also measures its own sampling noise from its ~16 late steps, so
     ``se`` = sqrt(sum se_i^2) / k (seeds independent, steps taken as independent within a pair).
+    From three seeds on, ``seed_se`` = sd(diff_i) / sqrt(k) is the paired t-test's se across seeds (k - 1
+    degrees of freedom; Student's paired t, as in any paired comparison of seeds): it makes no assumption about
+    the steps, so a reward that drifts together over neighbouring steps, which the pooled ``se`` misses, shows
+    in it.
 
     Returns:
-        dict ``diff`` (reward units), ``se``, ``seeds`` (k, the seeds paired), or None when no seed of ``labels``
-        has a baseline run of the same seed with a common step in the window.
+        dict ``diff`` (reward units), ``se``, ``seed_se`` (None below three seeds), ``seeds`` (k, the seeds
+        paired), or None when no seed of ``labels`` has a baseline run of the same seed with a common step in
+        the window.
     """
     base_by_seed = {_seed_of(lb)[1]: lb for lb in base_labels}
     gaps = []
@@ -358,8 +363,9 @@ def paired_over_seeds(runs: dict[str, list[dict]], labels: list[str], base_label
     if not gaps:
         return None
     k = len(gaps)
-    return {"diff": sum(g["diff"] for g in gaps) / k, "se": math.sqrt(sum(g["se"] ** 2 for g in gaps)) / k,
-            "seeds": k}
+    diff, sd = _mean_sd([g["diff"] for g in gaps])
+    return {"diff": diff, "se": math.sqrt(sum(g["se"] ** 2 for g in gaps)) / k,
+            "seed_se": sd / math.sqrt(k) if k >= 3 else None, "seeds": k}
 
 
 def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[dict]:
@@ -379,8 +385,9 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         :func:`run_stats`' numbers, ``final_acc_sd``, ``final_acc_se``, ``gain``, ``gain_se``, ``gain_z`` and,
         for variants other than ``baseline`` when it ran, ``diff_final`` / ``diff_final_se`` /
         ``diff_late_reward`` / ``diff_late_reward_se``, and where seeds pair with the baseline's
-        ``diff_late_reward_paired`` / ``diff_late_reward_paired_se`` / ``paired_seeds`` (:func:`paired_over_seeds`,
-        the se that holds with two seeds); ``final_step``, the step the row's numbers are taken up
+        ``diff_late_reward_paired`` / ``diff_late_reward_paired_se`` / ``diff_late_reward_paired_seed_se`` /
+        ``paired_seeds`` (:func:`paired_over_seeds`: the se that holds with two seeds, and from three seeds the
+        paired t-test's se across seeds); ``final_step``, the step the row's numbers are taken up
         to, and ``cut_runs``, the runs (the variant's, or the baseline's for this comparison) that validated later
         than that (their later steps left out). A run with no validation after its start is left out.
 
@@ -444,16 +451,22 @@ def seed_summaries(runs: dict[str, list[dict]], baseline: str = "bf16") -> list[
         paired = paired_over_seeds(runs, labels_of[row["label"]], base_labels, row["final_step"])
         if paired is not None:
             row["diff_late_reward_paired"], row["diff_late_reward_paired_se"] = paired["diff"], paired["se"]
+            row["diff_late_reward_paired_seed_se"] = paired["seed_se"]
             row["paired_seeds"] = paired["seeds"]
     return out
 
 
 def _paired_cell(row: dict) -> str:
-    """``"-0.0097 +- 0.0035 (-2.8)"``: a :func:`seed_summaries` row's paired late-reward difference, or ``"-"``."""
+    """``"-0.0097 +- 0.0035 (-2.8)"``: a :func:`seed_summaries` row's paired late-reward difference, or ``"-"``;
+    from three seeds on, the se across seeds follows: ``"; seeds +- 0.0022 (t -3.4, 2 df)"``."""
     d, se = row.get("diff_late_reward_paired"), row.get("diff_late_reward_paired_se")
     if d is None:
         return "-"
-    return f"{d:+.4f} +- {se:.4f} ({d / se:+.1f})" if se and se > 0 else f"{d:+.4f}"
+    cell = f"{d:+.4f} +- {se:.4f} ({d / se:+.1f})" if se and se > 0 else f"{d:+.4f}"
+    seed_se, k = row.get("diff_late_reward_paired_seed_se"), row.get("paired_seeds")
+    if seed_se:
+        cell += f"; seeds +- {seed_se:.4f} (t {d / seed_se:+.1f}, {k - 1} df)"
+    return cell
 
 
 def seed_summary_table(rows: list[dict], baseline: str = "bf16") -> str:

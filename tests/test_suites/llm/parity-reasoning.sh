@@ -20,8 +20,9 @@
 # bits) so that the lease holds only runs, or split the arms over leases with VARIANTS (each lease rebuilds the same
 # bits: a4a3a6eb... on three H200 hosts) and join the reports. One H200 (16 CPUs) holds the build and three runs to
 # step 40 (DEVICES=0 PARALLEL=3: 748-920 s, the last ending 1,500-1,704 s into the lease); one seed of three arms a
-# lease keeps each FP8 run beside the BF16 run of its seed. The FP8 KV arms are slower (two a lease; they may end
-# before step 40, and the report then compares them with bf16 at their last validation). Several hosts or leases:
+# lease keeps each FP8 run beside the BF16 run of its seed. With MODEL sent in, one H200 holds four runs to step 40
+# (DEVICES=0 PARALLEL=4: 909 s, ending ~1,060 s into the lease). The FP8 KV arms are slower (~25% a step; runs cut
+# before step 40 are compared with bf16 at their last validation). Several hosts or leases:
 # OUT=logs/suites/parity-reasoning-b VARIANTS=... on the second, then
 #   python tools/compare_precision.py --backend gpu --report-only --out-dir logs/suites/parity-reasoning \
 #       --also logs/suites/parity-reasoning-b   (and the checks below on the joint parity.json)
