@@ -267,26 +267,36 @@ def report_sources(out_dir: Path, names: list[str], also: list[Path] = ()) -> di
     return sources
 
 
+def _baseline_runs(sources: dict[str, Path], baseline: str, present) -> dict[Path, dict[int, str]]:
+    """Folder -> {sampling seed: label} of the ``baseline`` runs in ``present`` (those with a training step)."""
+    runs: dict[Path, dict[int, str]] = {}
+    for label, path in sources.items():
+        name, seed = split_seed(path.parent.name)
+        if label in present and name == baseline:
+            runs.setdefault(path.parent.parent, {})[seed] = label
+    return runs
+
+
 def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str, str]:
-    """Label -> the baseline run it is set against in the time ratios, the reward pairing and the plot: the run of
-    ``baseline`` with the same sampling seed in the same folder (``fp8-seed2`` -> ``bf16-seed2``: the same host, and
-    the same sampling random numbers, so the per-step reward difference is tightest), else that folder's seed-1
-    ``baseline`` run, else the ``baseline`` run of the same seed in another folder (a lease that ran no BF16: the
-    same prompts and sampling seed on another host). Only runs in ``present`` (those with a training step) pair. A
-    baseline run maps to itself, which :func:`~nemo_fp8.utils.plots._pair_of` sets against the report's own
-    ``baseline`` (another seed or host of BF16: the size of the noise). A run with none of these is absent: it
-    pairs with ``baseline``.
+    """Label -> the baseline run it is set against in the reward pairing and the plot: the run of ``baseline`` with
+    the same sampling seed in the same folder (``fp8-seed2`` -> ``bf16-seed2``: the same host, and the same sampling
+    random numbers, so the per-step reward difference is tightest), else that folder's seed-1 ``baseline`` run, else
+    the ``baseline`` run of the same seed in another folder (a lease that ran no BF16 of that seed: the same prompts
+    and sampling seed on another host). Only runs in ``present`` (those with a training step) pair. A baseline run
+    maps to itself, which :func:`~nemo_fp8.utils.plots._pair_of` sets against the report's own ``baseline``
+    (another seed or host of BF16: the size of the noise). A run with none of these is absent: it pairs with
+    ``baseline``. The time ratios take :func:`host_baseline_pairs` instead.
     """
-    label_at = {(path.parent.parent, path.parent.name): label for label, path in sources.items() if label in present}
+    by_folder = _baseline_runs(sources, baseline, present)
     pairs = {}
     for label, path in sources.items():
         if label not in present:
             continue
         folder, seed = path.parent.parent, split_seed(path.parent.name)[1]
-        same_seed = baseline if seed == 1 else f"{baseline}-seed{seed}"
-        ref = label_at.get((folder, same_seed)) or label_at.get((folder, baseline)) or next(
-            (lb for (f, name), lb in sorted(label_at.items(), key=lambda kv: str(kv[0][0]))
-             if name == same_seed and f != folder), None)  # looked for only where the folder has no baseline
+        here = by_folder.get(folder, {})
+        ref = here.get(seed) or here.get(1) or next(
+            (runs[seed] for f, runs in sorted(by_folder.items(), key=lambda kv: str(kv[0]))
+             if f != folder and seed in runs), None)
         if ref is not None:
             pairs[label] = ref
     return pairs
@@ -298,14 +308,10 @@ def host_baseline_pairs(sources: dict[str, Path], baseline: str, present, pairs:
     ``pairs`` (:func:`baseline_pairs`). Seconds compare only on one host; the seed does not matter to them, where
     it does to the reward pairing (a lease that ran ``bf16-seed3`` beside ``fp8-e2e+tis`` times the latter against
     the former, but pairs its rewards with seed 1's ``bf16`` from another folder)."""
-    in_folder: dict[Path, dict[int, str]] = {}
-    for label, path in sources.items():
-        name, seed = split_seed(path.parent.name)
-        if label in present and name == baseline:
-            in_folder.setdefault(path.parent.parent, {})[seed] = label
+    by_folder = _baseline_runs(sources, baseline, present)
     out = dict(pairs)
     for label, path in sources.items():
-        here = in_folder.get(path.parent.parent)
+        here = by_folder.get(path.parent.parent)
         if label in present and here:
             out[label] = here.get(split_seed(path.parent.name)[1]) or here[min(here)]
     return out
