@@ -302,18 +302,19 @@ def baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str
     return pairs
 
 
-def host_baseline_pairs(sources: dict[str, Path], baseline: str, present, pairs: dict[str, str]) -> dict[str, str]:
+def host_baseline_pairs(sources: dict[str, Path], baseline: str, present) -> dict[str, str | None]:
     """Label -> the baseline run it takes its time ratios to: the run of ``baseline`` in its own folder (the same
-    host) with the same sampling seed, else that folder's lowest seed of ``baseline``; where the folder has none,
-    ``pairs`` (:func:`baseline_pairs`). Seconds compare only on one host; the seed does not matter to them, where
-    it does to the reward pairing (a lease that ran ``bf16-seed3`` beside ``fp8-e2e+tis`` times the latter against
-    the former, but pairs its rewards with seed 1's ``bf16`` from another folder)."""
+    host) with the same sampling seed, else that folder's lowest seed of ``baseline``; None where the folder has no
+    ``baseline`` run (no ratio: seconds compare only between runs that shared one host and lease, and co-tenancy on
+    the GPU differs between leases). The seed does not matter to the time ratios, where it does to the reward
+    pairing (:func:`baseline_pairs`): a lease that ran ``bf16-seed3`` beside ``fp8-e2e+tis`` times the latter
+    against the former, but pairs its rewards with seed 1's ``bf16`` from another folder."""
     by_folder = _baseline_runs(sources, baseline, present)
-    out = dict(pairs)
+    out = {}
     for label, path in sources.items():
         here = by_folder.get(path.parent.parent)
-        if label in present and here:
-            out[label] = here.get(split_seed(path.parent.name)[1]) or here[min(here)]
+        if label in present:
+            out[label] = (here.get(split_seed(path.parent.name)[1]) or here[min(here)]) if here else None
     return out
 
 
@@ -348,7 +349,7 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     baseline_of = baseline_pairs(sources, baseline, runs)
     png = plot_parity(runs, out_dir / "parity.png", title=f"learning parity ({_shown(out_dir)})", baseline=baseline,
                       baseline_of=baseline_of)
-    table = parity_table(summaries, baseline, baseline_of=host_baseline_pairs(sources, baseline, runs, baseline_of))
+    table = parity_table(summaries, baseline, baseline_of=host_baseline_pairs(sources, baseline, runs))
     notes = ("\nTimes are seconds per training step (first step left out: warm-up); `step s` excludes validation "
              "and checkpointing. Accuracy: `val/accuracy` (greedy when `grpo.val_greedy`).\n")
     gaps = reward_gap_table(runs, baseline, baseline_of)
@@ -384,7 +385,8 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     if also:
         notes += ("\nRuns from other comparisons (" + ", ".join(_shown(a) for a in also) + ") are in the table; a "
                   "`name@folder` label is that folder's run of a variant also run here. A folder's runs take their "
-                  f"`/ {baseline}` ratios to that folder's own {baseline} run where it has one (the same host).\n")
+                  f"`/ {baseline}` ratios to that folder's own {baseline} run (the same host), and a folder without one "
+                  "has none (\"-\"): seconds compare only within one lease.\n")
     if missing:
         notes += "\nMissing: " + "; ".join(missing) + "\n"
     md = out_dir / "parity.md"

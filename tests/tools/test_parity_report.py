@@ -217,7 +217,7 @@ def test_time_ratios_take_the_bf16_run_of_the_same_folder_whatever_its_seed(tmp_
     sources = cp.report_sources(c, ["bf16-seed3", "fp8-e2e+tis", "fp8-seed3"], [a])
     pairs = cp.baseline_pairs(sources, "bf16", set(sources))
     assert pairs["fp8-e2e+tis"] == "bf16" and pairs["fp8-seed3"] == "bf16-seed3"
-    hosts = cp.host_baseline_pairs(sources, "bf16", set(sources), pairs)
+    hosts = cp.host_baseline_pairs(sources, "bf16", set(sources))
     assert hosts == {"bf16": "bf16", "bf16-seed3": "bf16-seed3", "fp8-e2e+tis": "bf16-seed3",
                      "fp8-seed3": "bf16-seed3"}
     _, md = cp.write_report(c, ["bf16-seed3", "fp8-e2e+tis", "fp8-seed3"], also=[a])
@@ -225,6 +225,25 @@ def test_time_ratios_take_the_bf16_run_of_the_same_folder_whatever_its_seed(tmp_
             for line in md.read_text().split("\n\n")[0].splitlines()[2:]}
     assert rows["fp8-e2e+tis"] == rows["fp8-seed3"] and rows["fp8-e2e+tis"][1] == "1.50"  # gen 3.0 s / 2.0 s
     assert "| fp8-e2e+tis | bf16 |" in md.read_text().split("steps 60-100%")[1]  # rewards: seed 1's BF16
+
+
+def test_a_lease_without_bf16_gets_no_time_ratios_though_its_rewards_pair_across_folders(tmp_path):
+    """A lease that ran only FP8 arms: its seconds are not set against another lease's BF16 (another host, other
+    runs sharing the GPU), so its ratio cells are "-"; its rewards still pair with the same seed's BF16."""
+    cp = tool()
+    a, d = tmp_path / "a", tmp_path / "d"
+    for folder, name, gen_s in ((a, "bf16", 1.0), (a, "bf16-seed2", 1.0), (d, "fp8kv", 3.0),
+                                (d, "fp8kv-seed2", 3.0)):
+        _write_run(folder / name, fake_run(gen_s, 1e-4, [0.1, 0.2, 0.3]))
+    sources = cp.report_sources(d, ["fp8kv", "fp8kv-seed2"], [a])
+    assert cp.baseline_pairs(sources, "bf16", set(sources))["fp8kv-seed2"] == "bf16-seed2"
+    assert cp.host_baseline_pairs(sources, "bf16", set(sources)) == {
+        "bf16": "bf16", "bf16-seed2": "bf16-seed2", "fp8kv": None, "fp8kv-seed2": None}
+    _, md = cp.write_report(d, ["fp8kv", "fp8kv-seed2"], also=[a])
+    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[-3:-1]]
+            for line in md.read_text().split("\n\n")[0].splitlines()[2:]}
+    assert rows["fp8kv"] == rows["fp8kv-seed2"] == ["-", "-"] and rows["bf16-seed2"] == ["1.00", "1.00"]
+    assert "| fp8kv-seed2 | bf16-seed2 |" in md.read_text().split("steps 60-100%")[1]
 
 
 def test_accuracy_per_data_source_first_and_last():
@@ -346,8 +365,8 @@ def test_also_folder_without_a_usable_baseline_pairs_with_ours_everywhere(tmp_pa
     md = (a / "parity.md").read_text()
     rows = {line.split("|")[1].strip(): line for line in md.split("\n\n")[0].splitlines()[2:]}
     assert {k: line.split("|")[-2].strip() for k, line in rows.items()} == {
-        "bf16": "1.00", "fp8kv+tis": "0.50", "fp8+tis-seed2": "0.25"}  # gen / bf16: both to host a's bf16
-    assert "| fp8kv+tis | bf16 |" in md and "| fp8+tis-seed2 | bf16 |" in md  # and paired with it
+        "bf16": "1.00", "fp8kv+tis": "-", "fp8+tis-seed2": "-"}  # gen / bf16: no BF16 timed on hosts b and c
+    assert "| fp8kv+tis | bf16 |" in md and "| fp8+tis-seed2 | bf16 |" in md  # rewards: paired with host a's
     assert "bf16@gpu-b: no training-step rows" in md
 
 

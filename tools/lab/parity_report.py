@@ -201,7 +201,8 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16",
     token_mult_prob_error, seconds per step split into generation / refit / log-probs / training,
     the whole step, and the step and generation times as ratios to ``baseline`` ("-" when
     ``baseline`` is not among the variants). ``baseline_of`` maps a variant to another row to take
-    its ratios to (runs from another host: that host's own baseline run), overriding ``baseline``.
+    its ratios to (runs from another host: that host's own baseline run), overriding ``baseline``; a variant
+    mapped to None has no ratios ("-": a host that ran no baseline).
     """
     baseline_of = baseline_of or {}
     sources = sorted({src for s in summaries.values() for src in s.get("acc_by_source", {})})
@@ -210,7 +211,8 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16",
             f"step / {baseline}", f"gen / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
-        base = summaries.get(baseline_of.get(name, baseline))
+        ref = baseline_of.get(name, baseline)
+        base = summaries.get(ref) if ref is not None else None
         per_src = [("{:.3f} -> {:.3f}".format(*s["acc_by_source"][src]) if src in s.get("acc_by_source", {}) else "-")
                    for src in sources]
         cells = [name, str(s["steps"]), f"{s.get('start_acc', float('nan')):.4f}", f"{s['final_acc']:.4f}",

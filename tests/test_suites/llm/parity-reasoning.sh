@@ -4,7 +4,7 @@
 # of 100-400 tokens), check it solves a minority of its held-out chains, then run the six arms x 3 seeds side by side,
 # one GPU per run (tools/compare_precision.py --devices), and check issue 51's targets on the report (parity.json).
 # The sixth arm, fp8kv (FP8 KV cache, no correction), is the issue's follow-up: FP8 without correction ran level with
-# BF16 (one seed), so the issue asks for it at the FP8 KV cache's larger mismatch.
+# BF16 (three seeds), so the issue asks for it at the FP8 KV cache's larger mismatch.
 #   MODEL          the start point's folder (default models/reasoning-qwen3; built when missing)
 #   BUILD_ARGS     make_small_model.py arguments (default: a deterministic 1,300-step build, the same bits on every
 #                  host of the same GPU type and software; on one H200 1,300 steps take ~590 s, 2,000 do not fit 10 min)
@@ -21,8 +21,9 @@
 # bits: a4a3a6eb... on three H200 hosts) and join the reports. One H200 (16 CPUs) holds the build and three runs to
 # step 40 (DEVICES=0 PARALLEL=3: 748-920 s, the last ending 1,500-1,704 s into the lease); one seed of three arms a
 # lease keeps each FP8 run beside the BF16 run of its seed. With MODEL sent in, one H200 holds four runs to step 40
-# (DEVICES=0 PARALLEL=4: 909 s, ending ~1,060 s into the lease). The FP8 KV arms are slower (~25% a step; runs cut
-# before step 40 are compared with bf16 at their last validation). Several hosts or leases:
+# (DEVICES=0 PARALLEL=4: 840-910 s, ending 985-1,060 s into the lease). The FP8 KV arms are ~25% slower a step with
+# 15 runs on a host, not with four on one H200 (14.0 s, as fp8-e2e+tis); runs cut before step 40 are compared with
+# bf16 at their last validation. Several hosts or leases:
 # OUT=logs/suites/parity-reasoning-b VARIANTS=... on the second, then
 #   python tools/compare_precision.py --backend gpu --report-only --out-dir logs/suites/parity-reasoning \
 #       --also logs/suites/parity-reasoning-b   (and the checks below on the joint parity.json)
