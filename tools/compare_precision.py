@@ -385,8 +385,8 @@ def write_report(out_dir: Path, names: list[str], baseline: str = "bf16",
     if also:
         notes += ("\nRuns from other comparisons (" + ", ".join(_shown(a) for a in also) + ") are in the table; a "
                   "`name@folder` label is that folder's run of a variant also run here. A folder's runs take their "
-                  f"`/ {baseline}` ratios to that folder's own {baseline} run (the same host), and a folder without one "
-                  "has none (\"-\"): seconds compare only within one lease.\n")
+                  f"`/ {baseline}` ratios to that folder's own {baseline} run (the same host), and a folder without "
+                  "one has none (\"-\"): seconds compare only within one lease.\n")
     if missing:
         notes += "\nMissing: " + "; ".join(missing) + "\n"
     md = out_dir / "parity.md"
