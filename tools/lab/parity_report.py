@@ -193,7 +193,7 @@ def seed_group_table(runs: dict[str, list[dict]], baseline: str = "bf16", window
 
 
 def parity_table(summaries: dict[str, dict], baseline: str = "bf16",
-                 baseline_of: dict[str, str] | None = None) -> str:
+                 baseline_of: dict[str, str | None] | None = None) -> str:
     """Markdown table of :func:`summarize_run` results, one row per variant (input order).
 
     Columns: steps, first/final/best validation accuracy (and first -> final per data source when
