@@ -67,11 +67,16 @@ def test_summarize_run_hand_computed():
     assert math.isnan(summarize_run([{"step": 1, "train/reward_mean": 0.0}])["final_acc"])
 
 
+def _table_rows(table: str) -> dict[str, list[str]]:
+    """Label -> the cells after it, for each row of a markdown table (its header and rule left out)."""
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+
+
 def test_parity_table_ratios_to_baseline():
     sums = {"bf16": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2, 0.3])),
             "fp8+tis": summarize_run(fake_run(1.0, 1e-3, [0.1, 0.25, 0.2]))}
     table = parity_table(sums)
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    rows = _table_rows(table)
     step_bf16, step_fp8 = sums["bf16"]["step_s"], sums["fp8+tis"]["step_s"]
     assert rows["bf16"][-2:] == ["1.00", "1.00"]
     assert rows["fp8+tis"][-2:] == [f"{step_fp8 / step_bf16:.2f}", "0.50"]
@@ -101,7 +106,7 @@ def test_reward_gap_table_pairs_each_host_with_its_own_baseline():
             "bf16@b": _reward_rows([0.2, 0.3, 0.4, 0.5, 0.6]), "fp8kv": _reward_rows([0.2, 0.3, 0.4, 0.5, 0.5])}
     table = reward_gap_table(runs, "bf16", baseline_of={"bf16@b": "bf16@b", "fp8kv": "bf16@b"},
                              windows=((0.0, 0.6), (0.6, 1.0)))
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    rows = _table_rows(table)
     assert list(rows) == ["fp8", "bf16@b", "fp8kv"]  # bf16 itself has no row
     assert rows["fp8"][0] == "bf16" and rows["fp8"][1].startswith("+0.0000") and rows["fp8"][2].startswith("-0.1000")
     assert rows["bf16@b"][0] == "bf16" and rows["bf16@b"][2].startswith("+0.1000")
@@ -118,7 +123,7 @@ def test_seed_group_table_hand_computed():
             "fp8+tis-seed3@gpu-b": _reward_rows([0, 0, 0, 0.5, 0.5]),  # 0.5 (seed 3, from another host: counted)
             "fp8kv+tis": _reward_rows([0, 0, 0, 0.1, 0.1])}       # one seed: no row
     table = seed_group_table(runs)
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    rows = _table_rows(table)
     assert list(rows) == ["bf16", "fp8+tis"]
     sd = math.sqrt(0.02)  # two values 0.2 apart: sample sd 0.1414
     assert rows["bf16"] == ["1,2", "5", "0.6000", f"{sd:.4f}", "-"]
@@ -134,8 +139,7 @@ def test_seed_group_table_reads_every_run_of_a_comparison_to_the_same_step():
     runs = {"bf16": _reward_rows([0, 0, 0, 0.4, 0.6, 0.9, 0.9, 0.9, 0.9, 0.9]),  # to 5: 0.5; to 10: 0.9
             "bf16-seed2": _reward_rows([0, 0, 0, 0.6, 0.8, 0.9, 0.9]),           # to 5: 0.7; to 7: (0.8+0.9+0.9)/3
             "fp8": _reward_rows([0, 0, 0, 0.3, 0.3]), "fp8-seed2": _reward_rows([0, 0, 0, 0.5, 0.5])}
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in seed_group_table(runs).splitlines()[2:]}
+    rows = _table_rows(seed_group_table(runs))
     assert rows["fp8"][:3] == ["1,2", "5", "0.4000"] and rows["fp8"][4].startswith("-0.2000 +- ")
     # bf16's own row: both seeds to step 7, the last 40% of 7 steps = steps 5-7: (0.6+0.9+0.9)/3, (0.8+0.9+0.9)/3
     assert rows["bf16"][:3] == ["1,2", "7", f"{(0.8 + 2.6 / 3) / 2:.4f}"]
@@ -221,8 +225,7 @@ def test_time_ratios_take_the_bf16_run_of_the_same_folder_whatever_its_seed(tmp_
     assert hosts == {"bf16": "bf16", "bf16-seed3": "bf16-seed3", "fp8-e2e+tis": "bf16-seed3",
                      "fp8-seed3": "bf16-seed3"}
     _, md = cp.write_report(c, ["bf16-seed3", "fp8-e2e+tis", "fp8-seed3"], also=[a])
-    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[-3:-1]]
-            for line in md.read_text().split("\n\n")[0].splitlines()[2:]}
+    rows = {k: cells[-2:] for k, cells in _table_rows(md.read_text().split("\n\n")[0]).items()}
     assert rows["fp8-e2e+tis"] == rows["fp8-seed3"] and rows["fp8-e2e+tis"][1] == "1.50"  # gen 3.0 s / 2.0 s
     assert "| fp8-e2e+tis | bf16 |" in md.read_text().split("steps 60-100%")[1]  # rewards: seed 1's BF16
 
@@ -240,8 +243,7 @@ def test_a_lease_without_bf16_gets_no_time_ratios_though_its_rewards_pair_across
     assert cp.host_baseline_pairs(sources, "bf16", set(sources)) == {
         "bf16": "bf16", "bf16-seed2": "bf16-seed2", "fp8kv": None, "fp8kv-seed2": None}
     _, md = cp.write_report(d, ["fp8kv", "fp8kv-seed2"], also=[a])
-    rows = {line.split("|")[1].strip(): [x.strip() for x in line.split("|")[-3:-1]]
-            for line in md.read_text().split("\n\n")[0].splitlines()[2:]}
+    rows = {k: cells[-2:] for k, cells in _table_rows(md.read_text().split("\n\n")[0]).items()}
     assert rows["fp8kv"] == rows["fp8kv-seed2"] == ["-", "-"] and rows["bf16-seed2"] == ["1.00", "1.00"]
     assert "| fp8kv-seed2 | bf16-seed2 |" in md.read_text().split("steps 60-100%")[1]
 
@@ -363,8 +365,7 @@ def test_also_folder_without_a_usable_baseline_pairs_with_ours_everywhere(tmp_pa
     assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--variants", "bf16",
                         "--also", str(b), "--also", str(c)]) == 0
     md = (a / "parity.md").read_text()
-    rows = {line.split("|")[1].strip(): line for line in md.split("\n\n")[0].splitlines()[2:]}
-    assert {k: line.split("|")[-2].strip() for k, line in rows.items()} == {
+    assert {k: cells[-1] for k, cells in _table_rows(md.split("\n\n")[0]).items()} == {
         "bf16": "1.00", "fp8kv+tis": "-", "fp8+tis-seed2": "-"}  # gen / bf16: no BF16 timed on hosts b and c
     assert "| fp8kv+tis | bf16 |" in md and "| fp8+tis-seed2 | bf16 |" in md  # rewards: paired with host a's
     assert "bf16@gpu-b: no training-step rows" in md

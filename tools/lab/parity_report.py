@@ -211,8 +211,7 @@ def parity_table(summaries: dict[str, dict], baseline: str = "bf16",
             f"step / {baseline}", f"gen / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
-        ref = baseline_of.get(name, baseline)
-        base = summaries.get(ref) if ref is not None else None
+        base = summaries.get(baseline_of.get(name, baseline))  # None (no baseline run on that host): no ratio
         per_src = [("{:.3f} -> {:.3f}".format(*s["acc_by_source"][src]) if src in s.get("acc_by_source", {}) else "-")
                    for src in sources]
         cells = [name, str(s["steps"]), f"{s.get('start_acc', float('nan')):.4f}", f"{s['final_acc']:.4f}",
