@@ -226,11 +226,11 @@ def test_seed_summaries_and_the_suites_checks(tmp_path):
     # the suite's own checks (every quoted check after its check_metrics.py), on this report
     suite = (REPO / "tests" / "test_suites" / "llm" / "parity-reasoning.sh").read_text()
     checks = re.findall(r'"([^"$]+ (?:<=|>=) [^"]+)"', suite.split("tools/check_metrics.py", 1)[1])
-    assert len(checks) == 13 and "last(bf16/gain) >= 0.15" in checks and "last(fp8kv/seeds) >= 3" in checks
-    assert "last(fp8-e2e_tis/diff_final) >= -0.015" in checks
+    assert len(checks) == 15 and "last(bf16/gain) >= 0.15" in checks and "last(fp8kv/seeds) >= 3" in checks
+    assert "last(fp8-e2e_tis/diff_final) >= -0.015" in checks and "last(fp8kv_tis/gen_kl_error) <= 1e-3" in checks
     ok = subprocess.run([sys.executable, str(REPO / "tools" / "check_metrics.py"), str(tmp_path / "parity.json"),
                          "--by", "variant", *checks], capture_output=True, text=True, cwd=REPO)
-    assert ok.returncode == 0 and "13/13 checks passed" in ok.stdout, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "15/15 checks passed" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "check_metrics.py"), str(tmp_path / "parity.json"),
                           "--by", "variant", "abs(last(fp8/diff_final)) <= 0.015"], capture_output=True, text=True,
                          cwd=REPO)

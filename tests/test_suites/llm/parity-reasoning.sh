@@ -29,9 +29,10 @@
 #       --also logs/suites/parity-reasoning-b   (and the checks below on the joint parity.json)
 # Checks (issue 51): every arm ran 3 seeds; BF16 gains >= 15 points of validation accuracy and >= 5 standard errors;
 # BF16's responses average >= 100 tokens; FP8 + TIS ends within 1.5 points of BF16 (mean of final validations over
-# seeds); FP8 + TIS's gen_kl_error <= 1e-3. FP8 end to end + TIS (established at three seeds: +1.2 points) ends no
-# more than 1.5 points behind BF16 (one-sided: ahead is not a parity failure), its gen_kl_error <= 1e-3. The
-# no-correction arms (fp8, fp8kv) and the FP8 KV arms are measured (parity.md), not judged.
+# seeds); FP8 + TIS's gen_kl_error <= 1e-3. FP8 end to end + TIS and FP8 KV cache + TIS (established at three seeds:
+# +1.2 and +1.9 points) each end no more than 1.5 points behind BF16 (one-sided: ahead is not a parity failure), with
+# gen_kl_error <= 1e-3. The no-correction arms (fp8, fp8kv) are measured (parity.md), not judged: at three seeds each
+# ran level with its TIS arm, so this task does not show the correction mattering.
 # Each arm's config, as compare_precision.py's variant keys make it from the base recipe (a CPU test keeps them equal):
 # examples/configs/recipes/llm/parity-reasoning/{bf16,fp8-tis,fp8,fp8kv-tis,fp8kv,fp8-e2e-tis}.yaml
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-3600}  # ~30 minutes of runs after a ~12-minute build; common.sh's default is 560 s
@@ -62,4 +63,5 @@ tail -60 "$OUT/parity.log"
   "last(bf16/gain) >= 0.15" "last(bf16/gain_z) >= 5" \
   "last(bf16/response_length_mean) >= 100" \
   "abs(last(fp8_tis/diff_final)) <= 0.015" "last(fp8_tis/gen_kl_error) <= 1e-3" \
-  "last(fp8-e2e_tis/diff_final) >= -0.015" "last(fp8-e2e_tis/gen_kl_error) <= 1e-3"
+  "last(fp8-e2e_tis/diff_final) >= -0.015" "last(fp8-e2e_tis/gen_kl_error) <= 1e-3" \
+  "last(fp8kv_tis/diff_final) >= -0.015" "last(fp8kv_tis/gen_kl_error) <= 1e-3"
