@@ -345,12 +345,12 @@ def test_report_joins_another_hosts_runs_with_also(tmp_path, capsys):
     assert rc == 0
     md = (a / "parity.md").read_text()
     first_table = md.split("\n\n")[0]
-    rows = {line.split("|")[1].strip(): line for line in first_table.splitlines()[2:] if line.startswith("| ")}
+    rows = _table_rows(first_table)
     assert list(rows) == ["bf16", "fp8+tis", "bf16@gpu-b", "fp8kv+tis"]
-    assert "| 0.3200 |" in rows["fp8kv+tis"] and "| 0.2900 |" in rows["bf16@gpu-b"]
+    assert "0.3200" in rows["fp8kv+tis"] and "0.2900" in rows["bf16@gpu-b"]
     assert "name@folder" in md and "own bf16 run" in md
     assert "| fp8kv+tis | bf16@gpu-b |" in md and "| bf16@gpu-b | bf16 |" in md  # the paired reward table
-    gen_ratio = {k: line.split("|")[-2].strip() for k, line in rows.items()}
+    gen_ratio = {k: cells[-1] for k, cells in rows.items()}
     assert gen_ratio == {"bf16": "1.00", "fp8+tis": "1.00", "bf16@gpu-b": "1.00", "fp8kv+tis": "0.50"}
     assert tool().main(["--backend", "gpu", "--report-only", "--out-dir", str(a), "--also", str(tmp_path / "x")]) == 2
     assert "--also" in capsys.readouterr().err
