@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from nemo_fp8.config import ConfigError, load_config
+from nemo_fp8.utils.console import configure_console_logging
 from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, Terminated, raise_on_sigterm
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "grpo_math_tiny_fp8.yaml"
@@ -37,7 +38,7 @@ def main() -> int:
     args = parser.parse_intermixed_args()  # overrides may come before and after the flags
     if args.overwrite and (args.resume or args.resume_from):
         parser.error("--overwrite starts a fresh run; it cannot be combined with --resume / --resume-from")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_console_logging(logging.INFO)  # whole lines above the progress bar (nemo_fp8/utils/console.py)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

@@ -28,6 +28,7 @@ from nemo_fp8.models.hf import load_tokenizer, resolve_device
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.rewards.interfaces import RewardScorer
 from nemo_fp8.utils.checkpoint import CheckpointManager
+from nemo_fp8.utils.console import run_console
 from nemo_fp8.utils.cpus import usable_cpus
 from nemo_fp8.utils.logger import MetricsLogger
 
@@ -364,8 +365,7 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
             scorer raised, ...); one line naming it, with the resume hint (``describe_failure``).
         KeyboardInterrupt: Ctrl-C; ``Terminated`` (a KeyboardInterrupt) on SIGTERM.
     """
-    from nemo_fp8.preflight import preflight, with_local_model
-    from nemo_fp8.utils.run_dir import config_hash, raise_on_sigterm, write_marker
+    from nemo_fp8.utils.run_dir import raise_on_sigterm
 
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
@@ -373,19 +373,29 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
     config_yaml = config_to_yaml(cfg)
     setup = prepare_run_dirs(cfg, config_yaml, resume, resume_from, overwrite)
     try:
-        preflight(cfg)
-        cfg = with_local_model(cfg)  # a hub id -> its snapshot folder; the saved config keeps the id
-        resumed = setup.checkpoint is not None or resume or resume_from is not None
-        folders = {cfg.logger.log_dir: "logger.log_dir"}
-        if cfg.checkpointing.enabled:
-            folders.setdefault(cfg.checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
-        for folder, key in folders.items():
-            write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed, key=key)
-        logger.info("run %s (config %s)%s", setup.run_id, config_hash(config_yaml),
-                    f", resuming from {setup.checkpoint}" if setup.checkpoint else "")
-        return _run_owned(cfg, setup, config_yaml)
+        with run_console(Path(cfg.logger.log_dir) / "run.log"):  # every record and console line; one bar
+            return _run_checked(cfg, setup, config_yaml, resume, resume_from)
     finally:
         setup.release()
+
+
+def _run_checked(cfg: MasterConfig, setup: RunSetup, config_yaml: str, resume: bool,
+                 resume_from: Optional[str]) -> dict[str, float]:
+    """``run`` once the folders are owned: the preflight, the folders' markers, then the run itself."""
+    from nemo_fp8.preflight import preflight, with_local_model
+    from nemo_fp8.utils.run_dir import config_hash, write_marker
+
+    preflight(cfg)
+    cfg = with_local_model(cfg)  # a hub id -> its snapshot folder; the saved config keeps the id
+    resumed = setup.checkpoint is not None or resume or resume_from is not None
+    folders = {cfg.logger.log_dir: "logger.log_dir"}
+    if cfg.checkpointing.enabled:
+        folders.setdefault(cfg.checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
+    for folder, key in folders.items():
+        write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed, key=key)
+    logger.info("run %s (config %s)%s", setup.run_id, config_hash(config_yaml),
+                f", resuming from {setup.checkpoint}" if setup.checkpoint else "")
+    return _run_owned(cfg, setup, config_yaml)
 
 
 class GuardedScorer:

@@ -33,7 +33,6 @@ import time
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 
 from nemo_fp8.algorithms.grpo import (LoopConfig, RefitController, RewardFn, _concat_batches, _log_row,
                                       compute_advantages, rollout, rollout_metrics, step_sampling, update_policy,
@@ -44,6 +43,7 @@ from nemo_fp8.algorithms.trajectory_buffer import POLL_S, StepRollouts, Trajecto
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.generation.interfaces import GenerationBackend
 from nemo_fp8.policy.interfaces import PolicyBackend
+from nemo_fp8.utils.console import StepBar
 from nemo_fp8.utils.timer import Timer
 
 logger = logging.getLogger(__name__)
@@ -274,8 +274,7 @@ def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: Generat
     collector = TrajectoryCollector(cfg, generation, reward_fn, tokenizer, dataloader, buffer, start_step, max_age)
     collector.start()
     logger.info("async GRPO: the collector runs up to %d step(s) ahead of the trainer", max_age)
-    bar = tqdm(range(start_step + 1, g.max_num_steps + 1), initial=start_step, total=g.max_num_steps,
-               desc="grpo (async)", unit="step", dynamic_ncols=True)
+    bar = StepBar(range(start_step + 1, g.max_num_steps + 1), start_step, g.max_num_steps, "grpo (async)")
     try:
         for step in bar:
             t0 = time.perf_counter()
@@ -305,6 +304,7 @@ def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: Generat
             bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}")
             last = metrics
     finally:
+        bar.close()
         collector.stop()
         dropped = buffer.clear()
         if dropped:

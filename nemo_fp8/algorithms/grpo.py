@@ -35,6 +35,7 @@ from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
 from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import PolicyBackend
 from nemo_fp8.utils.config import CheckpointingConfig, LoggerConfig
+from nemo_fp8.utils.console import StepBar
 from nemo_fp8.utils.timer import Timer
 
 logger = logging.getLogger(__name__)
@@ -357,8 +358,7 @@ def validate(generation: GenerationBackend, reward_fn: RewardFn, tokenizer, samp
                               stop_token_ids=tuple(gen_cfg.stop_token_ids or ()))
     rewards, shown = [], 0
     with refitter.generating(timer):
-        for i in tqdm(range(0, len(samples), g.val_batch_size), desc=f"validation @ step {step}", leave=False,
-                      unit="batch"):
+        for i in range(0, len(samples), g.val_batch_size):  # no bar of its own: the run shows one (utils/console)
             chunk = samples[i:i + g.val_batch_size]
             r = rollout(chunk, 1, generation, reward_fn, tokenizer, sampling, Timer())
             rewards.append(r.rewards)
@@ -393,8 +393,7 @@ def grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: GenerationBac
         with timer("validation"):
             last = validate(generation, reward_fn, tokenizer, val_samples, cfg, 0, refitter, timer)
         metrics_logger.log(0, {**last, **{f"timing/{k}": v for k, v in timer.pop().items()}})
-    bar = tqdm(range(start_step + 1, g.max_num_steps + 1), initial=start_step, total=g.max_num_steps,
-               desc="grpo", unit="step", dynamic_ncols=True)
+    bar = StepBar(range(start_step + 1, g.max_num_steps + 1), start_step, g.max_num_steps, "grpo")
     for step in bar:
         t0 = time.perf_counter()
         metrics = grpo_step(step, dataloader, policy, generation, reward_fn, tokenizer, cfg, timer, refitter)

@@ -37,10 +37,26 @@ def init_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
         ray.init(address=address, **kwargs)
     else:  # "local": a cluster of this run's own; with None Ray joins the newest other local run's cluster
         # (concurrent runs on one machine, compare_precision --parallel), unless RAY_ADDRESS names one
+        _quiet_token_auth_notice()
         with ray_services_in_own_process_group():
             ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", num_cpus=num_cpus or usable_cpus(),
                      **kwargs)
     logger.info("ray: %s", ray.cluster_resources())
+
+
+
+def _quiet_token_auth_notice() -> None:
+    """Drop Ray's start-up notice that token authentication is on (a warning on every local ``ray.init``, where
+    ``RAY_AUTH_MODE`` is unset): the cluster is this run's own, started here, and the notice asks nothing of the
+    user. Authentication itself is unchanged; other records of that logger pass."""
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _TokenAuthNotice) for f in log.filters):
+        log.addFilter(_TokenAuthNotice())
+
+
+class _TokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
 
 @contextlib.contextmanager

@@ -245,10 +245,14 @@ def actor_options(placement: Optional[Placement], slot: Slot) -> dict:
 
 # --------------------------------------------------------------------------- what every actor shares
 def set_threads(torch_threads: Optional[int]) -> None:
-    """An actor's logging format and torch's CPU threads (None: torch's default)."""
+    """An actor's logging format, torch's CPU threads (None: torch's default), and no Hugging Face progress bars
+    (the driver's console would show them every step, ``nemo_fp8.utils.console``)."""
     import torch
 
+    from nemo_fp8.utils.console import quiet_library_progress
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_library_progress()
     if torch_threads:
         torch.set_num_threads(torch_threads)
 

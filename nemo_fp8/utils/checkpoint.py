@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from nemo_fp8.utils.console import FILE_ONLY
 from nemo_fp8.utils.run_dir import RunFailed, RunSetupError, write_failure_reason
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class CheckpointManager:
         mine = [s for s in self.steps() if self.run_id is None or self.run_id_of(s) == self.run_id]
         for old in mine[: -self.keep_last_k]:
             shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
-        logger.info("checkpoint saved: %s", final)
+        logger.info("checkpoint saved: %s", final, extra=FILE_ONLY)  # per step: run.log; the row has ckpt_s
         return final
 
     @staticmethod

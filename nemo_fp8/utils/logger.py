@@ -30,6 +30,7 @@ ROW_COLUMNS = [
     ("generation/engines", "engines", "{:>7.0f}"),
     ("generation/engine_imbalance", "eng_imb", "{:>7.2f}"),
     ("timing/step", "step_s", "{:>7.2f}"),
+    ("timing/checkpoint", "ckpt_s", "{:>6.2f}"),  # "-": no checkpoint this step
 ]
 
 

@@ -191,7 +191,11 @@ def plot_parity(runs: dict[str, list[dict]], png_path: str | Path, title: str = 
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    # the legend on the first panel that drew a labelled line (a run without validation leaves the first empty:
+    # matplotlib warns "No artists with labels found" on an empty one)
+    labelled = [ax for ax in axes.flat[:len(panels)] if ax.get_legend_handles_labels()[0]]
+    if labelled:
+        labelled[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     png_path = Path(png_path)
