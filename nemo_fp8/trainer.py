@@ -230,7 +230,7 @@ def start_workers(cfg: MasterConfig, tokenizer, version: int = 0) -> Workers:
     refitter = RefitController(policy, generation, weight_sync, version=version,
                                requires_kv_scales=gen_cfg.vllm_cfg.kv_cache_is_fp8,
                                offload_trainer=gen_cfg.colocated.moves_trainer_state,
-                               colocated=colocated)
+                               colocated=colocated, sleep_discards_weights=gen_cfg.sleep_discards_weights)
     return Workers(policy, generation, refitter, pg)
 
 
@@ -373,15 +373,16 @@ def run(cfg: MasterConfig, resume: bool = False, resume_from: str | None = None,
     config_yaml = config_to_yaml(cfg)
     setup = prepare_run_dirs(cfg, config_yaml, resume, resume_from, overwrite)
     try:
-        with run_console(Path(cfg.logger.log_dir) / "run.log"):  # every record and console line; one bar
-            return _run_checked(cfg, setup, config_yaml, resume, resume_from)
+        with run_console(Path(cfg.logger.log_dir) / "console.log") as log_file:  # every record and line; one bar
+            return _run_checked(cfg, setup, config_yaml, resume, resume_from, log_file)
     finally:
         setup.release()
 
 
 def _run_checked(cfg: MasterConfig, setup: RunSetup, config_yaml: str, resume: bool,
-                 resume_from: Optional[str]) -> dict[str, float]:
-    """``run`` once the folders are owned: the preflight, the folders' markers, then the run itself."""
+                 resume_from: Optional[str], log_file) -> dict[str, float]:
+    """``run`` once the folders are owned: the preflight, the folders' markers and the log file (``log_file``, a
+    ``nemo_fp8.utils.console.LogFile``: a refused run leaves no folder behind), then the run itself."""
     from nemo_fp8.preflight import preflight, with_local_model
     from nemo_fp8.utils.run_dir import config_hash, write_marker
 
@@ -393,6 +394,7 @@ def _run_checked(cfg: MasterConfig, setup: RunSetup, config_yaml: str, resume: b
         folders.setdefault(cfg.checkpointing.checkpoint_dir, "checkpointing.checkpoint_dir")
     for folder, key in folders.items():
         write_marker(folder, setup.run_id, config_hash(config_yaml), resumed=resumed, key=key)
+    log_file.open()
     logger.info("run %s (config %s)%s", setup.run_id, config_hash(config_yaml),
                 f", resuming from {setup.checkpoint}" if setup.checkpoint else "")
     return _run_owned(cfg, setup, config_yaml)

@@ -133,7 +133,7 @@ class CheckpointManager:
         mine = [s for s in self.steps() if self.run_id is None or self.run_id_of(s) == self.run_id]
         for old in mine[: -self.keep_last_k]:
             shutil.rmtree(self.root / f"step_{old}", ignore_errors=True)
-        logger.info("checkpoint saved: %s", final, extra=FILE_ONLY)  # per step: run.log; the row has ckpt_s
+        logger.info("checkpoint saved: %s", final, extra=FILE_ONLY)  # per step: console.log; the row has ckpt_s
         return final
 
     @staticmethod

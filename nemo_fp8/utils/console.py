@@ -7,10 +7,10 @@ What a run shows (NeMo-RL and verl print one block or line per step):
   drawn again under the tqdm lock, as ``tqdm.write`` does for its own writes. Partial lines wait for their newline,
   so nothing is cut mid-line by a bar redraw;
 - per-step messages (a checkpoint saved) are logged with ``extra=FILE_ONLY``: they go to
-  ``<logger.log_dir>/run.log`` and not to the console (the row's ``ckpt_s`` column says a checkpoint was written);
+  ``<logger.log_dir>/console.log`` and not to the console (the row's ``ckpt_s`` column says a checkpoint was written);
 - libraries' own progress bars (Hugging Face's "Loading weights" / "Writing model shards", per step in the workers)
   are turned off at their source (:func:`quiet_library_progress`);
-- ``run.log`` gets every log record and every line the console showed, with or without a terminal. Redirected to a
+- ``console.log`` gets every log record and every line the console showed, with or without a terminal. Redirected to a
   file (no terminal), the bar is off (tqdm's ``disable=None``) and the console holds the same rows and lines.
 """
 
@@ -89,7 +89,7 @@ def _underlying(stream: IO[str]) -> IO[str]:
 
 class ConsoleHandler(logging.StreamHandler):
     """The console's log handler: writes to the ``sys.stderr`` of the moment (above the bar while one is shown,
-    not copied to ``run.log``, which has its own handler), and drops records logged with ``extra=FILE_ONLY``."""
+    not copied to ``console.log``, which has its own handler), and drops records logged with ``extra=FILE_ONLY``."""
 
     def __init__(self):
         super().__init__(sys.stderr)
@@ -139,15 +139,51 @@ def quiet_library_progress() -> None:
         pass
 
 
+class LogFile(io.TextIOBase):
+    """The run's log file, written from the first :meth:`open` on: what comes before (the preflight's lines) is
+    kept in memory and written then, so a run refused before it owns its folders creates none."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path, self._file, self._early = Path(path), None, []
+
+    def open(self) -> None:
+        """Create the folder and the file (appended to: a resumed run continues it) and write what came before."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write("".join(self._early))
+            self._file.flush()
+            self._early = []
+
+    def write(self, s: str) -> int:
+        if self._file is None:
+            self._early.append(s)
+        else:
+            self._file.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._early = []
+        super().close()
+
+
 @contextlib.contextmanager
-def run_console(log_file: Optional[Path]) -> Iterator[None]:
+def run_console(log_file: Optional[Path]) -> Iterator[Optional[LogFile]]:
     """For the block: ``sys.stdout`` / ``sys.stderr`` write whole lines above the progress bar
-    (:class:`LinesAboveBar`), and ``log_file`` (appended to; None: none) gets every log record at INFO and above
-    plus a copy of every line written to the console. Put back as they were at the end."""
+    (:class:`LinesAboveBar`), and ``log_file`` (None: none) gets every log record at INFO and above plus a copy of
+    every line written to the console, from the yielded :class:`LogFile`'s ``open()`` on (earlier lines are kept
+    for it). Put back as they were at the end."""
     handler = out_file = None
     if log_file is not None:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        out_file = open(log_file, "a", encoding="utf-8")
+        out_file = LogFile(log_file)
         handler = logging.StreamHandler(out_file)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         handler.setLevel(logging.INFO)
@@ -155,7 +191,7 @@ def run_console(log_file: Optional[Path]) -> Iterator[None]:
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = (LinesAboveBar(_underlying(s), out_file) for s in saved)
     try:
-        yield
+        yield out_file
     finally:
         for s in (sys.stdout, sys.stderr):
             if isinstance(s, LinesAboveBar) and s._partial:

@@ -81,12 +81,12 @@ def _check_console(lines: list[str], bars_expected: int) -> None:
     assert len([line for line in lines if line.startswith("grpo:")]) == bars_expected, "\n".join(lines)
     for text in FOREIGN:
         assert not any(text in line for line in lines), (text, "\n".join(lines))
-    assert not any("checkpoint saved" in line for line in lines)  # in run.log only
+    assert not any("checkpoint saved" in line for line in lines)  # in console.log only
     assert lines[-1].startswith(f"done: {STEPS} steps; final validation accuracy"), "\n".join(lines[-5:])
 
 
 def _check_log_file(out: Path) -> None:
-    log = (out / "logs" / "run.log").read_text()
+    log = (out / "logs" / "console.log").read_text()
     for step in range(1, STEPS + 1):
         assert f"checkpoint saved: {out / 'ckpt' / f'step_{step}'}" in log
     assert "preflight:" in log and "\x1b[" not in log

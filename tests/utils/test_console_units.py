@@ -47,14 +47,18 @@ def test_file_only_records_reach_the_log_file_not_the_console(tmp_path, monkeypa
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        with run_console(tmp_path / "run.log"):
+        with run_console(tmp_path / "console.log") as log_file:
+            log.info("before the run owns its folder")
+            assert not (tmp_path / "console.log").exists()  # a refused run leaves nothing behind
+            log_file.open()
             log.info("checkpoint saved: x", extra=FILE_ONLY)
             log.info("shown")
     finally:
         log.removeHandler(handler)
     assert "shown" in term.getvalue() and "checkpoint saved" not in term.getvalue()
-    text = (tmp_path / "run.log").read_text()
+    text = (tmp_path / "console.log").read_text()
     assert "checkpoint saved: x" in text and text.count("shown") == 1  # the console's copy is not added twice
+    assert text.index("before the run owns") < text.index("checkpoint saved")
 
 
 def test_plot_of_a_run_without_validation_warns_nothing(tmp_path):
