@@ -97,17 +97,22 @@ class RefitController:
             host memory around each refit so a colocated engine can wake; False when the engine has GPUs
             of its own or both fit (``policy.generation.colocated.offload_trainer``).
         colocated: the engine shares the trainer's GPUs. Without ``offload_trainer`` the refit then ends
-            with ``policy.release_cached_memory()``: the trainer's state stays, its allocator cache (the
-            step's activation peak) goes back to the device for the engine.
+            with ``policy.release_cached_memory()``: the trainer's weights and optimizer state stay, what its
+            next pass rebuilds (gradients, cached blocks of the step's activation peak) goes back to the device
+            for the engine.
+        sleep_discards_weights: the engine's sleep drops its weights (vLLM ``sleep_level=2``): every sleep marks
+            the engine stale, so the next rollout (a validation right after a step's rollout too) refits first.
     """
 
     def __init__(self, policy: PolicyBackend, generation: GenerationBackend, weight_sync, version: int = 0,
                  kv_scales: Optional[KvScales] = None,
-                 requires_kv_scales: bool = False, offload_trainer: bool = True, colocated: bool = True):
+                 requires_kv_scales: bool = False, offload_trainer: bool = True, colocated: bool = True,
+                 sleep_discards_weights: bool = False):
         self.policy, self.generation, self.weight_sync = policy, generation, weight_sync
         self.requires_kv_scales = requires_kv_scales
         self.offload_trainer = offload_trainer
         self.colocated = colocated
+        self.sleep_discards_weights = sleep_discards_weights
         self.stale = True
         self.version, self.kv_scales = version, kv_scales
         self.last_stats = None
@@ -166,6 +171,8 @@ class RefitController:
         finally:
             with timer("engine_sleep"):
                 self.generation.finish_generation()
+            if self.sleep_discards_weights:
+                self.stale = True  # the weights are gone: the next wake needs them sent again
 
 
 def prompts_batch(prompts: list[PromptSample], pad_token_id: int) -> TrainBatch:

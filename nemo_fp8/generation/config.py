@@ -51,6 +51,12 @@ class VllmConfig(StrictConfig):
         "noise in a Python loop, one kernel per request per decode step (see model_runner). false: the engine's "
         "seeded generator draws the batch's noise at once (NeMo-RL's and verl's rollouts), reproducible for the same "
         "engines and batches only")
+    sleep_level: Literal[1, 2] = Field(
+        1, description="vLLM's sleep level between rollouts when colocated (LLM.sleep). 1: the weights are copied "
+        "to host memory and back at each sleep and wake (NeMo-RL's); 2: they are discarded, nothing is copied "
+        "(verl's for vLLM >= 0.18): the loop then refits before every wake, and the refit's completeness check "
+        "(every weight of the model arrived) leaves no weight stale. vLLM saves and restores the model's buffers "
+        "(rotary caches, KV scales) itself")
     model_runner: Literal["auto", "v1", "v2"] = Field(
         "auto", description="vLLM's GPU model runner (VLLM_USE_V2_MODEL_RUNNER). auto: vLLM's choice; vLLM 0.22 "
         "picks V2 only for unquantized dense models of its list (Qwen3ForCausalLM), so a BF16 Qwen3 engine runs V2 "
@@ -167,6 +173,12 @@ class GenerationConfig(StrictConfig):
                         f"vllm_cfg.tensor_parallel_size={self.engine_gpus} (an engine never spans nodes); valid: "
                         f"multiples of {self.engine_gpus}")
         return errs
+
+    @property
+    def sleep_discards_weights(self) -> bool:
+        """A colocated vLLM engine whose sleep drops its weights (``vllm_cfg.sleep_level == 2``): the loop refits
+        before every wake (``RefitController``)."""
+        return self.backend == "vllm" and self.colocated.enabled and self.vllm_cfg.sleep_level == 2
 
     @property
     def own_engine_gpus(self) -> int:

@@ -66,7 +66,9 @@ class PolicyBackend(Protocol):
 
     def release_cached_memory(self) -> None:
         """Hand the GPU blocks the allocator caches but no tensor uses (the last step's activations) back to the
-        device, keeping every tensor where it is: what a colocated engine needs when the trainer's state stays."""
+        device, keeping the weights and optimizer state where they are (the Megatron backend also frees what its
+        next pass rebuilds: the gradient buffer, TransformerEngine's FP8 weight copies): what a colocated engine
+        needs when the trainer's state stays."""
         ...
 
     def save(self, path: str | Path) -> None: ...

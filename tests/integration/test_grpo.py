@@ -218,3 +218,28 @@ def test_fp8_kv_calibration_reads_at_most_its_cap(tiny_cfg):
     again = calibrate(seen[0], 1)
     torch.testing.assert_close(refitter.kv_scales.k_scale, again.k_scale)
     torch.testing.assert_close(refitter.kv_scales.v_scale, again.v_scale)
+
+
+def test_an_engine_whose_sleep_drops_its_weights_is_refit_before_every_wake(tiny_cfg):
+    """vLLM's sleep level 2 discards the weights: the controller refits before each wake, also when no training
+    step came between two rollouts (a validation right after a step's rollout); without it the second rollout
+    would run on the discarded weights."""
+    cfg = tiny_cfg(*SMALL)
+    tok, loader, policy, gen, _ = setup(cfg)
+    asleep = gen.finish_generation
+
+    def sleep_dropping_weights():  # what level 2 leaves: memory whose contents are gone
+        asleep()
+        with torch.no_grad():
+            for p in gen.model.parameters():
+                p.fill_(float("nan"))
+
+    gen.finish_generation = sleep_dropping_weights
+    sync = InProcessWeightSync(policy, gen, bucket_bytes=2**20)
+    for discards, finite_after in ((True, True), (False, False)):
+        refitter = RefitController(policy, gen, sync, sleep_discards_weights=discards)
+        for round_idx in range(2):
+            with refitter.generating(Timer()):
+                finite = all(bool(torch.isfinite(p).all()) for p in gen.model.parameters())
+                assert finite == (round_idx == 0 or finite_after), (discards, round_idx)
+        assert refitter.stale == discards

@@ -224,3 +224,24 @@ def test_without_the_colocated_offload_the_awake_engine_is_counted_and_nothing_m
     # the torch generation backend is not a vLLM engine with a memory share
     torch_gen = _policy("policy.generation.backend=torch", "policy.generation.colocated.offload_trainer=false")
     assert trainer_memory_errors(torch_gen, H200, QWEN3_8B, HOST) == []
+
+
+def test_the_one_gpu_layout_keeps_its_state_beside_the_engine_once_gradients_are_freed():
+    """colocated.offload_trainer=false on one GPU (the mission's one-GPU recipe, half of Adam on the host): the
+    engine wakes beside the state between steps (the gradient buffer freed, ``release_cached_memory``), not beside
+    the state at the optimizer step; both must fit."""
+    keep = [*OFFLOAD, "policy.megatron_cfg.optimizer.optimizer_offload_fraction=0.5", "policy.generation.backend=vllm",
+            "policy.generation.colocated.offload_trainer=false", "policy.generation.vllm_cfg.gpu_memory_utilization=0.3"]
+    est = estimate_trainer_memory(QWEN3_8B, _policy(*keep))
+    assert est.per_gpu == pytest.approx(QWEN3_8B * 12) and est.between_steps == pytest.approx(QWEN3_8B * 10)
+    assert est.host == pytest.approx(QWEN3_8B * 8)  # only the optimizer offload's half: nothing moves per step
+    # 76.3 GiB + the engine's 41.9 + 7.8 = 126.0 GiB <= 139.8; the step's 91.5 + 7.8 with the engine asleep
+    assert trainer_memory_errors(_policy(*keep), H200, QWEN3_8B, HOST) == []
+    (err,) = trainer_memory_errors(_policy(*keep, "policy.generation.vllm_cfg.gpu_memory_utilization=0.45"), H200,
+                                   QWEN3_8B, HOST)
+    assert "76.3 GiB between steps" in err and "the engine's 62.9 GiB" in err
+    assert "colocated.offload_trainer=true" in err
+    # FP8 training: TE's FP8 weight copies are made anew each step too, freed with the gradients
+    fp8 = estimate_trainer_memory(QWEN3_8B, _policy(*keep, "policy.megatron_cfg.fp8_cfg.enabled=true"),
+                                  fp8_weight_params=6_945_767_424)
+    assert fp8.parts["fp8_weight_copies"] > 0 and fp8.between_steps == pytest.approx(QWEN3_8B * 10)

@@ -98,7 +98,8 @@ class VllmGenerationBackend:
         self._pending: Optional[int] = None
         self._seen: set[str] = set()
         self._sent = 0
-        self._asleep_tags: set[str] = set()  # what sleep(level=1) released and no wake_up restored yet
+        self._asleep_tags: set[str] = set()  # what sleep() released and no wake_up restored yet
+        self._discarded = False  # sleep(level=2) dropped the weights; only a complete refit brings them back
         self._refused: Optional[str] = None  # why the last refit was refused (the engine must not generate)
         if load_initial_weights and weight_transfer == "nccl":
             logger.info("NCCL weight transfer: no initial load from %s; the trainer's first refit brings the weights",
@@ -258,6 +259,7 @@ class VllmGenerationBackend:
                              "would silently keep the previous step's scales")
             raise RuntimeError(self._refused)
         self._refused = None
+        self._discarded = False
         kv = version if got_scales else self._version.kv_scales
         self._version = WeightVersion(weights=version, kv_scales=kv, num_tensors=self._sent)
         return self._version
@@ -268,14 +270,30 @@ class VllmGenerationBackend:
     # ------------------------------------------------------------------ generation
 
     def prepare_for_generation(self) -> None:
+        """Wake what sleep released (the KV cache; the weights too unless a refit already woke them).
+
+        Raises:
+            RuntimeError: ``sleep_level=2`` discarded the weights and no complete refit has brought them back.
+        """
+        if self._discarded:
+            raise RuntimeError("prepare_for_generation: sleep(level=2) discarded the engine's weights "
+                               "(policy.generation.vllm_cfg.sleep_level=2) and no refit has written them since: "
+                               "refit before waking the engine")
         if self._asleep_tags:  # wake only what is still asleep: waking a tag twice fails in cumem
             self.llm.wake_up(tags=sorted(self._asleep_tags))
             self._asleep_tags.clear()
 
     def finish_generation(self) -> None:
+        """Sleep (colocated engines): ``vllm_cfg.sleep_level`` 1 copies the weights to host memory, 2 discards them
+        (the held version becomes -1: the next rollout needs a refit first); the KV cache is discarded either
+        way."""
         if self.spec.engine_kwargs.get("enable_sleep_mode") and not self._asleep_tags:
-            self.llm.sleep(level=1)
+            level = self.vllm_cfg.sleep_level
+            self.llm.sleep(level=level)
             self._asleep_tags = {"weights", "kv_cache"}
+            if level == 2:
+                self._discarded = True
+                self._version = WeightVersion(weights=-1, kv_scales=-1, num_tensors=0)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams,
                  request_seeds: Optional[Sequence[int]] = None,

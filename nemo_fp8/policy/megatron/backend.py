@@ -551,19 +551,32 @@ class MegatronPolicyBackend:
         where megatron-core put it: its host part already fills the host (``memory.py``)."""
         if "optimizer" in self._offloaded:
             return
-        self._move_ddp_buffers(True, params=False, grads=True)
+        self._free_rebuilt_state()
         if not self.cfg.megatron_cfg.optimizer.optimizer_cpu_offload:
             self._move_optimizer_state("cpu")
+        self._offloaded.add("optimizer")
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def _free_rebuilt_state(self) -> None:
+        """Free what the next training pass makes anew, nothing copied: the gradient buffer (megatron-core zeroes it
+        at the next step anyway; ``prepare_for_training`` allocates it again) and TransformerEngine's cached FP8
+        weight copies (made again at the first micro-batch)."""
+        if "grads" in self._offloaded:
+            return
+        self._move_ddp_buffers(True, params=False, grads=True)
         for module in (m for chunk in self.chunks for m in chunk.modules()):  # TE's cached FP8 weight copies
             if hasattr(module, "_fp8_workspaces"):
                 module._fp8_workspaces.clear()
-        self._offloaded.add("optimizer")
-        self.release_cached_memory()
+        self._offloaded.add("grads")
 
     def release_cached_memory(self) -> None:
-        """The allocator's free cached blocks (the step's activation peak) back to the device, the state kept: with
-        ``colocated.offload_trainer=false`` the engine wakes beside this process, which otherwise keeps its
-        peak reserved (several trainers sharing one GPU with their engines ran out of memory that way)."""
+        """With ``colocated.offload_trainer=false``, before the engine wakes beside this process: the weights and
+        the optimizer state stay on the GPU, what the next pass rebuilds is freed (``_free_rebuilt_state``: the
+        gradient buffer, TE's FP8 weight copies) and the allocator's free cached blocks (the step's activation
+        peak) go back to the device (several trainers sharing one GPU with their engines ran out of memory
+        without it)."""
+        self._free_rebuilt_state()
         gc.collect()
         torch.cuda.empty_cache()
 

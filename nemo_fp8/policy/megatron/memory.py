@@ -69,6 +69,7 @@ GiB = 2**30
 # The trainer process's GPU memory outside PyTorch's allocator, 8B model (see the module docstring).
 NON_TORCH_BYTES = int(7.8 * GiB)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # optimizer.exp_avg_dtype / exp_avg_sq_dtype names
+REBUILT_PARTS = ("grads", "fp8_weight_copies", "unscaled_moments")  # made anew by every step (between_steps)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,14 @@ class TrainerMemory:
     parts: dict[str, float] = field(default_factory=dict)
     bytes_per_param: dict[str, float] = field(default_factory=dict)
     host: float = 0.0
+
+    @property
+    def between_steps(self) -> float:
+        """Bytes per GPU that stay while a colocated engine runs beside the trainer (``offload_trainer=false``): the
+        state less what each step makes anew (``REBUILT_PARTS``: the gradient buffer and TransformerEngine's FP8
+        weight copies, freed before the engine wakes, ``release_cached_memory``; FusedAdam's fp32 copies of 16-bit
+        moments, which live only inside the optimizer step)."""
+        return self.per_gpu - sum(self.parts.get(k, 0.0) for k in REBUILT_PARTS)
 
     def describe(self) -> str:
         """``'18.0 B/param: weights 2, grads 2, ... -> 137.3 GiB per GPU'`` (and the host part, if any)."""
@@ -211,8 +220,9 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     Each line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
     are not counted, nor the colocated engine while the trainer offloads around generation, so a layout
     that passes may still run out of memory. With ``policy.generation.colocated.offload_trainer=false`` the
-    vLLM engine wakes beside the trainer's whole state: its ``gpu_memory_utilization`` share of the GPU is
-    counted too.
+    vLLM engine wakes beside the trainer's state between steps (``TrainerMemory.between_steps``: the gradient
+    buffer and TE's FP8 weight copies are freed first): that plus the engine's ``gpu_memory_utilization`` share
+    of the GPU must fit as well as the state at the optimizer step (the engine asleep).
     """
     est = estimate_trainer_memory(num_parameters, cfg, fp8_weight_params)
     errs = []
@@ -234,7 +244,7 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     g = cfg.generation
     engine = (g.vllm_cfg.gpu_memory_utilization * gpu_bytes
               if g.backend == "vllm" and g.colocated.enabled and not g.colocated.offload_trainer else 0.0)
-    if est.per_gpu + NON_TORCH_BYTES + engine <= gpu_bytes:
+    if max(est.per_gpu, est.between_steps + engine if engine else 0.0) + NON_TORCH_BYTES <= gpu_bytes:
         return errs
     m = cfg.megatron_cfg
     hints = [f"policy.megatron_cfg.tensor_model_parallel_size (now {m.tensor_model_parallel_size}) or "
@@ -254,7 +264,8 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                      "use_precision_aware_optimizer=true) moves Adam's state to host memory")
     beside = ""
     if engine:
-        beside = (f", plus the engine's {engine / GiB:.1f} GiB (vllm_cfg.gpu_memory_utilization="
+        beside = (f" (or {est.between_steps / GiB:.1f} GiB between steps, gradients and TransformerEngine's FP8 "
+                  f"weight copies freed, plus the engine's {engine / GiB:.1f} GiB, vllm_cfg.gpu_memory_utilization="
                   f"{g.vllm_cfg.gpu_memory_utilization:g}, awake beside them with colocated.offload_trainer=false)")
         hints.insert(0, "policy.generation.colocated.offload_trainer=true moves the trainer's state out while the "
                         "engine runs")
