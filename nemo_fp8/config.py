@@ -103,6 +103,13 @@ def cross_field_errors(cfg: MasterConfig) -> list[str]:
 # --------------------------------------------------------------------------- loading
 def _load_yaml_with_defaults(path: Path, seen: tuple[Path, ...] = ()) -> Any:
     """Load ``path``; a top-level ``defaults: other.yaml`` (relative to it) is merged underneath."""
+    from nemo_fp8.utils.paths import files_in, special_file_kind
+
+    kind = special_file_kind(path)  # os.stat only: a FIFO is never opened
+    if kind is not None:
+        listing = files_in(path, (".yaml", ".yml")) if kind == "a directory" else ""
+        raise ConfigError(f"{path} is {kind}, not a config file{listing}; valid: a YAML file such as "
+                          "examples/configs/grpo_math_tiny_fp8.yaml")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     if path in seen:
@@ -149,11 +156,43 @@ def _validation_lines(err: ValidationError) -> list[str]:
         elif e["type"] == "value_error":  # a section's own checks: lines relative to the section
             prefix = f"{key}." if key else ""
             lines.extend(f"  - {prefix}{m}" for m in str(e["ctx"]["error"]).splitlines())
+        elif e["type"] in _NUMBER_ERRORS and (expects := _expected_value(key)) is not None:
+            lines.append(f"  - {key}: expects {expects[0]}, got {e.get('input')!r}; e.g. {key}={expects[1]}")
         else:
             got = e.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"  - {key}: {e['msg']}{got_s}")
     return lines
+
+
+# pydantic's errors for a value that is not a number where one is needed ("2.0.0", "1e", [1], 3.5 for an int)
+_NUMBER_ERRORS = ("float_parsing", "float_type", "int_parsing", "int_type", "int_from_float")
+
+
+def _expected_value(key: str) -> tuple[str, str] | None:
+    """What the key ``key`` of ours takes, in words, and a valid value as an override writes it (its default, else a
+    typical one): ``("a float (a number such as 2.0) or null", "2.0")``. None for a key that takes text, a choice
+    of names, or is not ours (quoting the value may then be the fix)."""
+    import json
+    import typing
+
+    field = _field(key)
+    if field is None or _takes(field.annotation, str):
+        return None
+    ann = field.annotation
+    args = typing.get_args(ann) if typing.get_origin(ann) is typing.Union else ()
+    types = [a for a in args if a is not type(None)] or [ann]
+    optional = " or null" if type(None) in args else ""
+    origin = typing.get_origin(types[0]) or types[0]
+    for kind, words, fallback in ((bool, "true or false", False), (float, "a float (a number such as {})", 1.0),
+                                  (int, "an integer (such as {})", 1), (list, "a list (such as {})", [1]),
+                                  (dict, "a mapping (such as {})", {"key": "value"})):
+        if len(types) == 1 and origin is kind:
+            default = field.get_default(call_default_factory=True)
+            ok = isinstance(default, kind) and not (kind is int and isinstance(default, bool))
+            example = json.dumps(default if ok else fallback, separators=(",", ":"))
+            return words.format(example) + optional, example
+    return None
 
 
 # Keys holding local paths. Relative ones are read against where they were written: in a YAML file,
@@ -229,16 +268,22 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> MasterC
     return validate_config(data, source=str(path), extra_errors=compat_errors)
 
 
-def _annotation(key: str) -> Any:
-    """The schema's type of dotted ``key`` (None: not a key of ours)."""
+def _field(key: str) -> Any:
+    """The schema's pydantic ``FieldInfo`` of dotted ``key`` (None: not a key of ours)."""
     model: Any = MasterConfig
-    ann = None
+    field = None
     for part in key.split("."):
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
             return None
-        ann = model = field.annotation
-    return ann
+        model = field.annotation
+    return field
+
+
+def _annotation(key: str) -> Any:
+    """The schema's type of dotted ``key`` (None: not a key of ours)."""
+    field = _field(key)
+    return None if field is None else field.annotation
 
 
 def _takes(ann: Any, kind: type) -> bool:
@@ -273,13 +318,16 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
         ann = _annotation(key)
         try:
             node = OmegaConf.from_dotlist([f"{key}={raw}"])
-            problem = "is a mapping" if isinstance(OmegaConf.select(node, key), DictConfig) \
+            problem = "a mapping" if isinstance(OmegaConf.select(node, key), DictConfig) \
                 and ann is not None and not _takes(ann, dict) else None
         except yaml.YAMLError as e:
-            problem = f"is not valid YAML ({getattr(e, 'problem', None) or e})"
+            problem = f"not valid YAML: {getattr(e, 'problem', None) or e}"
         if problem is not None:
+            if (expects := _expected_value(key)) is not None:  # quoted, it would be text: still not what the key takes
+                raise ConfigError(f"override {item!r}: {key} expects {expects[0]}, got {raw!r} ({problem}); "
+                                  f"e.g. {key}={expects[1]}")
             if ann is None or not _takes(ann, str):
-                raise ConfigError(f"override {item!r}: the value of {key} {problem}; quote it, e.g. "
+                raise ConfigError(f"override {item!r}: the value of {key} is {problem}; quote it, e.g. "
                                   f"{key}='\"{raw}\"' (the shell passes the outer quotes' content)")
             node = OmegaConf.create({})
             OmegaConf.update(node, key, raw, force_add=True)  # the text as typed
@@ -311,17 +359,40 @@ def config_to_yaml(cfg: MasterConfig) -> str:
 
 
 # --------------------------------------------------------------------------- resume diffs, YAML errors
+#: The environment variable OmegaConf (>= 2.4) reads its limit on a YAML file's nodes from: every mapping key,
+#: value and list item counts, an alias at each use; 10,000 by default ("none": no limit).
+NODE_LIMIT_ENV = "OMEGACONF_MAX_YAML_EXPANDED_NODES"
+
+
+def node_limit_message(path: Path, error: str) -> str:
+    """The line for OmegaConf's refusal ``error`` of ``path`` for its size: the limit, the variable that raises it,
+    the file (the error reads as a syntax error otherwise)."""
+    import re
+
+    counted = "every mapping key, value and list item counts, an alias at each use"
+    if m := re.search(r"limit of (\d+)", error):
+        return (f"{path}: not a syntax error: the file has more YAML nodes than OmegaConf's limit of {m.group(1)} "
+                f"({counted}). For a file you trust, raise the limit in the environment: {NODE_LIMIT_ENV}="
+                f"{int(m.group(1)) * 10} (or {NODE_LIMIT_ENV}=none for no limit)")
+    ratio = re.search(r"from (\d+) nodes to (\d+) nodes", error)
+    what = f"from {ratio.group(1)} to {ratio.group(2)} nodes" if ratio else "past the supported ratio"
+    return (f"{path}: not a syntax error: its YAML aliases expand the file {what}, past OmegaConf's limit on "
+            f"alias expansion ({counted}). For a file you trust, lift it in the environment: {NODE_LIMIT_ENV}=none")
+
+
 def load_yaml_file(path: Path) -> Any:
     """``OmegaConf.load(path)``, with a YAML syntax error reported as one line naming file, line, column.
 
     Raises:
-        ConfigError: the file is not valid YAML.
+        ConfigError: the file is not valid YAML, or has more nodes than OmegaConf's limit (``node_limit_message``).
     """
     import yaml
 
     try:
         return OmegaConf.load(path)
     except yaml.YAMLError as e:
+        if NODE_LIMIT_ENV in str(e):  # valid YAML, refused by OmegaConf's size limit (an alias bomb guard)
+            raise ConfigError(node_limit_message(path, str(e))) from None
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
         problem = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)

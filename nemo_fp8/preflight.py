@@ -30,10 +30,12 @@ def check_data(cfg: MasterConfig) -> list[str]:
     """Parse every record of ``data.train_path`` / ``data.val_path`` that the run will read (up to
     ``data.max_train_samples`` / ``grpo.max_val_samples``; cheap next to a run).
 
-    Returns one line per problem (missing file, wrong extension, not UTF-8, invalid JSON, not
-    Parquet, missing schema keys, no records at all), each naming the key and the file (and line).
+    Returns one line per problem (missing file, a directory / FIFO / socket / device, wrong extension, not UTF-8,
+    invalid JSON, not Parquet, missing schema keys, no records at all, too many empty gold answers), each naming the
+    key and the file (and line). The few rows with an empty gold answer that are dropped are logged as a warning
+    (count and first rows, ``nemo_fp8.data.datasets.MAX_EMPTY_ANSWER_FRACTION``).
     """
-    from nemo_fp8.data.datasets import load_math_dataset
+    from nemo_fp8.data.datasets import load_math_file
 
     d = cfg.data
     if d.dataset == "synthetic":
@@ -44,15 +46,17 @@ def check_data(cfg: MasterConfig) -> list[str]:
         if not path:
             continue
         try:
-            records = load_math_dataset(path, schema=d.dataset, limit=limit)
+            loaded = load_math_file(path, schema=d.dataset, limit=limit)
         except FileNotFoundError:
             errs.append(f"{key}: file not found: {path}")
             continue
-        except ValueError as e:  # DatasetFormatError is a ValueError; so are bad extensions
+        except ValueError as e:  # DatasetFormatError is a ValueError; so are bad extensions and non-files
             errs.append(f"{key}: {e}")
             continue
-        if not records:
+        if not loaded.rows:
             errs.append(f"{key}: {path} has no records (empty file)")
+        elif loaded.empty_answer_rows:
+            logger.warning("preflight: %s: %s: %s", key, path, loaded.dropped_note())
     return errs
 
 
@@ -325,6 +329,46 @@ def schedule_warnings(cfg: MasterConfig) -> list[str]:
     return [f"{key}.{line} (grpo.max_num_steps={cfg.grpo.max_num_steps} x {per_step} per step)" for line in lines]
 
 
+#: The trajectory age above which the preflight warns. NeMo-RL's async GRPO guide sets 1; each step of age is one
+#: more step of rollouts held in the driver and one more update between the weights that sampled a rollout and
+#: the ones it trains, which the truncated importance weights (C = 2 in the shipped recipes) correct less and less.
+#: Past 8 the value is more likely a typo or "no limit" than a choice. A warning, not an error: a study of
+#: staleness may want it.
+USUAL_MAX_TRAJECTORY_AGE = 8
+
+#: Bytes the trajectory buffer keeps per token of a rollout: the engine output's token id (int64) and log-prob
+#: (float32), and the training rows' copy of both (``StepRollouts.rollouts`` and ``.parts``).
+BUFFER_BYTES_PER_TOKEN = 2 * (8 + 4)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def async_age_warning(cfg: MasterConfig) -> str | None:
+    """A line when ``grpo.async_grpo.max_trajectory_age_steps`` is above ``USUAL_MAX_TRAJECTORY_AGE`` with
+    asynchronous GRPO on: how stale a rollout may get, and the driver memory of the trajectory buffer, whose
+    capacity is age + 1 steps (at most ``grpo.max_num_steps`` of them are ever made) of ``num_prompts_per_step x
+    num_generations_per_prompt`` rollouts (x ``dynamic_sampling_max_gen_batches`` rounds with dynamic sampling) of
+    up to the prompt limit + ``max_new_tokens`` tokens, ``BUFFER_BYTES_PER_TOKEN`` each. None otherwise."""
+    a, g = cfg.grpo.async_grpo, cfg.grpo
+    age = a.max_trajectory_age_steps
+    if not a.enabled or a.wait_for_current_weights or age <= USUAL_MAX_TRAJECTORY_AGE:
+        return None
+    total = cfg.policy.max_total_sequence_length
+    tokens = min(total, min(cfg.data.max_input_seq_length, total - 1) + cfg.policy.generation.max_new_tokens)
+    rounds = g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1
+    rows = g.num_prompts_per_step * g.num_generations_per_prompt
+    held = min(age + 1, g.max_num_steps)
+    bytes_held = held * rounds * rows * tokens * BUFFER_BYTES_PER_TOKEN
+    by_rounds = f" x {rounds} generation rounds (dynamic sampling)" if rounds > 1 else ""
+    return (f"grpo.async_grpo.max_trajectory_age_steps: {age} lets a rollout train up to {age} steps after the "
+            f"weights that made it, and the trajectory buffer hold up to {age + 1} steps of rollouts: with "
+            f"grpo.max_num_steps={g.max_num_steps}, at most {held} steps{by_rounds} x {rows} rollouts x {tokens} "
+            f"tokens x {BUFFER_BYTES_PER_TOKEN} bytes = {_size(bytes_held)} in the driver process (valid: >= 1; "
+            f"NeMo-RL's guide uses 1, and this warning comes above {USUAL_MAX_TRAJECTORY_AGE})")
+
+
 def preflight(cfg: MasterConfig) -> None:
     """Hardware/engine support, data, model and resources checks, before the model build and Ray.
 
@@ -344,6 +388,6 @@ def preflight(cfg: MasterConfig) -> None:
     idle = idle_gpus_warning(cfg, need)
     if idle:
         logger.warning("preflight: %s", idle)
-    for line in schedule_warnings(cfg):
+    for line in schedule_warnings(cfg) + [w for w in (async_age_warning(cfg),) if w]:
         logger.warning("preflight: %s", line)
     logger.info("preflight: data, model path, resources (%s) and trainer memory ok", need)

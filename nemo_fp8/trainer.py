@@ -21,8 +21,9 @@ import torch
 
 from nemo_fp8.algorithms.grpo import RefitController, grpo_train, prompts_batch
 from nemo_fp8.config import MasterConfig, config_to_yaml
-from nemo_fp8.data import (MathExample, PromptDataloader, PromptFormatter, PromptSample, load_math_dataset,
+from nemo_fp8.data import (MathExample, PromptDataloader, PromptFormatter, PromptSample, load_math_file,
                            make_arithmetic_problems, tokenize_prompts)
+from nemo_fp8.data.prompts import MAX_CHARS_PER_TOKEN
 from nemo_fp8.generation.spec import GenerationSpec
 from nemo_fp8.models.hf import load_tokenizer, resolve_device
 from nemo_fp8.policy.spec import PolicySpec
@@ -73,22 +74,25 @@ def ensure_model(cfg: MasterConfig) -> None:
                          device=str(resolve_device(cfg.policy.device)))
 
 
-def load_examples(cfg: MasterConfig) -> tuple[list[MathExample], list[MathExample]]:
-    """(train, validation) problems from ``data.*``; validation never overlaps training."""
+def load_examples(cfg: MasterConfig) -> tuple[list[MathExample], list[MathExample], int]:
+    """(train, validation) problems from ``data.*`` and how many rows were dropped for an empty gold answer (the
+    preflight named them); validation never overlaps training."""
     d, n_val = cfg.data, cfg.grpo.max_val_samples
     if d.dataset == "synthetic":
         val = make_arithmetic_problems(d.num_synthetic_val, seed=d.seed + 1, max_operand=d.synthetic_max_operand)
         held_out = {e.problem for e in val}
         train = [e for e in make_arithmetic_problems(d.num_synthetic_train, seed=d.seed,
                                                      max_operand=d.synthetic_max_operand) if e.problem not in held_out]
-        return train, val[:n_val]
-    train = load_math_dataset(d.train_path, schema=d.dataset, limit=d.max_train_samples)
+        return train, val[:n_val], 0
+    loaded = load_math_file(d.train_path, schema=d.dataset, limit=d.max_train_samples)
+    train, empty = loaded.examples, len(loaded.empty_answer_rows)
     if d.val_path:
-        return train, load_math_dataset(d.val_path, schema=d.dataset, limit=n_val)
+        val = load_math_file(d.val_path, schema=d.dataset, limit=n_val)
+        return train, val.examples, empty + len(val.empty_answer_rows)
     if len(train) <= n_val:
         raise ValueError(f"data.train_path has {len(train)} problems; with no data.val_path, "
                          f"grpo.max_val_samples={n_val} are held out of it (valid: fewer than {len(train)})")
-    return train[:-n_val], train[-n_val:]
+    return train[:-n_val], train[-n_val:], empty
 
 
 def prepare_prompts(cfg: MasterConfig, tokenizer) -> tuple[list[PromptSample], list[PromptSample]]:
@@ -96,13 +100,14 @@ def prepare_prompts(cfg: MasterConfig, tokenizer) -> tuple[list[PromptSample], l
     d = cfg.data
     formatter = PromptFormatter(d.prompt_template, use_chat_template=d.use_chat_template, system_prompt=d.system_prompt,
                                 response_prefix=d.response_prefix)
-    train_ex, val_ex = load_examples(cfg)
+    train_ex, val_ex, empty = load_examples(cfg)
     # a prompt needs room for one generated token (NeMo-RL's configs set max_input_seq_length to the total length)
     limit = min(d.max_input_seq_length, cfg.policy.max_total_sequence_length - 1)
     train, dropped_t = tokenize_prompts(train_ex, tokenizer, formatter, limit)
     val, dropped_v = tokenize_prompts(val_ex, tokenizer, formatter, limit)
-    logger.info("data: %d train prompts (%d dropped > %d tokens), %d validation (%d dropped)", len(train), dropped_t,
-                limit, len(val), dropped_v)
+    logger.info("data: %d train prompts (%d dropped > %d tokens; over %d characters: not tokenized), %d validation "
+                "(%d dropped)%s", len(train), dropped_t, limit, limit * MAX_CHARS_PER_TOKEN, len(val), dropped_v,
+                f"; {empty} rows with an empty gold answer dropped" if empty else "")
     if len(train) < cfg.grpo.num_prompts_per_step or not val:
         raise ValueError(f"data: {len(train)} train / {len(val)} validation prompts left after dropping those over "
                          f"data.max_input_seq_length={d.max_input_seq_length}; need >= grpo.num_prompts_per_step="

@@ -13,16 +13,22 @@ Schemas (required keys; dotted keys are nested):
 * ``problem_answer``: ``problem`` and ``answer``; optional ``data_source`` and ``index``.
 
 ``auto`` picks the schema from the keys of the first record.
+
+A row whose gold answer is empty (or only whitespace) cannot teach anything: every response to it scores 0, its
+group has no spread and the update skips it. A few such rows are dropped and counted (``LoadedDataset``); more
+than ``MAX_EMPTY_ANSWER_FRACTION`` of the rows read refuses the file (``DatasetFormatError``, naming the rows).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from nemo_fp8.data.schema import MathExample
+from nemo_fp8.utils.paths import files_in, special_file_kind
 
 SchemaName = Literal["auto", "dapo", "gsm8k", "problem_answer"]
 
@@ -34,6 +40,22 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "gsm8k": ("question", "answer"),
     "problem_answer": ("problem", "answer"),
 }
+
+
+#: Where each schema's gold answer comes from, for the error that finds it empty.
+ANSWER_FIELDS: dict[str, str] = {
+    "dapo": "'reward_model.ground_truth'",
+    "gsm8k": "'answer' (after its '####')",
+    "problem_answer": "'answer'",
+}
+
+#: The share of the rows read that may have an empty gold answer and still load (they are dropped, counted); more
+#: refuses the file. A wrong schema or column empties every row, a scrape leaves a few empty: 10% tolerates the
+#: second and stops the first, and also a file that would lose a tenth of its problems without anyone looking.
+MAX_EMPTY_ANSWER_FRACTION = 0.1
+
+#: How many of the empty rows an error or warning names (the rest are counted).
+ROWS_NAMED = 5
 
 
 class DatasetFormatError(ValueError):
@@ -218,12 +240,58 @@ def _to_example(schema: str, record: dict, position: int, where: str) -> MathExa
     )
 
 
-def load_math_dataset(
-    path: str | Path,
-    schema: SchemaName = "auto",
-    limit: int | None = None,
-) -> list[MathExample]:
-    """Read a local math dataset file into :class:`MathExample` records.
+@dataclass
+class LoadedDataset:
+    """The problems of one data file, and the rows dropped for an empty gold answer.
+
+    Attributes:
+        examples: the problems with a gold answer, in file order.
+        rows: how many rows were read (up to the limit).
+        empty_answer_rows: where each dropped row is (``"line 7"``, ``"item 3"``, ``"row 12"``), in file order.
+    """
+
+    examples: list[MathExample]
+    rows: int
+    empty_answer_rows: list[str] = field(default_factory=list)
+
+    def dropped_note(self) -> str:
+        """``"3 of 200 rows have an empty gold answer (line 4, line 9, line 17); dropped"``, or ``""`` for none."""
+        if not self.empty_answer_rows:
+            return ""
+        return (f"{len(self.empty_answer_rows)} of {self.rows} rows have an empty gold answer "
+                f"({named_rows(self.empty_answer_rows)}); dropped")
+
+
+def named_rows(locations: list[str]) -> str:
+    """The first ``ROWS_NAMED`` of ``locations``, ``+N more`` after them."""
+    more = f", +{len(locations) - ROWS_NAMED} more" if len(locations) > ROWS_NAMED else ""
+    return ", ".join(locations[:ROWS_NAMED]) + more
+
+
+def check_data_file(path: Path) -> None:
+    """``path`` is a regular file with a data file's extension; looked at with ``os.stat`` only (a FIFO is never
+    opened: reading it would block).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: a directory (naming the data files in it), a FIFO, a socket or a device; or an extension
+            that is not ``VALID_EXTENSIONS``.
+    """
+    valid = "valid: a regular .jsonl, .json or .parquet file"
+    kind = special_file_kind(path)
+    if kind == "a directory":
+        raise ValueError(f"{path} is a directory, not a data file{files_in(path, VALID_EXTENSIONS)}; {valid}")
+    if kind is not None:
+        raise ValueError(f"{path} is {kind}, not a data file; {valid}")
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in VALID_EXTENSIONS:
+        raise ValueError(f"unsupported dataset file extension {suffix!r} for {path}; valid: {list(VALID_EXTENSIONS)}")
+
+
+def load_math_file(path: str | Path, schema: SchemaName = "auto", limit: int | None = None) -> LoadedDataset:
+    """Read a local math dataset file; rows with an empty gold answer are dropped and listed (module docstring).
 
     Args:
         path (str | Path): A ``.jsonl``, ``.json`` or ``.parquet`` file.
@@ -232,28 +300,28 @@ def load_math_dataset(
         limit (int | None): Read at most this many records (``None``: all).
 
     Returns:
-        list[MathExample]: The examples in file order.
+        LoadedDataset: the examples in file order, the rows read, the rows dropped.
 
     Raises:
         FileNotFoundError: The file does not exist (the message names it).
-        ValueError: Unknown schema name or file extension (lists the valid ones), negative limit.
+        ValueError: Unknown schema name or file extension (lists the valid ones), a path that is a directory, a
+            FIFO, a socket or a device (names what it is), negative limit.
         DatasetFormatError: A record lacks a required key (names file, line/row, key and the
-            schema's required keys), or the schema cannot be detected.
+            schema's required keys), the schema cannot be detected, or more than
+            ``MAX_EMPTY_ANSWER_FRACTION`` of the rows read have an empty gold answer (names the file, the count
+            and the first rows).
     """
     if schema not in VALID_SCHEMAS:
         raise ValueError(f"unknown dataset schema {schema!r}; valid schemas: {list(VALID_SCHEMAS)}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
-    suffix = path.suffix.lower()
-    if suffix not in VALID_EXTENSIONS:
-        raise ValueError(f"unsupported dataset file extension {suffix!r} for {path}; valid: {list(VALID_EXTENSIONS)}")
-
-    records = _iter_parquet_records(path) if suffix == ".parquet" else _iter_json_records(path)
+    check_data_file(path)
+    records = _iter_parquet_records(path) if path.suffix.lower() == ".parquet" else _iter_json_records(path)
     examples: list[MathExample] = []
+    empty: list[str] = []
     resolved = None if schema == "auto" else schema
+    rows = 0
     for position, (location, record) in enumerate(records):
         if limit is not None and position >= limit:
             break
@@ -262,5 +330,29 @@ def load_math_dataset(
                 resolved = detect_schema(record)
             except DatasetFormatError as e:
                 raise DatasetFormatError(f"{path}, {location}: {e}") from e
-        examples.append(_to_example(resolved, record, position, f"{path}, {location}"))
-    return examples
+        rows += 1
+        example = _to_example(resolved, record, position, f"{path}, {location}")
+        if example.answer.strip():
+            examples.append(example)
+        else:
+            empty.append(location)
+    if empty and len(empty) > MAX_EMPTY_ANSWER_FRACTION * rows:
+        raise DatasetFormatError(
+            f"{path}: {len(empty)} of {rows} rows have an empty gold answer in {ANSWER_FIELDS[resolved]} "
+            f"({named_rows(empty)}): every response to them would score 0 and train nothing. Valid: a non-empty "
+            f"answer in each row (is data.dataset's schema '{resolved}' the file's?); at most "
+            f"{MAX_EMPTY_ANSWER_FRACTION:.0%} of the rows may lack one, and those are dropped")
+    return LoadedDataset(examples, rows, empty)
+
+
+def load_math_dataset(
+    path: str | Path,
+    schema: SchemaName = "auto",
+    limit: int | None = None,
+) -> list[MathExample]:
+    """The examples of :func:`load_math_file` (rows with an empty gold answer dropped).
+
+    Raises:
+        FileNotFoundError, ValueError, DatasetFormatError: as :func:`load_math_file`.
+    """
+    return load_math_file(path, schema, limit).examples

@@ -10,6 +10,15 @@ from nemo_fp8.data.schema import MathExample
 
 PROBLEM_PLACEHOLDER = "{problem}"
 
+#: The most characters one token of a prompt is assumed to cover: a prompt longer than ``max_prompt_tokens x`` this
+#: many characters cannot fit and is dropped before it is tokenized (a single 10 MB row took 24 s to tokenize,
+#: growing faster than its length, only to be dropped). The character tokenizer of the tiny model covers 1 per
+#: token; BPE vocabularies average about 4 on English text and less on maths and code, and while single tokens of
+#: a dozen or more characters exist (runs of spaces or dashes), no text a math prompt is made of averages near 16.
+#: The bound is generous on purpose: it only has to stop rows thousands of times too long, and tokenizing up to 16x
+#: the limit's characters costs milliseconds.
+MAX_CHARS_PER_TOKEN = 16
+
 
 class PromptFormatter:
     """Format a math problem as a prompt string, either plain or through a chat template.
@@ -142,6 +151,9 @@ def tokenize_prompts(
 ) -> tuple[list[PromptSample], int]:
     """Format and tokenize examples, dropping prompts longer than ``max_prompt_tokens``.
 
+    A prompt of more than ``max_prompt_tokens * MAX_CHARS_PER_TOKEN`` characters is dropped without being tokenized
+    (it cannot fit; tokenizing a multi-megabyte row takes seconds to minutes); it is counted with the others.
+
     The prompt text is tokenized with ``add_special_tokens=False`` by default: a chat template
     already writes the BOS / special tokens into the text, and adding them again would double
     them. In plain mode, put any BOS the model needs into the template, or pass
@@ -164,11 +176,15 @@ def tokenize_prompts(
         raise ValueError(f"max_prompt_tokens must be > 0, got {max_prompt_tokens}")
     if not examples:
         return [], 0
-    prompts = [formatter.format(ex, tokenizer) for ex in examples]
-    all_ids = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"]
+    max_chars = max_prompt_tokens * MAX_CHARS_PER_TOKEN
+    formatted = [(ex, formatter.format(ex, tokenizer)) for ex in examples]
+    fitting = [(ex, prompt) for ex, prompt in formatted if len(prompt) <= max_chars]
+    dropped = len(formatted) - len(fitting)
+    if not fitting:
+        return [], dropped
+    all_ids = tokenizer([prompt for _, prompt in fitting], add_special_tokens=add_special_tokens)["input_ids"]
     kept: list[PromptSample] = []
-    dropped = 0
-    for example, prompt, ids in zip(examples, prompts, all_ids):
+    for (example, prompt), ids in zip(fitting, all_ids):
         if len(ids) > max_prompt_tokens:
             dropped += 1
             continue

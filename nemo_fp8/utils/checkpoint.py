@@ -170,18 +170,11 @@ def check_safetensors(f: Path) -> str | None:
     return None
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check the files of a step checkpoint without loading the weights; return its trainer state.
+def checkpoint_problems(path: Path) -> tuple[list[str], dict[str, Any]]:
+    """What keeps the step checkpoint ``path`` from loading, one line per file (empty: sound), and its trainer state
+    (``{}`` when unreadable). See ``verify_checkpoint`` for what is checked."""
+    from omegaconf import DictConfig, OmegaConf
 
-    Checks ``trainer_state.json`` (JSON with ``step``), ``config.yaml``, every
-    ``policy/model/*.safetensors`` (header and size) and ``policy/optimizer.pt`` (zip directory; the torch
-    backend's pipeline stages' ``policy/optimizer_pp{p}.pt`` too).
-
-    Raises:
-        CheckpointError: names the file and what is wrong, with the hint to resume from the
-            previous checkpoint (``--resume-from step_M``) when there is one.
-    """
-    path = Path(path)
     problems: list[str] = []
     state: dict[str, Any] = {}
     ts = path / "trainer_state.json"
@@ -189,12 +182,22 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         state = json.loads(ts.read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
             problems.append(f"{ts}: no integer 'step'")
+        elif not isinstance(state.get("dataloader"), dict):
+            problems.append(f"{ts}: no 'dataloader' state")
     except FileNotFoundError:
         problems.append(f"{ts}: missing")
-    except ValueError as e:
+    except OSError as e:
+        problems.append(f"{ts}: unreadable ({e})")
+    except ValueError as e:  # not UTF-8, not JSON
         problems.append(f"{ts}: not valid JSON ({e})")
-    if not (path / "config.yaml").is_file():
-        problems.append(f"{path / 'config.yaml'}: missing")
+    cfg = path / "config.yaml"
+    try:
+        if not isinstance(OmegaConf.create(cfg.read_text()), DictConfig):
+            problems.append(f"{cfg}: not a mapping of config sections")
+    except FileNotFoundError:
+        problems.append(f"{cfg}: missing")
+    except Exception as e:  # unreadable, not UTF-8, not YAML (yaml's and OmegaConf's errors have no common base)
+        problems.append(f"{cfg}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     model_files = sorted((path / "policy" / "model").glob("*.safetensors"))
     if not model_files:
         problems.append(f"{path / 'policy' / 'model'}: no *.safetensors weights")
@@ -210,10 +213,41 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 z.namelist()
         except (zipfile.BadZipFile, OSError) as e:
             problems.append(f"{f}: truncated or not a torch archive ({e})")
+    return problems, state
+
+
+def older_checkpoint_hint(path: Path) -> str:
+    """``"; resume from the previous sound one with --resume-from step_M"``: the newest checkpoint beside ``path`` and
+    older than it that ``checkpoint_problems`` finds sound; else a line saying there is none (naming each older one
+    and its first problem)."""
+    m = _STEP_DIR.match(path.name)
+    older = [s for s in CheckpointManager(path.parent).steps() if m and s < int(m.group(1))]
+    unsound = []
+    for s in reversed(older):
+        problems, _ = checkpoint_problems(path.parent / f"step_{s}")
+        if not problems:
+            skipped = f" (newer ones are corrupt too: {'; '.join(unsound)})" if unsound else ""
+            return f"; resume from the previous sound one with --resume-from step_{s}{skipped}"
+        unsound.append(f"step_{s}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    if not older:
+        return "; there is no older checkpoint to resume from"
+    return ("; no older checkpoint is sound either (" + "; ".join(unsound) + "): none to resume from; start a fresh "
+            "run (--overwrite, or a new checkpointing.checkpoint_dir)")
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check the files of a step checkpoint without loading the weights; return its trainer state.
+
+    Checks ``trainer_state.json`` (JSON with ``step`` and the ``dataloader`` state), ``config.yaml`` (readable, a
+    YAML mapping), every ``policy/model/*.safetensors`` (header and size) and ``policy/optimizer.pt`` (zip
+    directory; the torch backend's pipeline stages' ``policy/optimizer_pp{p}.pt`` too).
+
+    Raises:
+        CheckpointError: names the file and what is wrong, with the hint to resume from the newest older
+            checkpoint that passes the same checks (``--resume-from step_M``), or that none does.
+    """
+    path = Path(path)
+    problems, state = checkpoint_problems(path)
     if problems:
-        m = _STEP_DIR.match(path.name)
-        older = [s for s in CheckpointManager(path.parent).steps() if m and s < int(m.group(1))]
-        hint = (f"; resume from the previous one with --resume-from step_{older[-1]}" if older
-                else "; there is no older checkpoint to resume from")
-        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(problems) + hint)
+        raise CheckpointError(f"checkpoint {path} is corrupt: " + "; ".join(problems) + older_checkpoint_hint(path))
     return state

@@ -99,3 +99,30 @@ def test_gsm8k_prompts(gsm8k_dir, char_tokenizer):
     samples, dropped = tokenize_prompts(examples, char_tokenizer, formatter, max_prompt_tokens=300)
     assert dropped > 0 and len(samples) + dropped == 100
     assert all(len(s.prompt_token_ids) <= 300 for s in samples)
+
+
+def test_a_prompt_past_the_character_bound_is_dropped_without_being_tokenized(char_tokenizer):
+    """A 10 MB row was tokenized in full (24 s) before being dropped as too long. Past ``max_prompt_tokens x
+    MAX_CHARS_PER_TOKEN`` characters it cannot fit: dropped, counted, never handed to the tokenizer. At the bound
+    it is still tokenized (the character tokenizer's 1 character per token then drops it by its token count)."""
+    import time
+
+    from nemo_fp8.data.prompts import MAX_CHARS_PER_TOKEN
+
+    seen = []
+
+    def recording(texts, **kw):
+        seen.extend(texts)
+        return char_tokenizer(texts, **kw)
+
+    bound = 48 * MAX_CHARS_PER_TOKEN
+    examples = [MathExample(problem="1" * 10 * 2**20, answer="2", data_source="t", index=0),
+                MathExample(problem="2+2", answer="4", data_source="t", index=1),
+                MathExample(problem="3" * (bound + 1), answer="3", data_source="t", index=2),
+                MathExample(problem="4" * bound, answer="4", data_source="t", index=3)]
+    t0 = time.monotonic()
+    samples, dropped = tokenize_prompts(examples, recording, PromptFormatter(), max_prompt_tokens=48)
+    assert time.monotonic() - t0 < 2.0
+    assert [s.example.index for s in samples] == [1] and dropped == 3
+    assert seen == ["2+2", "4" * bound]
+    assert tokenize_prompts(examples[:1], recording, PromptFormatter(), max_prompt_tokens=48) == ([], 1)

@@ -124,14 +124,21 @@ def test_missing_file_and_bad_override():
 
 def test_override_values_yaml_cannot_parse_are_text_or_clear_errors():
     """``key=value`` values YAML reads as a mapping (``Answer: x``) or cannot parse: the text typed for a key that
-    holds a string, else one error naming the key and how to quote it (no bare ScannerError / ParserError)."""
+    holds a string, else one error naming the key, what it takes and a valid value (no bare ScannerError /
+    ParserError; no advice to quote a number into text)."""
     assert load_config(TINY, ["data.response_prefix=Answer: x"]).data.response_prefix == "Answer: x"
     assert load_config(TINY, ["data.response_prefix=Answer: "]).data.response_prefix == "Answer: "
     assert load_config(TINY, ["data.response_prefix=[a,"]).data.response_prefix == "[a,"
     assert load_config(TINY, ['data.response_prefix="Answer: "']).data.response_prefix == "Answer: "
-    for bad in ("grpo.max_num_steps=[1,", "grpo.max_num_steps=a: b"):
+    for bad, why in (("grpo.max_num_steps=[1,", "not valid YAML: did not find expected node content"),
+                     ("grpo.max_num_steps=a: b", "a mapping")):
         msg = _error(bad)
-        assert msg.startswith(f"override {bad!r}: the value of grpo.max_num_steps ") and "quote it" in msg
+        assert msg == (f"override {bad!r}: grpo.max_num_steps expects an integer (such as 1000), got "
+                       f"{bad.split('=', 1)[1]!r} ({why}); e.g. grpo.max_num_steps=1000"), msg
+        assert "quote it" not in msg
+    msg = _error("policy.generation.vllm_cfg.weight_block_size=[1,")
+    assert "weight_block_size expects a list (such as [128,128]), got '[1,'" in msg
+    assert "e.g. policy.generation.vllm_cfg.weight_block_size=[128,128]" in msg
     assert "data.nope: unknown key" in _error("data.nope=x: y")  # a mapping for a key we lack: the schema says so
     # a mapping where the key holds one still parses as YAML; Hydra's ++key= means key=
     cfg = load_config(TINY, ["++policy.megatron_cfg.env_vars={A: b}", "policy.megatron_cfg.enabled=true",
@@ -153,3 +160,57 @@ def test_float64_is_the_torch_reference_and_the_engines_keep_their_dtypes():
         was = load_config(TINY, [*on_gpu, f"policy.megatron_cfg.optimizer.bf16={bf16}", "policy.precision=float32"])
         assert train_dtype(gpu.policy) == train_dtype(was.policy) == (torch.bfloat16 if bf16 == "true" else
                                                                       torch.float32)
+
+
+@pytest.mark.parametrize("value", ["2.0.0", "1e", "1e+", "2,0", "1.5x", "--1"])
+def test_a_malformed_float_names_the_type_the_value_and_a_valid_one(value):
+    """YAML reads these as text; the key takes a float: the line says so, shows the value and a valid override
+    (quoting the value, as the message used to say for some of them, would not make it a number)."""
+    key = "loss_fn.truncated_importance_sampling_ratio"
+    msg = _error(f"{key}={value}")
+    assert f"  - {key}: expects a float (a number such as 2.0) or null, got {value!r}; e.g. {key}=2.0" in msg, msg
+    assert "quote" not in msg
+    assert load_config(TINY, [f"{key}=2.0"]).loss_fn.truncated_importance_sampling_ratio == 2.0
+    assert "  - grpo.max_num_steps: expects an integer (such as 1000), got 3.5; e.g. grpo.max_num_steps=1000" in \
+        _error("grpo.max_num_steps=3.5")
+
+
+def test_a_directory_or_a_fifo_as_config_is_named_as_such(tmp_path):
+    import os
+
+    msg = _error_of(TINY.parent)
+    listing = "(it holds grpo_math_8B_megatron.yaml, "
+    assert msg.startswith(f"{TINY.parent} is a directory, not a config file {listing}"), msg
+    assert msg.endswith("; valid: a YAML file such as examples/configs/grpo_math_tiny_fp8.yaml"), msg
+    assert "not found" not in msg
+    os.mkfifo(tmp_path / "cfg.yaml")  # never opened: reading it would block
+    assert _error_of(tmp_path / "cfg.yaml") == (f"{tmp_path / 'cfg.yaml'} is a FIFO (named pipe), not a config file; "
+                                                "valid: a YAML file such as examples/configs/grpo_math_tiny_fp8.yaml")
+
+
+def _error_of(path):
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    return str(e.value)
+
+
+def test_a_yaml_past_omegaconfs_node_limit_names_the_limit_and_the_variable(tmp_path, monkeypatch):
+    """A valid YAML with a 9,995-item list was a "YAML syntax error": it is OmegaConf's limit on a file's nodes
+    (10,000), which OMEGACONF_MAX_YAML_EXPANDED_NODES raises."""
+    big = tmp_path / "big.yaml"
+    big.write_text(f"defaults: {TINY}\npolicy:\n  generation:\n    vllm_cfg:\n      fp8_ignore_patterns:\n"
+                   + "".join(f"        - layer_{i}\n" for i in range(9995)))
+    monkeypatch.delenv("OMEGACONF_MAX_YAML_EXPANDED_NODES", raising=False)
+    assert _error_of(big) == (
+        f"{big}: not a syntax error: the file has more YAML nodes than OmegaConf's limit of 10000 (every mapping key, "
+        "value and list item counts, an alias at each use). For a file you trust, raise the limit in the "
+        "environment: OMEGACONF_MAX_YAML_EXPANDED_NODES=100000 (or OMEGACONF_MAX_YAML_EXPANDED_NODES=none for no "
+        "limit)")
+    monkeypatch.setenv("OMEGACONF_MAX_YAML_EXPANDED_NODES", "100000")  # what the message says works
+    assert len(load_config(big).policy.generation.vllm_cfg.fp8_ignore_patterns) == 9995
+    bomb = tmp_path / "bomb.yaml"  # aliases: only "none" lifts the ratio limit
+    bomb.write_text("a: &a [" + ",".join(["x"] * 20) + "]\nb: &b [" + ",".join(["*a"] * 20) + "]\n"
+                    "c: [" + ",".join(["*b"] * 20) + "]\n")
+    msg = _error_of(bomb)
+    assert msg.startswith(f"{bomb}: not a syntax error: its YAML aliases expand the file from ") and \
+        msg.endswith("lift it in the environment: OMEGACONF_MAX_YAML_EXPANDED_NODES=none"), msg

@@ -115,3 +115,32 @@ def test_a_hub_id_offline_is_an_error_not_a_tiny_model_build(tmp_path, fake_hub,
     target = cfg_for(tmp_path, "policy.model_name=models/tiny-qwen3-arith", "policy.tiny_model.build_if_missing=true")
     assert Path(target.policy.model_name) == tmp_path / "models" / "tiny-qwen3-arith"
     assert check_model(target) == []
+
+
+def test_a_huge_trajectory_age_is_a_preflight_warning_with_the_buffers_memory(tmp_path, caplog):
+    """``max_trajectory_age_steps=1000000`` was accepted without a word. The buffer holds age + 1 steps (at most
+    grpo.max_num_steps of them are made); the warning says how stale a rollout may get and the driver memory, before
+    the model build."""
+    import logging
+
+    from nemo_fp8.preflight import async_age_warning
+
+    on = ["grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false", "cluster.num_cpus=8",
+          f"policy.model_name={tmp_path / 'model'}", "policy.tiny_model.build_if_missing=true",
+          "grpo.use_dynamic_sampling=false"]
+    cfg = cfg_for(tmp_path, *on, "grpo.async_grpo.max_trajectory_age_steps=1000000")
+    # the tiny recipe: 60 steps of 16 prompts x 8 samples, prompts of <= 48 tokens + 6 new tokens
+    line = ("grpo.async_grpo.max_trajectory_age_steps: 1000000 lets a rollout train up to 1000000 steps after the "
+            "weights that made it, and the trajectory buffer hold up to 1000001 steps of rollouts: with "
+            "grpo.max_num_steps=60, at most 60 steps x 128 rollouts x 54 tokens x 24 bytes = 9.5 MiB in the driver "
+            "process (valid: >= 1; NeMo-RL's guide uses 1, and this warning comes above 8)")
+    assert async_age_warning(cfg) == line
+    with caplog.at_level(logging.WARNING, logger="nemo_fp8.preflight"):
+        preflight(cfg)
+    assert f"preflight: {line}" in caplog.messages
+    assert not (tmp_path / "model").exists()  # before the model build
+    steps = cfg_for(tmp_path, *on, "grpo.async_grpo.max_trajectory_age_steps=20", "grpo.max_num_steps=5",
+                    "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=3")
+    assert "at most 5 steps x 3 generation rounds (dynamic sampling) x " in async_age_warning(steps)
+    assert async_age_warning(cfg_for(tmp_path, *on, "grpo.async_grpo.max_trajectory_age_steps=8")) is None
+    assert async_age_warning(cfg_for(tmp_path, "grpo.async_grpo.max_trajectory_age_steps=1000000")) is None  # sync

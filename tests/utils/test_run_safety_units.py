@@ -101,6 +101,49 @@ def test_corrupt_checkpoint_names_file_and_previous_step(tmp_path, damage, expec
         m.resolve("step_9")
 
 
+def test_resume_advice_names_only_a_checkpoint_that_loads(tmp_path):
+    """Every checkpoint's config.yaml deleted: the advice was ``--resume-from step_2`` without a look at step_2.
+    It now names the newest older checkpoint that passes the same checks, or says that none does."""
+    m = CheckpointManager(tmp_path, keep_last_k=5, run_id="r")
+    for s in (1, 2, 3):
+        m.save(s, FakePolicy(), {"dataloader": {}}, "a: 1\n")
+    (tmp_path / "step_3" / "config.yaml").unlink()
+    (tmp_path / "step_2" / "config.yaml").write_text("a: [1,\n")  # present, not YAML
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(tmp_path / "step_3")
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint {tmp_path / 'step_3'} is corrupt: {tmp_path / 'step_3' / 'config.yaml'}: "
+                          "missing; resume from the previous sound one with --resume-from step_1 (newer ones are "
+                          f"corrupt too: step_2: {tmp_path / 'step_2' / 'config.yaml'}: unreadable ("), msg
+    (tmp_path / "step_1" / "config.yaml").unlink()
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(tmp_path / "step_3")
+    msg = str(e.value)
+    assert "--resume-from" not in msg and "; no older checkpoint is sound either (step_2: " in msg, msg
+    assert f"step_1: {tmp_path / 'step_1' / 'config.yaml'}: missing): none to resume from; start a fresh run" in msg
+    (tmp_path / "step_1" / "config.yaml").write_text("a: 1\n")
+    (tmp_path / "step_1" / "trainer_state.json").write_text('{"step": 1}')  # the resume reads its loader state
+    with pytest.raises(CheckpointError, match=r"step_1: .*trainer_state\.json: no 'dataloader' state\)"):
+        verify_checkpoint(tmp_path / "step_3")
+
+
+def test_resume_with_every_config_yaml_deleted_names_no_checkpoint(tmp_path):
+    """The ``--resume`` path itself (``prepare_run_dirs``), before any model or Ray."""
+    from nemo_fp8.config import config_to_yaml
+    from nemo_fp8.trainer import prepare_run_dirs
+
+    cfg = cfg_for(tmp_path)
+    m = CheckpointManager(tmp_path / "ckpt", keep_last_k=5, run_id="r")
+    for s in (1, 2, 3):
+        m.save(s, FakePolicy(), {"dataloader": {}}, config_to_yaml(cfg))
+        (tmp_path / "ckpt" / f"step_{s}" / "config.yaml").unlink()
+    write_marker(tmp_path / "ckpt", "r", "h", resumed=False)
+    with pytest.raises(CheckpointError) as e:
+        prepare_run_dirs(cfg, config_to_yaml(cfg), resume=True)
+    msg = str(e.value)
+    assert "--resume-from" not in msg and "no older checkpoint is sound either (step_2: " in msg, msg
+
+
 # ----------------------------------------------------------------------------- metrics
 def test_partial_last_metrics_line_is_repaired_and_rows_moved_not_lost(tmp_path):
     f = tmp_path / "metrics.jsonl"
