@@ -96,10 +96,10 @@ class RefitController:
         offload_trainer: move the trainer's optimizer state (before the refit) and weights (after it) to
             host memory around each refit so a colocated engine can wake; False when the engine has GPUs
             of its own or both fit (``policy.generation.colocated.offload_trainer``).
-        colocated: the engine shares the trainer's GPUs. Without ``offload_trainer`` the refit then ends
-            with ``policy.release_cached_memory()``: the trainer's weights and optimizer state stay, what its
-            next pass rebuilds (gradients, cached blocks of the step's activation peak) goes back to the device
-            for the engine.
+        colocated: the engine shares the trainer's GPUs. Without ``offload_trainer`` the refit then starts and
+            ends with ``policy.release_cached_memory()``: the trainer's weights and optimizer state stay, what its
+            next pass rebuilds (gradients, cached blocks of the step's activation peak, then the export's buckets)
+            goes back to the device before the engine wakes for the refit and for generation.
         sleep_discards_weights: the engine's sleep drops its weights (vLLM ``sleep_level=2``): every sleep marks
             the engine stale, so the next rollout (a validation right after a step's rollout too) refits first.
     """
@@ -135,9 +135,11 @@ class RefitController:
                                f"weights (have: {got}); calibrate_kv_scales after every training step")
         # the refit's parts under refit/ (timing/refit/*: trainer state out, the transfer, the weights out)
         with timer("refit"):
-            if self.offload_trainer:
-                with timer("refit/offload_trainer_state"):
+            with timer("refit/offload_trainer_state"):
+                if self.offload_trainer:
                     self.policy.offload_before_refit()
+                elif self.colocated:  # the last pass's cached activation peak goes back before the engine wakes
+                    self.policy.release_cached_memory()  # for the refit (kept, the wake runs out of memory)
             with timer("refit/transfer"):
                 self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
             with timer("refit/offload_weights"):
