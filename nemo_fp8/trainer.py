@@ -476,6 +476,31 @@ def _end_ray(procs, watchdog, workers: Optional[Workers], graceful_wait_s: Optio
     procs.close_reaper()
 
 
+def _training_loop(cfg: MasterConfig, checkpoint: Optional[Path], state: Optional[dict], start_step: int,
+                   changes: dict):
+    """(the loop to run, its extra keyword arguments): ``grpo_train``, or with ``grpo.async_grpo.enabled`` (generation
+    ahead of training on engines of their own) ``async_grpo_train`` with the rollouts the resumed ``checkpoint``'s
+    collector had made ahead, where they can be used (``restorable_ahead``, which logs why not).
+
+    Raises:
+        CheckpointError: the checkpoint's rollouts made ahead cannot be read.
+    """
+    from nemo_fp8.algorithms.async_state import STATE_KEY, restorable_ahead
+
+    if not cfg.grpo.async_grpo.enabled:
+        saved = (state or {}).get(STATE_KEY) or {}
+        if saved.get("steps_ahead") or saved.get("partial_step") is not None:
+            logger.info("--resume: the rollouts an asynchronous run made ahead of %s are not used by the synchronous "
+                        "loop; it makes step %d's rollouts again from the same prompts", checkpoint, start_step + 1)
+        return grpo_train, {}
+    from nemo_fp8.algorithms.async_grpo import async_grpo_train, effective_max_age
+
+    if checkpoint is None:
+        return async_grpo_train, {}
+    return async_grpo_train, {"ahead": restorable_ahead(checkpoint, state, start_step, effective_max_age(cfg),
+                                                        cfg.grpo.max_num_steps, changes)}
+
+
 def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str, float]:
     """The body of ``run`` once the folders are owned and the preflight passed."""
     from nemo_fp8.distributed.teardown import RayProcesses, SignalWatchdog
@@ -530,12 +555,10 @@ def _run_owned(cfg: MasterConfig, setup: RunSetup, config_yaml: str) -> dict[str
         (Path(cfg.logger.log_dir) / "config.yaml").write_text(config_yaml)
         scorer = MathRewardScorer(num_workers=cfg.env.math.num_workers, timeout_s=cfg.env.math.timeout_s,
                                   max_seconds_per_step=cfg.env.math.max_seconds_per_step)
-        train = grpo_train
-        if cfg.grpo.async_grpo.enabled:  # generation ahead of training on engines of their own
-            from nemo_fp8.algorithms.async_grpo import async_grpo_train as train
+        train, resumed = _training_loop(cfg, latest, state, start_step, setup.changes)
         out = train(cfg, workers.policy, workers.generation, GuardedScorer(scorer), tokenizer, dataloader, val,
                     RewardStatsLogger(metrics_logger, scorer), checkpointer, start_step, config_yaml,
-                    workers.refitter)
+                    workers.refitter, **resumed)
         graceful_wait_s = 30.0
         return out
     except BaseException as e:

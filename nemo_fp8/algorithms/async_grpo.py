@@ -19,8 +19,10 @@ mismatch: the loss weighs each token by ``pi_trainer / pi_engine`` from ``prev_l
 weights) and ``generation_logprobs`` (the engine that sampled, older weights), truncated as
 ``loss_fn.truncated_importance_sampling_*`` says. ``async/age_<a>/*`` reports that correction per age.
 
-Checkpoints save the prompt loader's position after the trained step's prompts; the rollouts in the buffer (made
-ahead for later steps) are dropped and made again, from the same prompts, after ``--resume``.
+A checkpoint of step ``s`` is written with the collector paused between rounds; it saves what the collector has
+made ahead (the buffer's steps, the rounds so far of the step in progress, its prompt-loader position:
+``nemo_fp8.algorithms.async_state``), and ``--resume`` puts them back, so the resumed run trains on the rollouts the
+uninterrupted run trains on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from nemo_fp8.algorithms.async_state import ROLLOUTS_FILE, STATE_KEY, AheadState, save_ahead
 from nemo_fp8.algorithms.grpo import (LoopConfig, RefitController, RewardFn, _concat_batches, _log_row,
                                       compute_advantages, rollout, rollout_metrics, step_sampling, update_policy,
                                       validate)
@@ -76,6 +79,7 @@ class TrajectoryCollector:
         self.dataloader, self.buffer, self.max_age = dataloader, buffer, max_age
         self.version = start_step  # the weights the engines hold (set by resume after each refit)
         self.next_step = start_step + 1
+        self._current: Optional[StepRollouts] = None  # the step in progress: its rounds made so far
         self.error: Optional[BaseException] = None
         self._cond = threading.Condition()
         self._pause_requested = self._idle = self._stopped = False
@@ -83,6 +87,32 @@ class TrajectoryCollector:
         self._thread = threading.Thread(target=self._run, name="trajectory-collector", daemon=True)
 
     # ------------------------------------------------------------------ the trainer's side
+    def restore(self, ahead: AheadState) -> None:
+        """Before ``start``: go on from what a checkpoint's collector had made ahead (``restorable_ahead``): its
+        complete steps into the buffer, its step in progress and prompt-loader position here."""
+        self.dataloader.load_state_dict(ahead.dataloader_state)
+        for made in ahead.steps:
+            self.buffer.put(made)
+        self._current, self.next_step = ahead.partial, ahead.next_step
+
+    def snapshot(self) -> AheadState:
+        """What the collector has made ahead, for a checkpoint; call while it is paused (``pause``) or done. Copies
+        the lists of the step in progress (the collector appends to them after ``resume``).
+
+        Raises:
+            RuntimeError: the collector is generating (not paused).
+        """
+        with self._cond:
+            if self._thread.is_alive() and not self._idle:
+                raise RuntimeError("TrajectoryCollector.snapshot: the collector is generating; pause it first")
+            cur = self._current
+            partial = None if cur is None or not cur.rollouts else StepRollouts(
+                cur.step, list(cur.parts), list(cur.rollouts), list(cur.versions),
+                copy.deepcopy(cur.dataloader_state), dict(cur.phases))
+            return AheadState(self.buffer.steps(), partial, self.next_step,
+                              copy.deepcopy(self.dataloader.state_dict()), self.max_age,
+                              ended=self.next_step > self.cfg.grpo.max_num_steps)
+
     def start(self) -> None:
         self._thread.start()
 
@@ -147,14 +177,16 @@ class TrajectoryCollector:
             return not self._stopped
 
     def _collect(self, step: int) -> Optional[StepRollouts]:
-        """Step ``step``'s rollouts, round by round as the synchronous ``grpo_step`` makes them; None when
-        stopped."""
+        """Step ``step``'s rollouts, round by round as the synchronous ``grpo_step`` makes them (a step restored
+        in progress goes on at its next round); None when stopped."""
         g = self.cfg.grpo
         n, want = g.num_generations_per_prompt, g.num_prompts_per_step * g.num_generations_per_prompt
+        cur = self._current
+        if cur is None or cur.step != step:
+            cur = self._current = StepRollouts(step, [], [], [], {})
         timer = Timer()
-        parts: list[TrainBatch] = []
-        rollouts, versions = [], []
-        for round_idx in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+        for round_idx in range(len(cur.rollouts), g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling
+                               else 1):
             if not self._boundary(step):
                 return None
             r = rollout(next(self.dataloader), n, self.generation, self.reward_fn, self.tokenizer,
@@ -162,13 +194,17 @@ class TrajectoryCollector:
             with timer("advantages"):
                 adv, keep = compute_advantages(r, self.cfg)
             o = r.output
-            rollouts.append(r)
-            versions.append(self.version)  # unchanged during the round: refits happen only while paused
-            parts.append(TrainBatch(o.token_ids, o.prompt_lengths, o.response_lengths, adv,
-                                    o.generation_logprobs).select(keep))
-            if sum(p.size for p in parts) >= want:
+            cur.rollouts.append(r)
+            cur.versions.append(self.version)  # unchanged during the round: refits happen only while paused
+            cur.parts.append(TrainBatch(o.token_ids, o.prompt_lengths, o.response_lengths, adv,
+                                        o.generation_logprobs).select(keep))
+            cur.dataloader_state = copy.deepcopy(self.dataloader.state_dict())
+            took = timer.pop()
+            cur.phases = {k: cur.phases.get(k, 0.0) + took.get(k, 0.0) for k in {**cur.phases, **took}}
+            if sum(p.size for p in cur.parts) >= want:
                 break
-        return StepRollouts(step, parts, rollouts, versions, copy.deepcopy(self.dataloader.state_dict()), timer.pop())
+        self._current = None
+        return cur
 
     def _run(self) -> None:
         try:
@@ -248,8 +284,12 @@ def train_on_rollouts(step: int, made: StepRollouts, policy: PolicyBackend, cfg:
 
 def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: GenerationBackend, reward_fn: RewardFn,
                      tokenizer, dataloader, val_samples, metrics_logger, checkpointer, start_step: int, config_yaml: str,
-                     refitter: RefitController) -> dict[str, float]:
+                     refitter: RefitController, ahead: Optional[AheadState] = None) -> dict[str, float]:
     """``grpo_train`` with the collector running ahead (module docstring); returns the last step's metrics.
+
+    ``ahead``: what the resumed checkpoint's collector had made ahead (``async_state.restorable_ahead``); the
+    collector goes on from it (its prompt-loader position replaces ``dataloader``'s). None: it starts at step
+    ``start_step + 1`` from ``dataloader``'s position.
 
     Per step, besides the synchronous loop's metrics: ``timing/buffer_wait`` (the trainer waited for the step's
     rollouts), ``timing/collector_pause`` (it waited for the collector's round to end before the refit),
@@ -270,8 +310,10 @@ def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: Generat
             last = validate(generation, reward_fn, tokenizer, val_samples, cfg, 0, refitter, timer)
         metrics_logger.log(0, {**last, **{f"timing/{k}": v for k, v in timer.pop().items()}})
     refitter.refit_if_stale(timer)  # the engines hold the starting weights before the collector starts
-    buffer = TrajectoryBuffer(max_age + 1)
+    buffer = TrajectoryBuffer(max(max_age + 1, len(ahead.steps) if ahead is not None else 0))
     collector = TrajectoryCollector(cfg, generation, reward_fn, tokenizer, dataloader, buffer, start_step, max_age)
+    if ahead is not None:
+        collector.restore(ahead)
     collector.start()
     logger.info("async GRPO: the collector runs up to %d step(s) ahead of the trainer", max_age)
     bar = StepBar(range(start_step + 1, g.max_num_steps + 1), start_step, g.max_num_steps, "grpo (async)")
@@ -281,45 +323,67 @@ def async_grpo_train(cfg: LoopConfig, policy: PolicyBackend, generation: Generat
             with timer("buffer_wait"):
                 made = buffer.take(step, max_age, alive=collector.alive)
             metrics = train_on_rollouts(step, made, policy, cfg, tokenizer, timer, refitter)
-            is_last = step == g.max_num_steps
-            validating = (g.val_period > 0 and step % g.val_period == 0) or (is_last and g.val_at_end)
-            if validating or not is_last:
-                with timer("collector_pause"):
-                    collector.pause()
-                try:
-                    metrics.update(refitter.refit_if_stale(timer))
-                    if validating:
-                        with timer("validation"):
-                            metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step,
-                                                    refitter, timer))
-                finally:
-                    collector.resume(refitter.version)
+            saved = _between_steps(cfg, step, collector, refitter, generation, reward_fn, tokenizer, val_samples,
+                                   timer, metrics)
             metrics.update(collector.pop_metrics())
             metrics["async/buffer_steps"] = float(len(buffer))
             metrics.update({f"timing/collector/{k}": v for k, v in made.phases.items()})
             if made.phases.get("generation"):
                 tokens = sum(float(r.output.response_lengths.sum()) for r in made.rollouts)
                 metrics["perf/rollout_tokens_per_s"] = tokens / made.phases["generation"]
-            _save_or_log(cfg, checkpointer, metrics_logger, policy, step, metrics, timer, t0, made, config_yaml)
+            _save_or_log(cfg, checkpointer, metrics_logger, policy, step, metrics, timer, t0, made, config_yaml,
+                         saved)
             bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}")
             last = metrics
     finally:
         bar.close()
         collector.stop()
-        dropped = buffer.clear()
-        if dropped:
-            logger.info("async GRPO: dropped %d step(s) of rollouts made ahead", dropped)
+        left = buffer.clear()
+        if left:
+            logger.info("async GRPO: stopped with %d step(s) of rollouts made ahead (a checkpoint holds those made "
+                        "ahead of its step)", left)
     return last
 
 
+def _checkpoint_due(cfg: LoopConfig, step: int) -> bool:
+    return cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps)
+
+
+def _between_steps(cfg: LoopConfig, step: int, collector: TrajectoryCollector, refitter: RefitController,
+                   generation, reward_fn: RewardFn, tokenizer, val_samples, timer: Timer,
+                   metrics: dict[str, float]) -> Optional[AheadState]:
+    """After training ``step``: with the collector paused at its round boundary, refit the engines (unless it was
+    the last step) and validate when due (their metrics into ``metrics``), and take what the collector has made
+    ahead when a checkpoint is due (returned; else None). Then let the collector go on."""
+    g = cfg.grpo
+    is_last = step == g.max_num_steps
+    validating = (g.val_period > 0 and step % g.val_period == 0) or (is_last and g.val_at_end)
+    saving, refitting = _checkpoint_due(cfg, step), validating or not is_last
+    if not (refitting or saving):
+        return None
+    with timer("collector_pause"):
+        collector.pause()
+    try:
+        if refitting:
+            metrics.update(refitter.refit_if_stale(timer))
+        if validating:
+            with timer("validation"):
+                metrics.update(validate(generation, reward_fn, tokenizer, val_samples, cfg, step, refitter, timer))
+        return collector.snapshot() if saving else None
+    finally:
+        collector.resume(refitter.version if refitting else collector.version)
+
+
 def _save_or_log(cfg: LoopConfig, checkpointer, metrics_logger, policy, step: int, metrics: dict[str, float],
-                 timer: Timer, t0: float, made: StepRollouts, config_yaml: str) -> None:
+                 timer: Timer, t0: float, made: StepRollouts, config_yaml: str, ahead: Optional[AheadState]) -> None:
     """Write the step's row, inside a checkpoint's commit when one is due (``grpo_train``'s order). The checkpoint
-    saves the prompt loader's position after this step's prompts, not the collector's (which is ahead)."""
-    if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == cfg.grpo.max_num_steps):
+    saves the prompt loader's position after this step's prompts (what the synchronous loop would resume from) and,
+    in ``async_rollouts.pt``, what the collector had made ahead (``ahead``, taken while it was paused)."""
+    if _checkpoint_due(cfg, step):
         t_save = time.perf_counter()
-        checkpointer.save(step, policy, {"dataloader": made.dataloader_state}, config_yaml,
-                          before_commit=lambda: _log_row(metrics_logger, step, metrics, timer, t0, cfg,
-                                                         time.perf_counter() - t_save))
+        checkpointer.save(step, policy, {"dataloader": made.dataloader_state, STATE_KEY: ahead.summary()},
+                          config_yaml, before_commit=lambda: _log_row(metrics_logger, step, metrics, timer, t0, cfg,
+                                                                      time.perf_counter() - t_save),
+                          extra_files={ROLLOUTS_FILE: lambda path: save_ahead(path, ahead)})
     else:
         _log_row(metrics_logger, step, metrics, timer, t0, cfg)

@@ -36,7 +36,8 @@ class StepRollouts:
         rollouts: per round, the ``nemo_fp8.algorithms.grpo.Rollout`` (all rows: rewards, lengths, engine metrics).
         versions: per round, the weight version the engines held while generating it.
         dataloader_state: the prompt loader's ``state_dict()`` right after this step's prompts were drawn: what a
-            checkpoint of this step saves, so a resume makes the next step's rollouts from the prompts that follow.
+            checkpoint of this step saves as ``dataloader`` (where the synchronous loop, or a resume without the
+            rollouts made ahead, goes on).
         phases: the collector's seconds per phase for this step (``generation``, ``reward``, ``advantages``).
     """
 
@@ -131,8 +132,14 @@ class TrajectoryBuffer:
             self._error = error
             self._cond.notify_all()
 
+    def steps(self) -> list[StepRollouts]:
+        """The steps' rollouts held now, ascending by step, left in place (what a checkpoint saves: the caller
+        holds the collector paused, so none is added meanwhile)."""
+        with self._cond:
+            return [self._steps[k] for k in sorted(self._steps)]
+
     def clear(self) -> int:
-        """Drop every step's rollouts (a checkpoint does not keep them); returns how many steps were dropped."""
+        """Drop every step's rollouts (at the end of the loop); returns how many steps were dropped."""
         with self._cond:
             n = len(self._steps)
             self._steps.clear()

@@ -98,11 +98,15 @@ class CheckpointManager:
         return partial
 
     def save(self, step: int, policy, trainer_state: dict[str, Any], config_yaml: str,
-             before_commit: Optional[Callable[[], None]] = None) -> Path:
+             before_commit: Optional[Callable[[], None]] = None,
+             extra_files: Optional[dict[str, Callable[[Path], None]]] = None) -> Path:
         """Write policy weights + optimizer and ``trainer_state.json`` for ``step``; prune this run's old ones.
 
         ``before_commit`` runs once the files are written, just before the rename that makes the
         checkpoint visible (the trainer writes the step's metrics row there; module docstring).
+        ``extra_files``: file name -> a writer called with the file's path inside the checkpoint being written
+        (asynchronous GRPO's rollouts made ahead); the names are recorded as ``extra_files`` in the trainer state,
+        and ``verify_checkpoint`` checks them.
 
         Raises:
             CheckpointWriteError: the files could not be written (a full disk, a read-only file system: names the
@@ -115,7 +119,10 @@ class CheckpointManager:
         try:
             tmp.mkdir(parents=True)
             policy.save(tmp / "policy")
-            state = {"step": step, **({"run_id": self.run_id} if self.run_id else {}), **trainer_state}
+            for name, write in (extra_files or {}).items():
+                write(tmp / name)
+            state = {"step": step, **({"run_id": self.run_id} if self.run_id else {}), **trainer_state,
+                     **({"extra_files": sorted(extra_files)} if extra_files else {})}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
             (tmp / "config.yaml").write_text(config_yaml)
         except Exception as e:  # also a Ray worker's error from policy.save (RayTaskError(<the writer's error>))
@@ -175,6 +182,7 @@ def checkpoint_problems(path: Path) -> tuple[list[str], dict[str, Any]]:
     (``{}`` when unreadable). See ``verify_checkpoint`` for what is checked."""
     from omegaconf import DictConfig, OmegaConf
 
+    path = Path(path)
     problems: list[str] = []
     state: dict[str, Any] = {}
     ts = path / "trainer_state.json"
@@ -207,7 +215,12 @@ def checkpoint_problems(path: Path) -> tuple[list[str], dict[str, Any]]:
     opt = path / "policy" / "optimizer.pt"
     if not opt.is_file():
         problems.append(f"{opt}: missing")
-    for f in [opt] * opt.is_file() + sorted((path / "policy").glob("optimizer_pp*.pt")):  # + pipeline stages'
+    extra = [path / n for n in state.get("extra_files", [])] if isinstance(state, dict) else []
+    for f in extra:
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+    torch_files = [opt] * opt.is_file() + sorted((path / "policy").glob("optimizer_pp*.pt"))  # + pipeline stages'
+    for f in torch_files + [f for f in extra if f.suffix == ".pt" and f.is_file()]:
         try:
             with zipfile.ZipFile(f) as z:
                 z.namelist()
@@ -239,8 +252,9 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the files of a step checkpoint without loading the weights; return its trainer state.
 
     Checks ``trainer_state.json`` (JSON with ``step`` and the ``dataloader`` state), ``config.yaml`` (readable, a
-    YAML mapping), every ``policy/model/*.safetensors`` (header and size) and ``policy/optimizer.pt`` (zip
-    directory; the torch backend's pipeline stages' ``policy/optimizer_pp{p}.pt`` too).
+    YAML mapping), every ``policy/model/*.safetensors`` (header and size), ``policy/optimizer.pt`` (zip
+    directory; the torch backend's pipeline stages' ``policy/optimizer_pp{p}.pt`` too) and the trainer state's
+    ``extra_files`` (present; a ``.pt`` one: its zip directory).
 
     Raises:
         CheckpointError: names the file and what is wrong, with the hint to resume from the newest older
