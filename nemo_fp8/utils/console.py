@@ -21,6 +21,7 @@ import io
 import logging
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import IO, Iterable, Iterator, Optional
 
@@ -48,26 +49,38 @@ class LinesAboveBar(io.TextIOBase):
     """A text stream that writes whole lines to ``stream`` above the progress bars, and a copy to ``tee``.
 
     A carriage return without a newline (another program's progress bar) keeps only the text after it: the line
-    shows its last state once, when its newline comes.
+    shows its last state once, when its newline comes. Each thread's partial line is its own (``print`` writes the
+    text and its newline in two calls, and Ray's log thread prints while the main thread does).
     """
 
     def __init__(self, stream: IO[str], tee: Optional[IO[str]] = None):
         super().__init__()
         self.stream, self.tee = stream, tee
-        self._partial = ""
+        self._partial: dict[int, str] = {}  # thread id -> its line so far
 
     def write(self, s: str) -> int:
-        text = self._partial + s
-        if "\n" not in text:
-            self._partial = text
-            return len(s)
-        lines, self._partial = text.rsplit("\n", 1)
-        lines = "\n".join(part.rsplit("\r", 1)[-1] for part in lines.split("\n")) + "\n"
-        _write_above_bars(self.stream, lines)
-        if self.tee is not None:
-            self.tee.write(_ANSI.sub("", lines))
-            self.tee.flush()
+        me = threading.get_ident()
+        with tqdm.get_lock():
+            text = self._partial.pop(me, "") + s
+            if "\n" not in text:
+                self._partial[me] = text
+                return len(s)
+            lines, rest = text.rsplit("\n", 1)
+            if rest:
+                self._partial[me] = rest
+            lines = "\n".join(part.rsplit("\r", 1)[-1] for part in lines.split("\n")) + "\n"
+            _write_above_bars(self.stream, lines)
+            if self.tee is not None:
+                self.tee.write(_ANSI.sub("", lines))
+                self.tee.flush()
         return len(s)
+
+    def end_partial_lines(self) -> None:
+        """Write every thread's unfinished line, ended (at the end of the run)."""
+        with tqdm.get_lock():
+            rests, self._partial = list(self._partial.values()), {}
+        for rest in rests:
+            self.write(rest + "\n")
 
     def flush(self) -> None:
         self.stream.flush()
@@ -194,8 +207,8 @@ def run_console(log_file: Optional[Path]) -> Iterator[Optional[LogFile]]:
         yield out_file
     finally:
         for s in (sys.stdout, sys.stderr):
-            if isinstance(s, LinesAboveBar) and s._partial:
-                s.write("\n")
+            if isinstance(s, LinesAboveBar):
+                s.end_partial_lines()
         sys.stdout, sys.stderr = saved
         _bars.clear()  # a bar an error left open draws no more
         if handler is not None:

@@ -66,3 +66,19 @@ def test_plot_of_a_run_without_validation_warns_nothing(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_parity({"run": rows}, tmp_path / "c.png").exists()
+
+
+def test_each_thread_keeps_its_own_partial_line():
+    """``print`` writes its text and its newline in two calls; another thread's whole line between them stays whole."""
+    import threading
+
+    out = io.StringIO()
+    s = LinesAboveBar(out)
+    s.write("main thread: ")
+    t = threading.Thread(target=lambda: (s.write("ray log line"), s.write("\n")))
+    t.start()
+    t.join()
+    s.write("done\n")
+    s.write("left open")
+    s.end_partial_lines()
+    assert out.getvalue().splitlines() == ["ray log line", "main thread: done", "left open"]
