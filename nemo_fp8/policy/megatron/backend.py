@@ -26,11 +26,7 @@ metrics through the same ``LossFn`` and ``MetricAccumulator`` as the torch backe
 
 Refit: ``named_weights`` streams Megatron-Bridge's ``export_hf_weights`` (HF names, tensor-
 parallel shards gathered; every tensor-parallel rank must iterate it, see ``drain_weights``).
-Colocated with the engine, ``offload_before_refit`` frees the gradients and moves the optimizer state
-to host memory (not with the optimizer CPU offload, whose host part already fills the host) and
-``offload_after_refit`` the weights too (mcore's ``offload_to_cpu`` on the DDP
-buffers, as NeMo-RL's megatron worker does; the optimizer state into one pinned host arena kept
-across steps, ``nemo_fp8.policy.offload``).
+Colocated with the engine, what moves or is freed around each refit: ``nemo_fp8.policy.megatron.colocation``.
 """
 
 from __future__ import annotations
@@ -50,8 +46,8 @@ from nemo_fp8.batch import TrainBatch
 from nemo_fp8.fp8.kv_scales import KvScales
 from nemo_fp8.policy.interfaces import LossFn
 from nemo_fp8.policy.megatron import checkpoint, pipeline, settings
+from nemo_fp8.policy.megatron.colocation import ColocationMixin
 from nemo_fp8.policy.megatron.logprobs import DEFAULT_CHUNK_SIZE, fused_token_logprobs, vocab_parallel_token_logprobs
-from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.megatron.support import check_recipe_supported
 from nemo_fp8.policy.megatron.te_model import fuse_te_wgrad_accumulation, requantize_fp8_weights, unwrap
 from nemo_fp8.policy.offload import HostBuffers
@@ -67,7 +63,7 @@ from nemo_fp8.utils.profiling import TrainProfiler
 logger = logging.getLogger(__name__)
 
 
-class MegatronPolicyBackend:
+class MegatronPolicyBackend(ColocationMixin):
     """``PolicyBackend`` on Megatron-core + TransformerEngine (see the module docstring).
 
     Args:
@@ -481,115 +477,6 @@ class MegatronPolicyBackend:
     def drain_weights(self) -> int:
         """Take part in an export that another rank sends (the gathers need every rank); returns the count."""
         return sum(1 for _ in self.named_weights())
-
-    def _ddp_buffers(self) -> list:
-        return [buf for chunk in self.chunks for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
-
-    def _pin_weight_host_copies(self) -> None:
-        """Allocate the page-locked host copies of the DDP parameter buffers now. megatron-core's first
-        ``offload_to_cpu`` would otherwise make them inside the first colocated refit, as a pageable copy and then a
-        pinned one (``param_data.cpu().pin_memory()``, the rank's whole weights), and reuse them (``copy_``) after."""
-        for buf in self._ddp_buffers():
-            if buf.param_data is not None and buf.param_data_cpu is None:
-                buf.param_data_cpu = torch.empty(buf.param_data.shape, dtype=buf.param_data.dtype, pin_memory=True)
-
-    def _move_ddp_buffers(self, to_cpu: bool, params: bool, grads: bool) -> None:
-        for buf in self._ddp_buffers():
-            if to_cpu:
-                buf.offload_to_cpu(move_params=params, move_grads=grads)
-            else:
-                buf.reload_from_cpu(move_params=params, move_grads=grads)
-        if to_cpu and params:
-            # offload_to_cpu copies into the pinned copy without blocking and frees the GPU storage at once: the copy
-            # must be done before empty_cache hands that memory to the engine waking on this GPU
-            torch.cuda.current_stream().synchronize()
-
-    def _adam_moment_bytes(self) -> int:
-        """Host arena bytes for Adam's ``exp_avg`` and ``exp_avg_sq`` of every main parameter this rank's optimizer
-        updates (its distributed-optimizer shard), in ``optimizer.exp_avg_dtype`` / ``exp_avg_sq_dtype``: what the
-        first colocated refit after a training step moves (the state exists only after the first update)."""
-        o = self.cfg.megatron_cfg.optimizer
-        sizes = [DTYPE_BYTES[o.exp_avg_dtype], DTYPE_BYTES[o.exp_avg_sq_dtype]]
-        numels = [p.numel() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-                  for group in getattr(getattr(opt, "optimizer", None), "param_groups", []) for p in group["params"]]
-        return HostBuffers.arena_bytes([n * b for n in numels for b in sizes])
-
-    def _move_optimizer_state(self, device: str) -> None:
-        """Adam moments (and any other per-parameter state) on the GPU to host memory (``device="cpu"``: into
-        one pinned arena kept across steps, ``HostBuffers``), or back to the GPU: only what was moved, so the
-        optimizer CPU offload's own host state (``HybridDeviceOptimizer``) stays where megatron-core keeps it."""
-        if device == "cpu":
-            moves = []  # (state dict, key, slot, tensor)
-            for i, opt in enumerate(getattr(self.optimizer, "chained_optimizers", [self.optimizer])):
-                for j, s in enumerate(opt._get_state().values()):
-                    for k, v in s.items():
-                        if torch.is_tensor(v) and v.is_cuda:
-                            moves.append((s, k, (i, j, k), v))
-            for (s, k, _, _), host in zip(moves, self._host.offload([(slot, v) for _, _, slot, v in moves])):
-                s[k] = host
-            self._host.synchronize()  # the GPU copies must not be freed (empty_cache) while still being read
-            self._state_on_host = [(s, k) for s, k, _, _ in moves]
-        else:
-            for s, k in self._state_on_host:
-                s[k] = self._host.reload(s[k], device)
-            self._state_on_host = []
-
-    def prepare_for_training(self) -> None:
-        """Bring back whatever ``offload_*`` moved to host memory."""
-        if not self._offloaded:
-            return
-        self._move_ddp_buffers(False, params="model" in self._offloaded, grads=True)
-        if self.reference_chunks is not None and "model" in self._offloaded:
-            for chunk in self.reference_chunks:
-                chunk.to(self.device)
-        self._move_optimizer_state("cuda")
-        self._offloaded.clear()
-
-    def offload_before_refit(self) -> None:
-        """Gradients freed (megatron-core zeroes them at the next step anyway) and optimizer state to host
-        memory (the weights stay for the export). With ``optimizer_cpu_offload`` the optimizer state stays
-        where megatron-core put it: its host part already fills the host (``memory.py``)."""
-        if "optimizer" in self._offloaded:
-            return
-        self._free_rebuilt_state()
-        if not self.cfg.megatron_cfg.optimizer.optimizer_cpu_offload:
-            self._move_optimizer_state("cpu")
-        self._offloaded.add("optimizer")
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def _free_rebuilt_state(self) -> None:
-        """Free what the next training pass makes anew, nothing copied: the gradient buffer (megatron-core zeroes it
-        at the next step anyway; ``prepare_for_training`` allocates it again) and TransformerEngine's cached FP8
-        weight copies (made again at the first micro-batch)."""
-        if "grads" in self._offloaded:
-            return
-        self._move_ddp_buffers(True, params=False, grads=True)
-        for module in (m for chunk in self.chunks for m in chunk.modules()):  # TE's cached FP8 weight copies
-            if hasattr(module, "_fp8_workspaces"):
-                module._fp8_workspaces.clear()
-        self._offloaded.add("grads")
-
-    def release_cached_memory(self) -> None:
-        """With ``colocated.offload_trainer=false``, before the engine wakes beside this process: the weights and
-        the optimizer state stay on the GPU, what the next pass rebuilds is freed (``_free_rebuilt_state``: the
-        gradient buffer, TE's FP8 weight copies) and the allocator's free cached blocks (the step's activation
-        peak) go back to the device (several trainers sharing one GPU with their engines ran out of memory
-        without it)."""
-        self._free_rebuilt_state()
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def offload_after_refit(self) -> None:
-        """The weights to host memory too, so a colocated engine can wake."""
-        if "model" in self._offloaded:
-            return
-        self.offload_before_refit()
-        self._move_ddp_buffers(True, params=True, grads=False)
-        for chunk in self.reference_chunks or []:
-            chunk.to("cpu")
-        self._offloaded.add("model")
-        self.release_cached_memory()
 
     # ----------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> None:
