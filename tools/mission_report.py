@@ -206,6 +206,34 @@ def parts_table(rows_by_run: dict[str, list[dict]], baseline: str, summaries: di
     return "\n".join(lines) + "\n"
 
 
+# The H200's device-to-device copy bandwidth (GB/s), the refit transfer's floor (issue 70's arithmetic)
+HBM_COPY_GBPS = 4300.0
+
+
+def refit_bytes_table(rows_by_run: dict[str, list[dict]], hbm_gbps: float = HBM_COPY_GBPS) -> str:
+    """Markdown table, a row per run that logged ``refit/gbytes``: over the timed steps (``timed_steps``) that refit,
+    the mean GB sent (``refit/gbytes``), the transfer's seconds (``timing/refit/transfer``), its GB/s, and its floor:
+    reading what was sent and writing it into the engine once each at ``hbm_gbps``, 2 x GB / ``hbm_gbps`` (ms), with
+    the transfer's ratio to it; then refit + engine wake + sleep seconds a step (what issue 70 bounds); "" when no run
+    logged the refit's bytes. A lower bound: the FP8 export also reads the bf16 weights it quantizes."""
+    lines = []
+    for name, rows in rows_by_run.items():
+        timed = [r for r in timed_steps(rows) if r.get("refit/gbytes") and r.get("timing/refit/transfer")]
+        if not timed:
+            continue
+        mean = lambda key: sum(r.get(key, 0.0) for r in timed) / len(timed)  # noqa: E731
+        gb, transfer = mean("refit/gbytes"), mean("timing/refit/transfer")
+        floor_s = 2 * gb / hbm_gbps
+        total = mean("timing/refit") + mean("timing/engine_wake") + mean("timing/engine_sleep")
+        lines.append(f"| {name} | {len(timed)} | {gb:.2f} | {transfer:.3f} | {gb / transfer:.1f} | "
+                     f"{floor_s * 1e3:.1f} | {transfer / floor_s:.0f}x | {total:.2f} |")
+    if not lines:
+        return ""
+    head = ("| run | steps | GB sent | transfer s | GB/s | floor ms (2 x GB at "
+            f"{hbm_gbps:,.0f} GB/s) | transfer / floor | refit + wake + sleep s |")
+    return "\n".join([head, "|---|" + "---|" * 7, *lines]) + "\n"
+
+
 def parse_scale_from(spec: str) -> tuple[int, Path]:
     """``GPUS=DIR`` (``--scale-from 4=logs/suites/m4``) -> (GPUs, the other suite's output folder).
 
@@ -283,6 +311,9 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
     by_part = parts_table(rows_by_run, baseline, summaries)
     if by_part:
         parts.append("### the refit and the other time by part (seconds per step, first step left out)\n\n" + by_part)
+    by_bytes = refit_bytes_table(rows_by_run)
+    if by_bytes:
+        parts.append("### the refit's bytes against its floor (first step left out)\n\n" + by_bytes)
     if ceiling is not None:
         path = Path(ceiling)
         if not path.is_file():

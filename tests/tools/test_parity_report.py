@@ -647,6 +647,24 @@ def test_mission_report_times_the_refit_and_the_other_time_by_part(tmp_path):
     assert "by part" not in plain
 
 
+def test_mission_report_puts_the_refits_bytes_beside_its_floor(tmp_path):
+    """refit/gbytes and the transfer's seconds: GB/s, the HBM floor (2 x GB at the copy bandwidth) and the ratio,
+    and refit + wake + sleep a step; steps that sent nothing (no refit) are left out of the means."""
+    tool = mission_tool()
+    rows = fake_run(gen_s=2.0, kl=1e-3, accs=[0.1, 0.2, 0.3])
+    for r in rows:
+        if r.get("timing/refit"):
+            r.update({"refit/gbytes": 9.0, "timing/refit/transfer": 0.9, "timing/engine_wake": 0.1,
+                      "timing/engine_sleep": 0.05})
+    run = _write_run(tmp_path / "fp8", rows)
+    table = tool.report([f"fp8={run}"], "fp8").split("### the refit's bytes against its floor")[1]
+    refits = [r for r in tool.timed_steps(rows) if r.get("timing/refit")]
+    total = sum(r["timing/refit"] for r in refits) / len(refits) + 0.15
+    # 9 GB in 0.9 s: 10 GB/s; floor 2 x 9 GB / 4,300 GB/s = 4.2 ms; 0.9 s is 215x that
+    assert f"| fp8 | {len(refits)} | 9.00 | 0.900 | 10.0 | 4.2 | 215x | {total:.2f} |" in table
+    assert tool.refit_bytes_table({"x": fake_run(gen_s=2.0, kl=0.0, accs=[0.1, 0.2, 0.3])}) == ""
+
+
 def test_each_out_dir_checkpoints_in_its_own_folder(tmp_path):
     """Two comparisons with different --out-dir (a sweep beside the parity run) must not share a checkpoint folder:
     the run lock of one stopped the other."""
