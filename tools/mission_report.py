@@ -173,7 +173,9 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
 
 # the parts of the refit and of the step's "other" time the trainer times (timing/<part>, seconds)
 PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights", "engine_wake", "engine_sleep",
-         "kv_calibration", "reward", "data_processing")
+         "kv_calibration", "reward", "data_processing",
+         # inside the refit's parts: what the trainer's cache releases took (colocated, offload_trainer=false)
+         "release/free_rebuilt", "release/gc", "release/empty_cache")
 # the timed parts of other_s
 OTHER_PARTS = ("engine_wake", "engine_sleep", "kv_calibration", "reward", "advantages", "data_processing")
 

@@ -139,16 +139,22 @@ class RefitController:
                 if self.offload_trainer:
                     self.policy.offload_before_refit()
                 elif self.colocated:  # the last pass's cached activation peak goes back before the engine wakes
-                    self.policy.release_cached_memory()  # for the refit (kept, the wake runs out of memory)
+                    self._release(timer)  # for the refit (without it the wake ran out of memory)
             with timer("refit/transfer"):
                 self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
             with timer("refit/offload_weights"):
                 if self.offload_trainer:
                     self.policy.offload_after_refit()
                 elif self.colocated:
-                    self.policy.release_cached_memory()
+                    self._release(timer)
         self.stale = False
         return self.last_stats.metrics()
+
+    def _release(self, timer: Timer) -> None:
+        """``policy.release_cached_memory()``; its parts' seconds (the slowest rank's) under ``release/<part>``, outside
+        ``refit/`` (they lie inside the refit's parts already)."""
+        for part, seconds in (self.policy.release_cached_memory() or {}).items():
+            timer.add(f"release/{part}", seconds)
 
     @contextlib.contextmanager
     def generating(self, timer: Timer):

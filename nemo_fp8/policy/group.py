@@ -186,8 +186,8 @@ class PolicyWorker(MemoryProbe):
     def offload_after_refit(self) -> None:
         self.backend.offload_after_refit()
 
-    def release_cached_memory(self) -> None:
-        self.backend.release_cached_memory()
+    def release_cached_memory(self) -> dict[str, float]:
+        return self.backend.release_cached_memory() or {}
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -387,8 +387,13 @@ class PolicyGroup:
     def offload_after_refit(self) -> None:
         self._call_all("offload_after_refit")
 
-    def release_cached_memory(self) -> None:
-        self._call_all("release_cached_memory")
+    def release_cached_memory(self) -> dict[str, float]:
+        """Every rank's; the seconds of each part, the slowest rank's (the refit waits for all of them)."""
+        out: dict[str, float] = {}
+        for parts in self._call_all("release_cached_memory"):
+            for k, v in (parts or {}).items():
+                out[k] = max(out.get(k, 0.0), v)
+        return out
 
     def save(self, path) -> None:
         self._call_all("save", str(path))  # rank 0 writes; Megatron ranks write shards

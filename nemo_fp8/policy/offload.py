@@ -20,6 +20,21 @@ from torch import Tensor
 _ALIGN = 64  # bytes: every view starts aligned for any dtype (and for the copy engines)
 
 
+def timed_parts(parts) -> dict[str, float]:
+    """Run each ``(name, callable)`` of ``parts`` in order; returns ``{name: seconds}`` (wall clock; the CUDA work they
+    queue is waited for before each clock is read, so a part's GPU time counts in it)."""
+    import time
+
+    out = {}
+    for name, fn in parts:
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out[name] = time.perf_counter() - t0
+    return out
+
+
 class HostBuffers:
     """A host arena reused while the offloaded tensors keep their slots, shapes and dtypes.
 

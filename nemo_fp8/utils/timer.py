@@ -20,6 +20,10 @@ class Timer:
         finally:
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add ``seconds`` timed elsewhere (another process's part of a phase) to ``name``."""
+        self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         out, self._seconds = self._seconds, {}
         return out

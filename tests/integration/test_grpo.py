@@ -128,11 +128,15 @@ def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated
     calls = []
     policy.offload_before_refit = lambda: calls.append("before")
     policy.offload_after_refit = lambda: calls.append("after")
-    policy.release_cached_memory = lambda: calls.append("release")
+    policy.release_cached_memory = lambda: calls.append("release") or {"gc": 0.25, "empty_cache": 0.5}
     refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20),
                                offload_trainer=offload, colocated=colocated)
-    metrics = refitter.refit_if_stale(Timer())
+    timer = Timer()
+    metrics = refitter.refit_if_stale(timer)
     assert calls == expected
+    phases = timer.pop()  # each release's parts, summed over the refit's releases
+    n = calls.count("release")
+    assert (phases.get("release/gc"), phases.get("release/empty_cache")) == ((0.25 * n, 0.5 * n) if n else (None, None))
     assert metrics["refit/num_buckets"] >= 1 and gen.weight_version().weights == 0
 
 
