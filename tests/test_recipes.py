@@ -4,6 +4,7 @@ FP8 config changes, and the mission suites compose recipe + arms + host settings
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -166,3 +167,126 @@ def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path, capsys):
         arm.write_text(text)
         assert recipe_main(["overrides", str(arm)]) == 2
         assert says in capsys.readouterr().err
+
+
+def _one_gpu_suite(tmp_path: Path, env: dict[str, str], step_s: dict[str, float],
+                   host_used_mib: int = 40_000) -> tuple[subprocess.CompletedProcess, dict[str, list[str]]]:
+    """``mission-8b-1gpu.sh`` run whole on CPU. Its Python is a wrapper: ``examples/run_grpo_math.py`` records its
+    arguments and writes two steps of metrics into the run's ``logger.log_dir`` (step seconds ``step_s[run]``, each
+    phase a fixed share of it), the random checkpoint is not written, everything else (tools/recipe.py, the report,
+    the checks) runs for real; ``free`` reports ``host_used_mib`` used. Returns the suite's result and each run's
+    (recipe, overrides)."""
+    bin_dir, fake = tmp_path / "bin", tmp_path / "fake"
+    bin_dir.mkdir(parents=True)
+    fake.mkdir()
+    for run, s in step_s.items():
+        rows = [{"step": k, "train/reward_mean": 0.0, "timing/step": s, "timing/generation": 0.4 * s,
+                 "timing/refit": 0.05 * s, "timing/logprobs": 0.1 * s, "timing/training": 0.4 * s,
+                 "perf/rollout_tokens_per_s": 1000.0 / s, "generation/kv_capacity_tokens": 181_552.0 * (
+                     2 if run == "fp8kv" else 1), "memory/train_peak_allocated_gib": 109.1} for k in (1, 2)]
+        (fake / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bin_dir / "free").write_text("#!/bin/bash\necho '              total        used'\n"
+                                  f"echo 'Mem:         131072      {host_used_mib}'\n")
+    wrapper = bin_dir / "python"
+    wrapper.write_text(f"""#!/bin/bash
+case "$*" in
+  *write_random_checkpoint*) exit 0 ;;
+  *run_grpo_math.py*)
+    for a in "$@"; do case $a in logger.log_dir=*) dir=${{a#logger.log_dir=}} ;; esac; done
+    run=$(basename "$dir"); printf "%s\\n" "$@" > {tmp_path}/$run.args
+    # the host memory sampler's first row, as a real run of minutes would have it
+    for _ in $(seq 100); do [ -s "$OUT/host_mem_$run.jsonl" ] && break; sleep 0.1; done
+    cp {fake}/$run.jsonl "$dir/metrics.jsonl"; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    for f in (wrapper, bin_dir / "free"):
+        f.chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(wrapper),
+            "OUT": str(tmp_path / "out"), **env}
+    res = subprocess.run(["bash", "tests/test_suites/llm/mission-8b-1gpu.sh"], cwd=REPO, capture_output=True,
+                         text=True, env=full, timeout=300)
+    runs = {p.stem: p.read_text().splitlines() for p in tmp_path.glob("*.args")}
+    return res, {name: [a for a in args if a.endswith(".yaml") and "/recipes/" in a] + [
+        a for a in args if "=" in a and not a.startswith(("logger.log_dir=", "checkpointing."))]
+        for name, args in runs.items()}
+
+
+def test_the_one_gpu_suite_composes_its_runs_and_checks_the_issue_targets(tmp_path):
+    """The standard workload: bf16, fp8 and fp8kv from the one recipe plus the arms, on the one-GPU configs' layout;
+    the report has each run's KV capacity and peak host memory; the checks pass when FP8's step is 0.75x BF16's and
+    every phase is as fast, and fail when the host used more than 100 GiB."""
+    res, runs = _one_gpu_suite(tmp_path / "ok", {"NEMO_FP8_SHARED_DATA": "/data"},
+                               {"bf16": 100.0, "fp8": 75.0, "fp8kv": 80.0})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(runs) == ["bf16", "fp8", "fp8kv"]
+    recipe = "examples/configs/recipes/llm/mission-8b-1gpu/standard.yaml"
+    cfgs = {name: load_config(REPO / r[0], r[1:]) for name, r in runs.items()}
+    assert all(r[0] == recipe for r in runs.values())
+    layout = load_config(REPO / "examples" / "configs" / "grpo_math_8B_megatron_1gpu.yaml")
+    for c in cfgs.values():
+        assert c.cluster.gpus_per_node == 1 and c.policy.megatron_cfg.tensor_model_parallel_size == 1
+        assert c.policy.megatron_cfg == layout.policy.megatron_cfg.model_copy(update={"fp8_cfg": c.policy.megatron_cfg.fp8_cfg})
+        assert c.data.train_path == "/data/gsm8k/train.jsonl"
+    assert cfgs["bf16"].policy.generation.vllm_cfg.precision == "bfloat16"
+    assert (cfgs["fp8"].policy.generation.vllm_cfg.precision, cfgs["fp8"].policy.megatron_cfg.fp8_cfg.enabled) == \
+        ("fp8", True)
+    assert cfgs["fp8kv"].policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
+    report = (tmp_path / "ok" / "out" / "report.md").read_text()
+    assert "| fp8kv | 363,104 | 2.00 | 109.1 | - | - | 39.1 |" in report  # KV x2, free's 40,000 MiB used
+    checks = (tmp_path / "ok" / "out" / "checks.md").read_text()
+    assert checks.count("| PASS |") == 9 and "FAIL" not in checks  # bf16's steps, 3 hosts, step, 4 phases
+    assert "`max(fp8kv_host:host/used_gib) <= 100`" in checks
+    res, _ = _one_gpu_suite(tmp_path / "host", {"RUNS": "bf16 fp8"}, {"bf16": 100.0, "fp8": 75.0},
+                            host_used_mib=120 * 1024)
+    assert res.returncode == 1 and "| `max(fp8_host:host/used_gib) <= 100` | 120 ; 100 | FAIL |" in res.stdout
+
+
+def test_the_one_gpu_suites_long_responses_check_fp8_kv_against_bf16(tmp_path):
+    """The long-responses workload: responses of 4,096-8,192 tokens whose micro-batches hold one whole sequence, and
+    the FP8 + FP8 KV step <= 0.70x BF16's (0.75x fails it); bad input stops the suite before any run."""
+    res, runs = _one_gpu_suite(tmp_path / "slow", {"WORKLOAD": "long-responses", "RUNS": "bf16 fp8kv"},
+                               {"bf16": 200.0, "fp8kv": 150.0})
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "| `ratio(mean(fp8kv:timing/step[1:]), mean(bf16:timing/step[1:])) <= 0.70` | 0.75 ; 0.7 | FAIL |" \
+        in res.stdout
+    cfg = load_config(REPO / runs["fp8kv"][0], runs["fp8kv"][1:])
+    lim = cfg.policy.generation.response_limits
+    assert (lim.min_tokens, cfg.policy.generation.max_new_tokens) == (4096, 8192)
+    assert cfg.policy.sequence_packing.train_mb_tokens >= cfg.policy.max_total_sequence_length >= 8192 + 512
+    res, _ = _one_gpu_suite(tmp_path / "fast", {"WORKLOAD": "long-responses", "RUNS": "bf16 fp8kv"},
+                            {"bf16": 200.0, "fp8kv": 130.0})
+    assert res.returncode == 0, res.stdout + res.stderr
+    for env, says in [({"WORKLOAD": "short"}, "valid: standard long-responses"),
+                      ({"RUNS": "bf16 fp4"}, "unknown run fp4")]:
+        res, runs = _one_gpu_suite(tmp_path / env.get("WORKLOAD", "runs"), env, {})
+        assert res.returncode == 2 and says in res.stdout + res.stderr and runs == {}
+        assert not (tmp_path / env.get("WORKLOAD", "runs") / "out").exists()  # stopped before suite_init
+
+
+def test_the_long_responses_rollout_outgrows_bf16s_kv_cache_and_fits_fp8_kvs():
+    """The long-responses recipe's arithmetic, from the project's own functions: each step's drawn response limits
+    (the loop's ``step_sampling``, ``request_max_new_tokens``) sum to the comment's tokens; at Qwen3-8B's KV bytes per
+    token, the engine's 0.3 share on one H200 leaves (by the bench's capacity at 0.6, less 0.3 of the GPU) fewer
+    tokens than the rollout needs in BF16 and FP8 (BF16 KV), more in FP8 + FP8 KV, with room for 200-token prompts."""
+    from lab.random_checkpoint import QWEN3_SHAPES
+
+    from nemo_fp8.algorithms.grpo import step_sampling
+    from nemo_fp8.generation.interfaces import request_max_new_tokens
+
+    cfg = load_config(RECIPES / "mission-8b-1gpu" / "long-responses.yaml")
+    rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    drawn = []
+    for step in range(1, cfg.grpo.max_num_steps + 1):
+        limits = request_max_new_tokens(step_sampling(cfg, step, 0), rows)
+        assert min(limits) >= 4096 and max(limits) == 8192
+        drawn.append(sum(limits))
+    assert drawn == [230_789, 247_926]
+    shape = QWEN3_SHAPES["qwen3-8b"]
+    bf16_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
+    assert bf16_bytes == 147_456
+    share_tokens = (0.6 - cfg.policy.generation.vllm_cfg.gpu_memory_utilization) * 139.8 * 2**30 / bf16_bytes
+    bf16, fp8, fp8kv = 486_832 - share_tokens, 528_336 - share_tokens, 1_056_688 - 2 * share_tokens
+    assert (round(bf16, -3), round(fp8, -3), round(fp8kv, -3)) == (181_000, 223_000, 446_000)
+    need = [d + rows * prompt for d in drawn for prompt in (100, 200)]
+    assert max(bf16, fp8) < min(need) and max(need) * 1.7 < fp8kv

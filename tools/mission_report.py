@@ -4,10 +4,13 @@
     python tools/mission_report.py fp8=logs/mission_fp8,gpu_mem_fp8.csv bf16=logs/mission_bf16,gpu_mem_bf16.csv \\
         --baseline bf16 --out logs/mission.md
 
-Each run is ``name=log_dir[,nvidia_smi_csv]``: the run's ``logger.log_dir`` (its ``metrics.jsonl``) and, optionally,
-an ``nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500`` log taken while it ran. Prints (and
-writes to ``--out``) one table per run, a row per step (seconds per phase, rollout tokens/s), then one row per
-run: mean seconds per phase (first step left out), rollout tokens/s, peak memory per GPU and the ratios to the baseline.
+Each run is ``name=log_dir[,nvidia_smi_csv][,host_memory_jsonl]``: the run's ``logger.log_dir`` (its
+``metrics.jsonl``) and, optionally, an ``nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv -lms 500`` log
+taken while it ran (``.csv``) and the host's used memory sampled while it ran (``.jsonl``, rows with
+``host/used_gib``: ``sample_host_memory`` of ``tests/test_suites/common.sh``). Prints (and writes to ``--out``) one
+table per run, a row per step (seconds per phase, rollout tokens/s), then one row per run: mean seconds per phase
+(first step left out), rollout tokens/s, peak memory per GPU and the ratios to the baseline; then, where the runs
+logged them, each run's memory and KV cache (:func:`memory_table`).
 
 ``--ceiling rows.json`` (``tools/bench_rollout.py --out``, one engine per precision on one GPU of the same machine,
 at the run's per-engine batch) adds the rollout ceiling: for each FP8 run, the step it would take if its rollout ran
@@ -35,17 +38,21 @@ from nemo_fp8.utils.logger import read_metrics
 from lab.parity_report import peak_gpu_memory, side_by_side_table, step_table, summarize_run, timed_steps
 
 
-def parse_run(spec: str) -> tuple[str, Path, Path | None]:
-    """``name=log_dir[,csv]`` -> (name, log_dir, csv or None).
+def parse_run(spec: str) -> tuple[str, Path, Path | None, Path | None]:
+    """``name=log_dir[,csv][,jsonl]`` -> (name, log_dir, the nvidia-smi csv or None, the host memory jsonl or None),
+    the two files told apart by their suffix.
 
     Raises:
-        ValueError: no ``=`` or an empty name.
+        ValueError: no ``=``, an empty name, or an extra item that is not one ``.csv`` and one ``.jsonl``.
     """
     name, sep, rest = spec.partition("=")
     if not sep or not name:
-        raise ValueError(f"run {spec!r}: expected name=log_dir[,nvidia_smi_csv]")
-    log_dir, _, csv = rest.partition(",")
-    return name, Path(log_dir), Path(csv) if csv else None
+        raise ValueError(f"run {spec!r}: expected name=log_dir[,nvidia_smi_csv][,host_memory_jsonl]")
+    log_dir, *extra = rest.split(",")
+    files = {Path(e).suffix: Path(e) for e in extra}
+    if len(files) != len(extra) or not set(files) <= {".csv", ".jsonl"}:
+        raise ValueError(f"run {spec!r}: after the log dir, at most one nvidia-smi .csv and one host memory .jsonl")
+    return name, Path(log_dir), files.get(".csv"), files.get(".jsonl")
 
 
 # the bench_rollout engine whose FP8 gain bounds each run's rollout: the 8B configs pin vLLM's V2 model runner
@@ -236,6 +243,53 @@ def refit_bytes_table(rows_by_run: dict[str, list[dict]], hbm_gbps: float = HBM_
     return "\n".join([head, "|---|" + "---|" * 7, *lines]) + "\n"
 
 
+def peak_host_memory(path: str | Path) -> float:
+    """The largest ``host/used_gib`` of a host memory log (``sample_host_memory``'s JSON lines).
+
+    Raises:
+        ValueError: no row with a number for ``host/used_gib``.
+    """
+    values = [r["host/used_gib"] for r in read_metrics(Path(path)) if isinstance(r.get("host/used_gib"), (int, float))]
+    if not values:
+        raise ValueError(f"{path}: no host/used_gib row (expected sample_host_memory's JSON lines)")
+    return max(values)
+
+
+def _last(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return values[-1] if values else None
+
+
+def _most(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return max(values) if values else None
+
+
+def memory_table(rows_by_run: dict[str, list[dict]], gpu_peaks: dict[str, dict[int, float]],
+                 host_peaks: dict[str, float], baseline: str) -> str:
+    """Markdown table, a row per run: the engines' KV capacity in tokens (``generation/kv_capacity_tokens``, its
+    last value; the ratio to the baseline run's), the trainer's peak allocated and reserved GiB
+    (``memory/train_peak_*``, the largest over steps), the largest nvidia-smi reading over the GPUs (``gpu_peaks``:
+    run -> {GPU: GiB}) and the host's peak used GiB (``host_peaks``); "-" where a run has no such record. "" when
+    no run has any of them."""
+    keys = ("generation/kv_capacity_tokens", "memory/train_peak_allocated_gib", "memory/train_peak_reserved_gib")
+    if not (gpu_peaks or host_peaks or any(_last(rows, k) is not None for rows in rows_by_run.values()
+                                           for k in keys)):
+        return ""
+    base_kv = _last(rows_by_run.get(baseline, []), keys[0])
+    head = ["run", "KV capacity tokens", f"KV / {baseline}", "trainer peak allocated GiB",
+            "trainer peak reserved GiB", "peak GPU GiB (nvidia-smi)", "peak host GiB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rows in rows_by_run.items():
+        kv, alloc, reserved = _last(rows, keys[0]), _most(rows, keys[1]), _most(rows, keys[2])
+        gpu, host = gpu_peaks.get(name), host_peaks.get(name)
+        cells = [name, "-" if kv is None else f"{kv:,.0f}", f"{kv / base_kv:.2f}" if kv and base_kv else "-",
+                 "-" if alloc is None else f"{alloc:.1f}", "-" if reserved is None else f"{reserved:.1f}",
+                 f"{max(gpu.values()):.1f}" if gpu else "-", "-" if host is None else f"{host:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_scale_from(spec: str) -> tuple[int, Path]:
     """``GPUS=DIR`` (``--scale-from 4=logs/suites/m4``) -> (GPUs, the other suite's output folder).
 
@@ -289,15 +343,15 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
     ``gpus`` (these runs' GPUs) the scaling from that count to this one (:func:`scaling_table`).
 
     Raises:
-        ValueError: a bad spec, a run without training steps, a CSV that is not nvidia-smi's (a ceiling file
-            that cannot give the table, e.g. without a bf16 row, says so in its section instead), or ``scale_from``
-            without ``gpus``.
-        FileNotFoundError: a run without ``metrics.jsonl``, a missing CSV or ceiling file.
+        ValueError: a bad spec, a run without training steps, a CSV that is not nvidia-smi's, a host memory log
+            without ``host/used_gib`` (a ceiling file that cannot give the table, e.g. without a bf16 row, says so
+            in its section instead), or ``scale_from`` without ``gpus``.
+        FileNotFoundError: a run without ``metrics.jsonl``, a missing CSV, host memory log or ceiling file.
     """
     if scale_from is not None and not gpus:
         raise ValueError("scale_from needs gpus, the GPUs of these runs (--gpus)")
-    parts, summaries, peaks, rows_by_run = [], {}, {}, {}
-    for name, log_dir, csv in map(parse_run, specs):
+    parts, summaries, peaks, host_peaks, rows_by_run = [], {}, {}, {}, {}
+    for name, log_dir, csv, host in map(parse_run, specs):
         path = log_dir / "metrics.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"run {name}: no {path}")
@@ -308,8 +362,13 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
             raise ValueError(f"run {name} ({path}): {e}") from None
         if csv is not None:
             peaks[name] = peak_gpu_memory(csv)
+        if host is not None:
+            host_peaks[name] = peak_host_memory(host)
         parts.append(f"### {name} ({log_dir})\n\n{step_table(rows)}")
     parts.append("### side by side (first step left out: warm-up)\n\n" + side_by_side_table(summaries, peaks, baseline))
+    memory = memory_table(rows_by_run, peaks, host_peaks, baseline)
+    if memory:
+        parts.append("### memory and KV cache (largest over the run; KV capacity as last logged)\n\n" + memory)
     by_part = parts_table(rows_by_run, baseline, summaries)
     if by_part:
         parts.append("### the refit and the other time by part (seconds per step, first step left out)\n\n" + by_part)
@@ -342,7 +401,7 @@ def report(specs: list[str], baseline: str, ceiling: str | Path | None = None,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="name=log_dir[,nvidia_smi_csv]")
+    p.add_argument("runs", nargs="+", help="name=log_dir[,nvidia_smi_csv][,host_memory_jsonl]")
     p.add_argument("--baseline", default="bf16", help="the run the ratios divide by (default: bf16)")
     p.add_argument("--out", help="also write the report here (markdown)")
     p.add_argument("--ceiling", help="tools/bench_rollout.py --out rows: the engine's own FP8 gain at the run's batch")

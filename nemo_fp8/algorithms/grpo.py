@@ -65,13 +65,17 @@ class Rollout:
     engine_metrics: dict[str, float] = field(default_factory=dict)
 
 
+# engine metrics that describe the engines, not one round's work: a step's rounds keep them as they are
+ENGINE_STATE_METRICS = ("generation/engines", "generation/engine_imbalance", "generation/kv_capacity_tokens")
+
+
 def sum_engine_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """The engine metrics of a step's generation rounds: tokens and seconds summed, the engine count kept, the
-    imbalance (slowest engine's seconds / mean) recomputed from the sums."""
+    """The engine metrics of a step's generation rounds: tokens and seconds summed, the engine count and KV capacity
+    kept (``ENGINE_STATE_METRICS``), the imbalance (slowest engine's seconds / mean) recomputed from the sums."""
     out: dict[str, float] = {}
     for m in rounds:
         for k, v in m.items():
-            out[k] = v if k in ("generation/engines", "generation/engine_imbalance") else out.get(k, 0.0) + v
+            out[k] = v if k in ENGINE_STATE_METRICS else out.get(k, 0.0) + v
     seconds = [v for k, v in out.items() if k.endswith("/seconds")]
     if seconds and sum(seconds) > 0:
         out["generation/engine_imbalance"] = max(seconds) / (sum(seconds) / len(seconds))

@@ -136,6 +136,10 @@ class GenerationWorker(MemoryProbe):
     def finish_generation(self) -> None:
         self.backend.finish_generation()
 
+    def pop_engine_metrics(self) -> dict[str, float]:
+        """The backend's own ``pop_engine_metrics`` (a vLLM engine's ``generation/kv_capacity_tokens``)."""
+        return self.backend.pop_engine_metrics()
+
     def shutdown(self) -> None:
         self.backend.shutdown()
 
@@ -234,6 +238,7 @@ class GenerationGroup:
         self._tokens = [0] * len(self.workers)
         self._seconds = [0.0] * len(self.workers)
         self._warned_idle = False
+        self.kv_capacity_tokens: list[Optional[float]] = []  # per engine, read once at start (``start``)
 
     @classmethod
     def start(cls, placement: Optional[Placement], plan: ClusterPlan, spec: GenerationSpec,
@@ -252,6 +257,8 @@ class GenerationGroup:
         group = cls(workers, rows_per_batch=spec.batch_size, pad_token_id=spec.pad_token_id)
         group._each("ready")  # re-raises a backend's construction error
         group.labels = [f"engine {i} ({w})" for i, w in enumerate(group._each("where"))]
+        # an engine's KV capacity is fixed once it has profiled its memory: one read, logged with every step
+        group.kv_capacity_tokens = [m.get("generation/kv_capacity_tokens") for m in group._each("pop_engine_metrics")]
         logger.info("generation: %d engine(s) ready: %s", len(workers), "; ".join(group.labels))
         return group
 
@@ -324,8 +331,12 @@ class GenerationGroup:
     def pop_engine_metrics(self) -> dict[str, float]:
         """``generation/engines`` and each engine's generated tokens and generation seconds since the last call
         (``generation/engine_<i>/tokens``, ``generation/engine_<i>/seconds``), and ``generation/engine_imbalance``
-        (the slowest engine's seconds / the mean; 1.0 is balanced); then resets the counts."""
+        (the slowest engine's seconds / the mean; 1.0 is balanced); then resets the counts. With every engine's KV
+        capacity known (vLLM engines, read at ``start``), ``generation/kv_capacity_tokens``: their sum, the tokens
+        the rollout's KV caches hold at once."""
         out = {"generation/engines": float(len(self.workers))}
+        if self.kv_capacity_tokens and all(c is not None for c in self.kv_capacity_tokens):
+            out["generation/kv_capacity_tokens"] = float(sum(self.kv_capacity_tokens))
         for e in range(len(self.workers)):
             out[f"generation/engine_{e}/tokens"] = float(self._tokens[e])
             out[f"generation/engine_{e}/seconds"] = self._seconds[e]

@@ -145,7 +145,8 @@ class GenerationBackend(Protocol):
     def pop_engine_metrics(self) -> dict[str, float]:
         """``generation/engines`` and, for a group of engines, each engine's generated tokens and generation seconds
         since the last call (``generation/engine_<i>/tokens`` / ``seconds``, ``generation/engine_imbalance``);
-        resets the counts. Read after every generation round."""
+        resets the counts. Read after every generation round. An engine that knows its KV cache's size (vLLM) adds
+        ``generation/kv_capacity_tokens``, the tokens it holds at once; the torch engine reports none."""
         ...
 
     def shutdown(self) -> None:

@@ -258,9 +258,10 @@ def test_preflight_warns_when_the_run_leaves_declared_gpus_idle():
     from nemo_fp8.preflight import idle_gpus_warning, required_resources
 
     config_8b = "examples/configs/grpo_math_8B_megatron_fp8.yaml"
-    eight = load_config(config_8b, ["policy.device=cuda"])  # the config's own layout: TP 2 x DP 4, 8 engines
+    eight = load_config(config_8b, ["policy.device=cuda"])  # the config's own layout: TP 1 x DP 8, 8 engines
     assert required_resources(eight)["GPU"] == 8 and idle_gpus_warning(eight, required_resources(eight)) is None
-    two = load_config(config_8b, ["policy.device=cuda", "policy.data_parallel_size=1"])
+    two = load_config(config_8b, ["policy.device=cuda", "policy.data_parallel_size=1",
+                                  "policy.megatron_cfg.tensor_model_parallel_size=2"])
     assert idle_gpus_warning(two, required_resources(two)) == (
         "cluster.gpus_per_node x cluster.num_nodes: 8 GPUs declared, the run uses 2 (policy.data_parallel_size=1 x "
         "tensor parallel 2, engines colocated); policy.data_parallel_size=4 uses them all")

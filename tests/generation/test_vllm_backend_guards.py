@@ -32,6 +32,9 @@ class _Generated(Exception):
 class _FakeLLM:
     def __init__(self, **kwargs):
         self.kwargs, self.calls = kwargs, []
+        # vLLM sets the block count once its memory profiling at start has sized the KV cache
+        self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            cache_config=types.SimpleNamespace(num_gpu_blocks=None, block_size=16)))
 
     def start_weight_update(self, is_checkpoint_format):
         self.calls.append("start")
@@ -302,3 +305,27 @@ def test_sampled_requests_carry_seeds_unless_seed_each_request_is_off(backend):
     batch_seeded = backend(seed_each_request=False)
     _refit(batch_seeded, 0, scales=False)
     assert seeds(batch_seeded, sampled, request_seeds=[3, 4]) == [None, None]
+
+
+def test_the_engine_reports_its_kv_capacity_in_tokens_every_step(backend):
+    """``generation/kv_capacity_tokens``: vLLM's block count x block size, the same every step (a step's generation
+    rounds keep it, not sum it); a group of engines reports their sum once every engine has one; none before vLLM
+    has sized its cache, and none from the torch engine."""
+    from nemo_fp8.algorithms.grpo import sum_engine_metrics
+    from nemo_fp8.generation.group import GenerationGroup
+
+    be = backend()
+    assert be.pop_engine_metrics() == {"generation/engines": 1.0}  # no block count yet
+    be.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks = 11_347
+    m = be.pop_engine_metrics()
+    assert m == {"generation/engines": 1.0, "generation/kv_capacity_tokens": 181_552.0}
+    assert be.pop_engine_metrics() == m  # nothing to reset: the cache keeps its size
+    rounds = [{**m, "generation/engine_0/tokens": 10.0}, {**m, "generation/engine_0/tokens": 5.0}]
+    summed = sum_engine_metrics(rounds)
+    assert summed["generation/kv_capacity_tokens"] == 181_552.0 and summed["generation/engine_0/tokens"] == 15.0
+    group = GenerationGroup([object(), object()])
+    assert "generation/kv_capacity_tokens" not in group.pop_engine_metrics()  # built without start: unknown
+    group.kv_capacity_tokens = [181_552.0, 363_104.0]
+    assert group.pop_engine_metrics()["generation/kv_capacity_tokens"] == 544_656.0
+    group.kv_capacity_tokens = [181_552.0, None]  # one engine without a KV cache size: no total
+    assert "generation/kv_capacity_tokens" not in group.pop_engine_metrics()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from nemo_fp8.config import load_config
+from nemo_fp8.config import config_diff, load_config
 from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, checkpoint_parameter_counts,
                                              estimate_trainer_memory, trainer_memory_errors)
 from nemo_fp8.preflight import check_trainer_memory
@@ -15,6 +15,9 @@ QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint o
 H200 = int(139.80 * GiB)  # torch's total_memory of one H200
 HOST = 128 * GiB  # the one-H200 host's memory
 CONFIG_8B = "examples/configs/grpo_math_8B_megatron.yaml"
+QWEN3_8B_MATRICES = 36 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096)  # q, o, k, v, gate, up, down
+H100 = int(79.6 * GiB)  # torch's total_memory of one H100 80GB HBM3
+CONFIG_8B_FP8 = "examples/configs/grpo_math_8B_megatron_fp8.yaml"
 # The one-GPU layout that runs out of memory in FusedAdam's step on one 141 GiB GPU (docs/multi-gpu.md)
 TP1_PRECISION_AWARE = ["cluster.gpus_per_node=1", "policy.data_parallel_size=1",
                        "policy.megatron_cfg.tensor_model_parallel_size=1",
@@ -42,8 +45,11 @@ def test_one_gpu_precision_aware_8b_counts_the_fp32_unscaled_moments_and_is_refu
     assert "grad_reduce_in_fp32=false" not in err  # already set
 
 
-def test_the_configs_two_way_tensor_parallel_fits_one_h200_each():
-    two_gpus = _policy("policy.data_parallel_size=1")  # tensor parallel 2, fp32 gradient buffer, standard Adam
+TP2 = "policy.megatron_cfg.tensor_model_parallel_size=2"  # with the configs' sequence parallelism
+
+
+def test_two_way_tensor_parallel_fits_one_h200_each():
+    two_gpus = _policy(TP2, "policy.data_parallel_size=1")  # fp32 gradient buffer, standard Adam
     est = estimate_trainer_memory(QWEN3_8B, two_gpus)
     assert est.bytes_per_param == {"weights": 2, "grads": 4, "main_params": 4, "moments": 8, "grad_copy": 0,
                                     "unscaled_moments": 0}
@@ -51,12 +57,34 @@ def test_the_configs_two_way_tensor_parallel_fits_one_h200_each():
     assert trainer_memory_errors(two_gpus, H200, QWEN3_8B, HOST) == []
     # colocated: each rank's fp32 moments and bf16 weights, out around generation
     assert est.host == pytest.approx(QWEN3_8B / 2 * (8 + 2))
-    # the configs' own layout, 8 GPUs: data parallel 4 shards the fp32 main params and moments (distributed optimizer)
-    policy = _policy()
-    assert policy.data_parallel_size * policy.megatron_cfg.tensor_model_parallel_size == 8
-    eight = estimate_trainer_memory(QWEN3_8B, policy)
-    assert eight.per_gpu == pytest.approx(QWEN3_8B * ((2 + 4) / 2 + (4 + 8) / 8))
-    assert eight.host == pytest.approx(QWEN3_8B * (8 / 8 + 2 / 2))
+
+
+def test_the_8b_configs_own_layout_is_tensor_parallel_1_on_their_8_gpus():
+    """Tensor parallel 1 x data parallel 8 (the numbers in grpo_math_8B_megatron.yaml's comment): the distributed
+    optimizer shards the fp32 main params and moments over 8 ranks, 57.2 GiB per GPU in BF16 and 70.1 with FP8
+    training's TE weight copies, + 7.8 outside PyTorch; 183.1 GiB of the 8 ranks' state in host memory around
+    generation. It fits an H200 and passes the estimate on an 80 GB card too, FP8 by only 1.7 GiB, which the
+    activations exceed: there the config's comment and docs/multi-gpu.md name tensor parallel 2 (40.8 GiB FP8)."""
+    bf16, fp8 = _policy(), load_config(CONFIG_8B_FP8).policy
+    for p in (bf16, fp8):
+        assert (p.megatron_cfg.tensor_model_parallel_size, p.data_parallel_size) == (1, 8)
+    eight = estimate_trainer_memory(QWEN3_8B, bf16)
+    assert eight.per_gpu == pytest.approx(QWEN3_8B * (2 + 4 + (4 + 8) / 8))
+    assert eight.per_gpu / GiB == pytest.approx(57.2, abs=0.05)
+    assert eight.host * bf16.world_size / GiB == pytest.approx(183.1, abs=0.05)  # 8 / 8 moments + 2 weights a rank
+    fp8_est = estimate_trainer_memory(QWEN3_8B, fp8, QWEN3_8B_MATRICES)
+    assert fp8_est.per_gpu / GiB == pytest.approx(70.1, abs=0.05)
+    assert (fp8_est.per_gpu + NON_TORCH_BYTES) / GiB == pytest.approx(77.9, abs=0.05)
+    for p in (bf16, fp8):
+        assert trainer_memory_errors(p, H200, QWEN3_8B, 0, QWEN3_8B_MATRICES) == []
+        assert trainer_memory_errors(p, H100, QWEN3_8B, 0, QWEN3_8B_MATRICES) == []
+    assert (H100 - fp8_est.per_gpu - NON_TORCH_BYTES) / GiB == pytest.approx(1.7, abs=0.05)
+    tp2 = load_config(CONFIG_8B_FP8, [TP2, "policy.data_parallel_size=4"]).policy
+    assert estimate_trainer_memory(QWEN3_8B, tp2, QWEN3_8B_MATRICES).per_gpu / GiB == pytest.approx(40.8, abs=0.05)
+    # a host too small for what the 8 colocated ranks move out is refused, naming the state and the 75% share
+    (err,) = trainer_memory_errors(bf16, H200, QWEN3_8B, 128 * GiB, QWEN3_8B_MATRICES)
+    assert "183.1 GiB in host memory" in err and "75%" in err
+    assert trainer_memory_errors(bf16, H200, QWEN3_8B, 245 * GiB, QWEN3_8B_MATRICES) == []
 
 
 def test_a_16_bit_gradient_buffer_costs_an_fp32_copy_in_the_standard_optimizer():
@@ -103,17 +131,12 @@ def test_checkpoint_parameter_counts_read_headers_of_every_shard(tmp_path):
         checkpoint_parameter_counts(tmp_path / "nothing")
 
 
-QWEN3_8B_MATRICES = 36 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096)  # q, o, k, v, gate, up, down
-H100 = int(79.6 * GiB)  # torch's total_memory of one H100 80GB HBM3
-CONFIG_8B_FP8 = "examples/configs/grpo_math_8B_megatron_fp8.yaml"
-
-
 def test_fp8_weight_copies_count_and_refuse_tensor_parallel_1_of_8b_on_an_h100():
     """TransformerEngine's rowwise + columnwise FP8 weights: 2 B per decoder-matrix parameter over tensor
     parallelism. The mission layout (TP 2 x DP 2) fits an H100; TP 1 x DP 4 passes without the copies and is
     refused with them (it would run out of memory in its first step), naming fp8_param. GPU memory only: the
     4-GPU host's memory is not this test's (host_bytes 0)."""
-    four = ["cluster.gpus_per_node=4", "policy.data_parallel_size=2"]
+    four = ["cluster.gpus_per_node=4", "policy.data_parallel_size=2", TP2]
     tp2 = load_config(CONFIG_8B_FP8, four).policy
     est = estimate_trainer_memory(QWEN3_8B, tp2, QWEN3_8B_MATRICES)
     assert est.parts["fp8_weight_copies"] == QWEN3_8B_MATRICES  # 2 B / 2 ranks
@@ -210,13 +233,13 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
 def test_without_the_colocated_offload_the_awake_engine_is_counted_and_nothing_moves_to_host():
     """colocated.offload_trainer=false: the trainer keeps its state on the GPU while the engine runs beside it."""
     small = 209_753_088  # the parity config's small model
-    two_gpus = "policy.data_parallel_size=1"  # tensor parallel 2 on 2 GPUs: 68.7 GiB of state per GPU
-    keep = [two_gpus, "policy.generation.backend=vllm", "policy.generation.colocated.offload_trainer=false"]
-    moved = estimate_trainer_memory(QWEN3_8B, _policy(two_gpus, "policy.generation.backend=vllm"))
+    two_gpus = [TP2, "policy.data_parallel_size=1"]  # tensor parallel 2 on 2 GPUs: 68.7 GiB of state per GPU
+    keep = [*two_gpus, "policy.generation.backend=vllm", "policy.generation.colocated.offload_trainer=false"]
+    moved = estimate_trainer_memory(QWEN3_8B, _policy(*two_gpus, "policy.generation.backend=vllm"))
     kept = estimate_trainer_memory(QWEN3_8B, _policy(*keep))
     assert kept.per_gpu == moved.per_gpu and moved.host == pytest.approx(QWEN3_8B / 2 * 10) and kept.host == 0
     # tensor parallel 2 fits alone (68.7 GiB of state + 7.8), not beside an engine at 0.6 of the GPU (83.9 GiB)
-    assert trainer_memory_errors(_policy(two_gpus, "policy.generation.backend=vllm"), H200, QWEN3_8B, HOST) == []
+    assert trainer_memory_errors(_policy(*two_gpus, "policy.generation.backend=vllm"), H200, QWEN3_8B, HOST) == []
     (err,) = trainer_memory_errors(_policy(*keep), H200, QWEN3_8B, HOST)
     assert "the engine's 83.9 GiB" in err and "colocated.offload_trainer=true" in err
     # the small model fits beside it
@@ -245,3 +268,73 @@ def test_the_one_gpu_layout_keeps_its_state_beside_the_engine_once_gradients_are
     fp8 = estimate_trainer_memory(QWEN3_8B, _policy(*keep, "policy.megatron_cfg.fp8_cfg.enabled=true"),
                                   fp8_weight_params=6_945_767_424)
     assert fp8.parts["fp8_weight_copies"] > 0 and fp8.between_steps == pytest.approx(QWEN3_8B * 10)
+
+
+CONFIG_1GPU = "examples/configs/grpo_math_8B_megatron_1gpu.yaml"
+CONFIG_1GPU_FP8 = "examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml"
+
+
+def _qwen3_8b_headers(folder):
+    """A safetensors file holding only the header of Qwen3-8B's tensors (names and shapes, no data): what the
+    preflight's estimate reads (``checkpoint_parameter_counts``)."""
+    import json
+    import struct
+
+    shapes = {"model.embed_tokens.weight": [151936, 4096], "lm_head.weight": [151936, 4096], "model.norm.weight": [4096]}
+    for i in range(36):
+        layer = f"model.layers.{i}."
+        shapes.update({layer + "self_attn.q_proj.weight": [4096, 4096], layer + "self_attn.k_proj.weight": [1024, 4096],
+                       layer + "self_attn.v_proj.weight": [1024, 4096], layer + "self_attn.o_proj.weight": [4096, 4096],
+                       layer + "self_attn.q_norm.weight": [128], layer + "self_attn.k_norm.weight": [128],
+                       layer + "input_layernorm.weight": [4096], layer + "post_attention_layernorm.weight": [4096],
+                       layer + "mlp.gate_proj.weight": [12288, 4096], layer + "mlp.up_proj.weight": [12288, 4096],
+                       layer + "mlp.down_proj.weight": [4096, 12288]})
+    header = json.dumps({k: {"dtype": "BF16", "shape": s, "data_offsets": [0, 0]} for k, s in shapes.items()}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return folder
+
+
+def test_the_one_gpu_configs_fit_one_h200_by_the_numbers_in_their_comments():
+    """grpo_math_8B_megatron{,_fp8}_1gpu.yaml on a 139.8 GiB GPU and a 128 GiB host: at the optimizer step 91.5 GiB
+    (BF16) / 104.5 (FP8, with TE's FP8 weight copies) + 7.8 outside PyTorch; between steps 76.3 beside the engine's
+    41.9; 61.0 GiB of Adam's state in host memory. Each pair of the four configs differs by what it should: the
+    layout (1gpu against the 8-GPU config) or the FP8 keys."""
+    for path, step in ((CONFIG_1GPU, 91.5), (CONFIG_1GPU_FP8, 104.5)):
+        policy = load_config(path).policy
+        est = estimate_trainer_memory(QWEN3_8B, policy, QWEN3_8B_MATRICES)
+        assert est.per_gpu / GiB == pytest.approx(step, abs=0.05)
+        assert est.between_steps / GiB == pytest.approx(76.3, abs=0.05)
+        assert policy.generation.vllm_cfg.gpu_memory_utilization * H200 / GiB == pytest.approx(41.9, abs=0.05)
+        assert (est.between_steps + 0.3 * H200 + NON_TORCH_BYTES) / GiB == pytest.approx(126.0, abs=0.05)
+        assert est.host / GiB == pytest.approx(61.0, abs=0.05)
+        assert trainer_memory_errors(policy, H200, QWEN3_8B, HOST, QWEN3_8B_MATRICES) == []
+    dump = {p: load_config(p).model_dump(mode="json") for p in (CONFIG_8B, CONFIG_8B_FP8, CONFIG_1GPU, CONFIG_1GPU_FP8)}
+    dirs = ("logger.log_dir", "checkpointing.checkpoint_dir")
+
+    def diff(a, b):
+        return {k: v for k, v in config_diff(dump[a], dump[b]).items() if k not in dirs}
+
+    assert diff(CONFIG_8B, CONFIG_1GPU) == diff(CONFIG_8B_FP8, CONFIG_1GPU_FP8)
+    assert diff(CONFIG_1GPU, CONFIG_1GPU_FP8) == diff(CONFIG_8B, CONFIG_8B_FP8)
+    # the layout the one-GPU mission ran: what its recipe changes in the 8-GPU layout recipe, the configs change too
+    recipes = "examples/configs/recipes/llm/mission-8b/"
+    ran = config_diff(load_config(recipes + "configs-layout.yaml").model_dump(mode="json"),
+                      load_config(recipes + "one-gpu.yaml").model_dump(mode="json"))
+    assert ran == diff(CONFIG_8B, CONFIG_1GPU)
+
+
+def test_the_preflight_stops_the_one_gpu_configs_on_an_80gb_card_naming_the_keys(tmp_path):
+    """Bad input: the one-GPU layout on an 80 GB card (79.6 GiB) is refused before any GPU work, from the
+    checkpoint's own parameter counts, with the estimate and the keys that lower it; on an H200 it passes."""
+    model = _qwen3_8b_headers(tmp_path)
+    assert checkpoint_parameter_counts(model) == (QWEN3_8B, QWEN3_8B_MATRICES)
+    for path, need in ((CONFIG_1GPU, "91.5 GiB per GPU"), (CONFIG_1GPU_FP8, "104.5 GiB per GPU")):
+        cfg = load_config(path, [f"policy.model_name={model}"])
+        (err,) = check_trainer_memory(cfg, gpu_bytes=H100, host_bytes=HOST)
+        assert need in err and "~7.8 GiB outside PyTorch's allocator" in err and "the GPU's 79.6 GiB" in err
+        assert "76.3 GiB between steps" in err and "the engine's 23.9 GiB" in err
+        for key in ("tensor_model_parallel_size (now 1)", "policy.data_parallel_size, now 1",
+                    "optimizer_cpu_offload=true with a larger optimizer_offload_fraction"):
+            assert key in err
+        assert ("fp8_cfg.fp8_param=true" in err) == (path == CONFIG_1GPU_FP8)
+        assert check_trainer_memory(cfg, gpu_bytes=H200, host_bytes=HOST) == []

@@ -89,6 +89,9 @@ def test_pack_rows_layout_and_round_trip():
     assert mask[5, 4] and not mask[4, 3] and not mask[4, 5] and mask[3, 0]
 
 
+TP2 = ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.data_parallel_size=4"]  # sequence parallel
+
+
 def _cfg(*overrides):
     return load_config(REPO / "examples" / "configs" / "grpo_math_8B_megatron_fp8.yaml", list(overrides))
 
@@ -100,6 +103,8 @@ def test_the_example_configs_pack_with_the_8b_recipe_values():
     sp = _cfg().policy.sequence_packing
     assert (sp.train_mb_tokens, sp.logprob_mb_tokens, sp.sequence_length_round) == (4096, 16384, 64)
     shape = _cfg().policy.packing_shape("train")
+    assert shape.total_multiple == 128 and shape.seq_multiple == 64  # blockwise, tensor parallel 1 (the configs')
+    shape = _cfg(*TP2).policy.packing_shape("train")
     assert shape.total_multiple == 128 * 2 and shape.seq_multiple == 64  # blockwise x tensor parallel 2 (SP)
 
 
@@ -115,8 +120,8 @@ def test_the_example_configs_pack_with_the_8b_recipe_values():
     (["policy.sequence_packing.algorithm=best_fit"], "algorithm"),
 ])
 def test_bad_packing_configs_are_refused_naming_the_key(overrides, match):
-    with pytest.raises(ValueError, match=match):
-        _cfg("policy.sequence_packing.enabled=true", *overrides)
+    with pytest.raises(ValueError, match=match):  # at tensor parallel 2: sequence parallelism doubles the multiples
+        _cfg("policy.sequence_packing.enabled=true", *TP2, *overrides)
 
 
 def test_a_budget_fine_for_bf16_is_refused_for_blockwise_fp8():

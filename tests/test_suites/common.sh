@@ -5,6 +5,8 @@
 #   check <run> <check...>            tools/check_metrics.py on $OUT/<run>: a PASS/FAIL table, nonzero on a FAIL
 #   check_runs <check...>             the same across every run of the suite, each named by its folder (fp8:key)
 #   report_runs [--baseline NAME]     the results table of every run (tools/mission_report.py): $OUT/report.md
+#   sample_host_memory                the host's used memory every 5 s as JSON lines (host/used_gib), until killed:
+#                                     `sample_host_memory > "$OUT/host_mem_<run>.jsonl" &`; report_runs reads it
 # Environment: PYTHON (the interpreter with the GPU stack, default python3), SUITE_TIMEOUT (seconds for the suite's main command, default 560), OUT (default
 # logs/suites/<name>). A run's config is a recipe, examples/configs/recipes/llm/<suite>/*.yaml (tools/recipe.py get
 # reads its values, e.g. the step count a check counts). The GPU stack: where /tmp/gpu-site/env.sh
@@ -63,12 +65,27 @@ check_runs() {
 
 report_runs() {
   # every run of the suite side by side (per-step phases, rollout tokens/s, peak GPU memory from $OUT/gpu_mem_<run>.csv
-  # where the suite recorded one, ratios to the baseline run, bf16 by default)
-  local specs=() d n
+  # and peak host memory from $OUT/host_mem_<run>.jsonl where the suite recorded them, ratios to the baseline run,
+  # bf16 by default)
+  local specs=() d n spec
   for d in "$OUT"/*/; do
     n=$(basename "$d"); [ -f "$d/metrics.jsonl" ] || continue
-    if [ -s "$OUT/gpu_mem_$n.csv" ]; then specs+=("$n=$d,$OUT/gpu_mem_$n.csv"); else specs+=("$n=$d"); fi
+    spec="$n=$d"
+    [ -s "$OUT/gpu_mem_$n.csv" ] && spec+=",$OUT/gpu_mem_$n.csv"
+    [ -s "$OUT/host_mem_$n.jsonl" ] && spec+=",$OUT/host_mem_$n.jsonl"
+    specs+=("$spec")
   done
   [ ${#specs[@]} -gt 0 ] || { echo "report_runs: no run with metrics.jsonl under $OUT"; return 1; }
   "$PYTHON" tools/mission_report.py "${specs[@]}" "$@" --out "$OUT/report.md"
+}
+
+sample_host_memory() {
+  # free -m's "used" (MiB, buffers and page cache left out) every 5 s, one metrics row a sample: a file of these rows
+  # is a run for tools/check_metrics.py (--run NAME=FILE, checks on host/used_gib) and for report_runs
+  local i=0
+  while true; do
+    i=$((i + 1))
+    free -m | awk -v i="$i" '/^Mem:/ { printf "{\"step\": %d, \"host/used_gib\": %.3f}\n", i, $3 / 1024 }'
+    sleep 5
+  done
 }

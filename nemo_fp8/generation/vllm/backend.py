@@ -348,8 +348,21 @@ class VllmGenerationBackend:
                                 {self.eos_token_id, *sampling.stop_token_ids})
 
     def pop_engine_metrics(self) -> dict[str, float]:
-        """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds)."""
-        return {"generation/engines": 1.0}
+        """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds), and
+        ``generation/kv_capacity_tokens`` (``kv_capacity_tokens``) where vLLM reports it."""
+        out = {"generation/engines": 1.0}
+        capacity = self.kv_capacity_tokens()
+        if capacity is not None:
+            out["generation/kv_capacity_tokens"] = float(capacity)
+        return out
+
+    def kv_capacity_tokens(self) -> Optional[int]:
+        """Tokens the engine's KV cache holds at once: vLLM's ``cache_config.num_gpu_blocks x block_size``, what its
+        memory profiling at start left of ``gpu_memory_utilization`` x the GPU after the weights, the activation
+        peak and CUDA graphs (an FP8 KV cache holds twice BF16's in the same bytes). Fixed for the engine's life:
+        sleep and wake give the same cache back. None before vLLM has set the block count."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size) if cache.num_gpu_blocks else None
 
     def shutdown(self) -> None:
         """Release the NCCL communicator (an NCCL engine that joined a group) and shut the engine down.
