@@ -44,8 +44,8 @@ def build_generation_backend(spec: GenerationSpec) -> GenerationBackend:
                               "without it: 'torch', 'vllm'")
         from nemo_fp8.generation.sglang.backend import SglangGenerationBackend
 
-        # buckets are converted on this actor's current GPU (its CUDA_VISIBLE_DEVICES' first), the engine's
+        # CUDA without an index: buckets are converted on this actor's current GPU, the engine's
         return SglangGenerationBackend(spec.model_name, spec.vllm_cfg, spec.sglang_cfg, spec.pad_token_id,
                                        spec.eos_token_id, spec.max_total_sequence_length,
-                                       colocated=spec.offload_when_idle)
+                                       colocated=spec.offload_when_idle, device=spec.device)
     raise ValueError(f"policy.generation.backend={spec.backend!r}; valid: 'torch', 'vllm', 'sglang'")

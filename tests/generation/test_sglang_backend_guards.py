@@ -297,3 +297,25 @@ def test_build_generation_backend_without_sglang_names_the_extra():
                           eos_token_id=1, max_total_sequence_length=64)
     with pytest.raises(ImportError, match="needs SGLang 0.5.17 \\(pyproject extra 'sglang'"):
         build_generation_backend(spec)
+
+
+def test_the_config_reaches_the_engine_through_the_spec(make, checkpoint):
+    """``policy.generation.sglang_cfg`` travels in the ``GenerationSpec`` the engine actors get
+    (``trainer.generation_spec``) and ``build_generation_backend`` builds the SGLang engine from it."""
+    import importlib.machinery
+
+    from nemo_fp8.config import load_config
+    from nemo_fp8.generation import build_generation_backend
+    from nemo_fp8.trainer import generation_spec
+
+    sys.modules["sglang"].__spec__ = importlib.machinery.ModuleSpec("sglang", None)  # build_generation_backend looks
+    cfg = load_config("examples/configs/grpo_math_tiny_fp8.yaml", [
+        "policy.tiny_model.build_if_missing=false", f"policy.model_name={checkpoint}", "policy.generation.backend=sglang",
+        "policy.generation.sglang_cfg.mem_fraction_static=0.3", "policy.generation.sglang_cfg.random_seed=5"])
+    spec = generation_spec(cfg, types.SimpleNamespace(pad_token_id=0, eos_token_id=1), torch.device("cpu"))
+    assert spec.backend == "sglang" and spec.sglang_cfg.mem_fraction_static == 0.3 and spec.weight_transfer is None
+    be = build_generation_backend(spec)
+    kw = be.engine.kwargs
+    assert kw["mem_fraction_static"] == 0.3 and kw["random_seed"] == 5 and kw["enable_memory_saver"]
+    assert kw["model_path"] == str(checkpoint) and kw["context_length"] == cfg.policy.max_total_sequence_length
+    assert be.weight_version().weights == 0 and be.engine.version == "0"  # the initial load ran
