@@ -57,6 +57,7 @@ class EnvReport:
     nccl: Optional[str] = None
     torch: Optional[str] = None
     vllm: Optional[str] = None
+    sglang: Optional[str] = None           # the second rollout engine (its own site folder on the GPU host)
     transformer_engine: Optional[str] = None
     transformer_engine_torch: Optional[str] = None
     megatron_core: Optional[str] = None
@@ -256,6 +257,9 @@ def _probe_engines(r: EnvReport) -> None:
     r.vllm = _dist_version("vllm")
     if r.vllm is None:
         r.reasons["vllm"] = f"not installed ({INSTALL_HINT})"
+    r.sglang = _dist_version("sglang")
+    if r.sglang is None:
+        r.reasons["sglang"] = "not installed (pyproject extra 'sglang', staged apart: docs/rollout-engines.md)"
     r.transformer_engine = _dist_version("transformer-engine", "transformer-engine-cu13", "transformer-engine-cu12")
     r.transformer_engine_torch = _dist_version("transformer-engine-torch")
     if r.transformer_engine is None:
@@ -365,7 +369,7 @@ def _cublas_or_cuda(r: EnvReport) -> tuple[Optional[tuple[int, ...]], str]:
 def precision_support(report: EnvReport) -> dict[str, Support]:
     """Which engines and precision settings can run on ``report``'s machine, each with its reason.
 
-    Keys: ``vllm_backend``, ``fp8_rollout``, ``fp8_kv_cache``, ``deep_gemm``, ``megatron_backend``,
+    Keys: ``vllm_backend``, ``fp8_rollout``, ``fp8_kv_cache``, ``deep_gemm``, ``sglang_backend``, ``megatron_backend``,
     ``te_fp8_tensorwise``, ``te_fp8_blockwise``. The torch reference backends emulate FP8 and run
     anywhere; these rows are about the real engines.
     """
@@ -406,6 +410,14 @@ def precision_support(report: EnvReport) -> dict[str, Support]:
     else:
         out["deep_gemm"] = Support(False, f"DeepGEMM runs on sm_90 and sm_100-family GPUs only (this is {sm})")
 
+    # SGLang: FA3 (sm_80-sm_90) is the attention backend whose kernels read the FP8 KV scales a refit writes
+    if no_gpu or r.sglang is None:
+        out["sglang_backend"] = Support(False, no_gpu or f"SGLang {r.why('sglang')}")
+    elif not (8, 0) <= cc <= (9, 0):
+        out["sglang_backend"] = Support(False, f"SGLang's FA3 attention needs sm_80-sm_90 ({sm})")
+    else:
+        out["sglang_backend"] = Support(True, f"SGLang {r.sglang} on {r.gpu_name} ({sm})")
+
     # Megatron-core + TransformerEngine
     te_missing = (f"TransformerEngine {r.why('transformer_engine')}" if r.transformer_engine is None else
                   f"{r.why('transformer_engine_torch')}" if r.transformer_engine_torch is None else None)
@@ -427,7 +439,7 @@ def precision_support(report: EnvReport) -> dict[str, Support]:
 def config_support_errors(cfg, report: Optional[EnvReport] = None) -> list[str]:
     """One ``key: reason (valid here: ...)`` line per setting of ``cfg`` (a MasterConfig) that cannot
     run on this machine; [] when everything can. The torch backends emulate FP8 and run anywhere:
-    only the vllm backend, the megatron backend and ``policy.device=cuda`` are checked."""
+    only the vllm and sglang backends, the megatron backend and ``policy.device=cuda`` are checked."""
     r = report if report is not None else probe_environment()
     sup = precision_support(r)
     pol = cfg.policy
@@ -449,6 +461,16 @@ def config_support_errors(cfg, report: Optional[EnvReport] = None) -> list[str]:
             if vcfg.precision == "fp8" and vcfg.use_deep_gemm and sup["fp8_rollout"].ok and not sup["deep_gemm"].ok:
                 errs.append(f"policy.generation.vllm_cfg.use_deep_gemm: true cannot run here: {sup['deep_gemm'].reason} "
                             "(valid here: false)")
+    if gen.backend == "sglang":
+        if not sup["sglang_backend"].ok:
+            errs.append(f"policy.generation.backend: 'sglang' cannot run here: {sup['sglang_backend'].reason} "
+                        "(valid here: 'torch')")
+        elif vcfg.precision == "fp8" and r.compute_capability < (8, 9):
+            errs.append(f"policy.generation.vllm_cfg.precision: 'fp8' cannot run here: {r.sm} has no FP8 tensor cores "
+                        "(valid here: 'bfloat16')")
+        elif vcfg.kv_cache_is_fp8 and r.compute_capability != (9, 0):
+            errs.append(f"policy.generation.vllm_cfg.kv_cache_dtype: 'fp8' cannot run here: SGLang's FA3 takes an FP8 "
+                        f"KV cache on sm_90 only ({r.sm}) (valid here: 'auto')")
     if mcfg.enabled:
         if not sup["megatron_backend"].ok:
             errs.append(f"policy.megatron_cfg.enabled: true cannot run here: {sup['megatron_backend'].reason} "
@@ -492,6 +514,7 @@ _ROWS = [("GPU", lambda r: f"{r.gpu_name} x{r.gpu_count}" if r.gpu_name else Non
          ("python", lambda r: r.python, "python"),
          ("torch", lambda r: r.torch, "torch"),
          ("vllm", lambda r: r.vllm, "vllm"),
+         ("sglang", lambda r: r.sglang, "sglang"),
          ("transformer_engine", lambda r: r.transformer_engine and (
              r.transformer_engine + ("" if r.transformer_engine_torch else " (no PyTorch extension)")),
           "transformer_engine"),
@@ -500,7 +523,8 @@ _ROWS = [("GPU", lambda r: f"{r.gpu_name} x{r.gpu_count}" if r.gpu_name else Non
          ("DeepGEMM", lambda r: r.deep_gemm, "deep_gemm")]
 
 _LABELS = {"vllm_backend": "vLLM rollout (bf16)", "fp8_rollout": "FP8 rollout (W8A8 block)",
-           "fp8_kv_cache": "FP8 KV cache", "deep_gemm": "DeepGEMM", "megatron_backend": "Megatron + TE training",
+           "fp8_kv_cache": "FP8 KV cache", "deep_gemm": "DeepGEMM", "sglang_backend": "SGLang rollout",
+           "megatron_backend": "Megatron + TE training",
            "te_fp8_tensorwise": "TE FP8 tensorwise", "te_fp8_blockwise": "TE FP8 blockwise"}
 
 

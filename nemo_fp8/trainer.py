@@ -189,6 +189,7 @@ def generation_spec(cfg: MasterConfig, tokenizer, device: Optional[torch.device]
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         max_total_sequence_length=cfg.policy.max_total_sequence_length, batch_size=cfg.policy.generation_batch_size,
         offload_when_idle=gen_cfg.colocated.enabled, reference_dtype=gen_cfg.reference_dtype,
+        sglang_cfg=gen_cfg.sglang_cfg,
         weight_transfer=("nccl" if cfg.policy.weight_sync.method == "nccl" else "ipc") if gen_cfg.backend == "vllm"
         else None)
 

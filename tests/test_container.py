@@ -140,6 +140,19 @@ def test_megatron_extras_need_python_312():
             assert "python_version >= '3.12'" in line, line
 
 
+def test_sglang_is_an_extra_of_its_own(pins):
+    """SGLang's pins clash with the vLLM stack's: its extra stays out of the stack (the container, the GPU host's
+    shared set) and ``tools/pins.py --extra sglang`` prints it for staging apart (docs/rollout-engines.md)."""
+    extra = {p.name: p.version for p in pins_mod.extra_pins(PYPROJECT, "sglang")}
+    assert extra["sglang"] == "0.5.17" and extra["sglang-kernel"] == "0.4.5" and all(extra.values())
+    assert not set(extra) & set(pins), "an SGLang pin inside the GPU stack"
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "pins.py"), "--extra", "sglang"], capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.split()
+    assert out == [f"{n}=={v}" for n, v in extra.items()]
+    with pytest.raises(KeyError, match="no extra 'nope'.*valid: .*sglang"):
+        pins_mod.extra_pins(PYPROJECT, "nope")
+
+
 def test_install_groups(pins):
     groups = {g: {p.name for p in ps} for g, ps in install_groups(stack_pins(PYPROJECT)).items()}
     assert {"vllm", "torch", "ray", "math-verify"} <= groups["resolved"]
@@ -232,7 +245,7 @@ def test_check_env_config_exit_code():
 def gpu_report(cc, cuda="13.0", cublas="13.0.0", name="NVIDIA H200", **kw) -> EnvReport:
     base = dict(gpu_name=name, gpu_count=1, compute_capability=cc, driver="580.159.04", cuda_driver="13.0",
                 cuda_runtime=cuda, cublas=cublas, cudnn="9.19.0", nccl="2.28.9", torch="2.11.0+cu130", vllm="0.22.0",
-                transformer_engine="2.11.0", transformer_engine_torch="2.11.0", megatron_core="0.18.2",
+                sglang="0.5.17", transformer_engine="2.11.0", transformer_engine_torch="2.11.0", megatron_core="0.18.2",
                 megatron_bridge="0.6.2", deep_gemm="bundled with vLLM 0.22.0")
     base.update(kw)
     return EnvReport(**base)
@@ -280,8 +293,9 @@ def test_ada_and_blackwell():
     old = precision_support(gpu_report((8, 9), cuda="12.1", cublas="12.1.0", name="NVIDIA L40S"))
     assert not old["te_fp8_tensorwise"].ok and "12.1.3" in old["te_fp8_tensorwise"].reason
     b200 = precision_support(gpu_report((10, 0), name="NVIDIA B200"))
-    assert all(s.ok for s in b200.values())
+    assert all(s.ok for k, s in b200.items() if k != "sglang_backend")
     assert "TRITON_ATTN" in b200["fp8_kv_cache"].reason
+    assert not b200["sglang_backend"].ok and "FA3 attention needs sm_80-sm_90 (sm_100)" in b200["sglang_backend"].reason
 
 
 def test_no_gpu_runs_no_engine():
@@ -343,6 +357,26 @@ def test_8b_without_gpu_names_device_backend_and_trainer():
     assert "(valid here: 'torch')" in errs[1] and "(valid here: false, the torch backend)" in errs[2]
     with pytest.raises(ConfigError, match="policy.generation.backend: 'vllm'"):
         check_config_supported(cfg8b(), no_gpu_report())
+
+
+def test_sglang_backend_against_machines():
+    sup = precision_support(gpu_report((9, 0)))
+    assert sup["sglang_backend"].ok and "SGLang 0.5.17" in sup["sglang_backend"].reason
+    missing = precision_support(gpu_report((9, 0), sglang=None, reasons={"sglang": "not installed"}))
+    assert not missing["sglang_backend"].ok and "not installed" in missing["sglang_backend"].reason
+    assert "SGLang rollout" in format_support_table(sup) and "sglang" in format_report(gpu_report((9, 0)))
+    sgl = ["policy.generation.backend=sglang", "policy.generation.vllm_cfg.kv_cache_dtype=fp8"]
+    tiny = load_config(CONFIGS / "grpo_math_tiny_fp8.yaml", sgl)
+    assert config_support_errors(tiny, gpu_report((9, 0))) == []
+    errs = config_support_errors(tiny, no_gpu_report())
+    assert len(errs) == 1 and errs[0].startswith("policy.generation.backend: 'sglang' cannot run here: no CUDA GPU")
+    ada = config_support_errors(tiny, gpu_report((8, 9), name="NVIDIA L40S"))
+    assert [e.split(":")[0] for e in ada] == ["policy.generation.vllm_cfg.kv_cache_dtype"], ada
+    assert ada[0].endswith("(valid here: 'auto')")
+    ampere = config_support_errors(tiny, gpu_report((8, 0), name="NVIDIA A100-SXM4-80GB"))
+    assert [e.split(":")[0] for e in ampere] == ["policy.generation.vllm_cfg.precision"], ampere
+    assert config_support_errors(tiny, gpu_report((9, 0), sglang=None))[0].startswith(
+        "policy.generation.backend: 'sglang' cannot run here: SGLang")
 
 
 def test_torch_backends_run_anywhere():

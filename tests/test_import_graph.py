@@ -20,6 +20,10 @@ whole folders or top-level modules, each section schema (``<part>/config.py``) i
 A module is placed by its folder. Every import counts, the ones inside functions and under
 ``TYPE_CHECKING`` too: a lazy import is still a dependency. ``from package import name`` where ``name`` is a
 module of the package is an edge to that module.
+
+Engines. Each third-party engine package is imported only inside its backend folder (``ENGINE_HOMES``), so the
+loop, the numerics and the other backends run without it: ``vllm`` in ``generation/vllm/``, ``sglang`` in
+``generation/sglang/``, ``megatron`` and ``transformer_engine`` in ``policy/megatron/``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ LAYERS = [
     ("assembly", ["config.py", "preflight.py", "env_check.py"]),
     ("top", ["trainer.py", "__init__.py"]),
 ]
+
+
+# third-party engine package -> the one folder of nemo_fp8 that may import it
+ENGINE_HOMES = {
+    "vllm": "generation/vllm/",
+    "sglang": "generation/sglang/",
+    "megatron": "policy/megatron/",
+    "transformer_engine": "policy/megatron/",
+}
 
 
 def _modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -74,6 +87,21 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                 if t in mods and t != mod:
                     graph[mod].add(t)
     return graph
+
+
+def engine_imports(root: Path = PACKAGE) -> list[tuple[str, str]]:
+    """``(module path relative to the package root, engine)`` for every import of an ``ENGINE_HOMES`` package (its
+    top-level name, absolute imports only), wherever it is."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top in ENGINE_HOMES:
+                    out.append((path.relative_to(root).as_posix(), top))
+    return out
 
 
 def _layer_of(mod: str) -> int:
@@ -148,3 +176,23 @@ def test_the_checks_catch_a_cycle_and_an_upward_import(tmp_path):
     graph = import_graph(pkg)
     assert _cycles(graph) == [["nemo_fp8.fp8.a", "nemo_fp8.fp8.b"]]
     assert "nemo_fp8.trainer" in graph["nemo_fp8.fp8.b"] and _layer_of("nemo_fp8.trainer") > _layer_of("nemo_fp8.fp8.b")
+
+
+def test_engines_are_imported_only_in_their_folders():
+    stray = [f"{path} imports {engine} (only {ENGINE_HOMES[engine]} may)" for path, engine in engine_imports()
+             if not path.startswith(ENGINE_HOMES[engine])]
+    assert stray == []
+    found = {engine for _, engine in engine_imports()}
+    assert {"vllm", "sglang", "megatron", "transformer_engine"} <= found  # the rule sees every engine's own imports
+
+
+def test_the_engine_rule_catches_a_stray_import(tmp_path):
+    pkg = tmp_path / "nemo_fp8"
+    (pkg / "generation" / "sglang").mkdir(parents=True)
+    (pkg / "generation" / "sglang" / "backend.py").write_text("def f():\n    from sglang.srt import x\n")
+    (pkg / "generation" / "group.py").write_text("import sglang.srt.entrypoints.engine as e\nimport vllmx\n")
+    (pkg / "algorithms").mkdir()
+    (pkg / "algorithms" / "loss.py").write_text("def g():\n    from vllm import LLM\n    from . import sglang\n")
+    got = sorted(engine_imports(pkg))
+    assert got == [("algorithms/loss.py", "vllm"), ("generation/group.py", "sglang"),
+                   ("generation/sglang/backend.py", "sglang")]

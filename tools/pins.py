@@ -8,6 +8,7 @@
     python tools/pins.py --base-deps            # the project's own (unpinned) dependencies, for pip -r
     python tools/pins.py --check-installed      # exit 1 unless every pin is installed at its version
     bash ../shared/gpu-host/stage.sh $(python tools/pins.py --stage)   # pins the host's set lacks
+    python tools/pins.py --extra sglang         # one extra's pins, name==version on one line (staged apart)
 
 Standard library only (runs in the Dockerfile's builder before anything is installed, with the checkout on
 ``PYTHONPATH``).
@@ -21,8 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from nemo_fp8.utils.pins import (container_platform, install_groups, read_pyproject, read_requirements_file,
-                                 stack_pins)
+from nemo_fp8.utils.pins import (container_platform, extra_pins, install_groups, read_pyproject,
+                                 read_requirements_file, stack_pins)
 
 # Provided on the GPU host without staging: torch and transformers by its image, the TE torch
 # extension by ../shared/gpu-host/wheels/ (built there against torch 2.11.0+cu130).
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", action="store_true",
                     help="print the pins that ../shared/gpu-host/requirements.txt lacks (extra args for stage.sh)")
     ap.add_argument("--host-requirements", default=str(REPO.parent / "shared" / "gpu-host" / "requirements.txt"))
+    ap.add_argument("--extra", help="print one extra's pins (e.g. sglang, outside the stack) as name==version words")
     ap.add_argument("--out", help="write to this file instead of stdout")
     args = ap.parse_args(argv)
 
@@ -57,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
                 bad.append(f"{p.name}: pinned {p.version}, installed {have or 'nothing'}")
         print("\n".join(bad) if bad else f"all {len(pins)} pins installed at their versions")
         return 1 if bad else 0
-    if args.base_deps:
+    if args.extra:
+        try:
+            text = " ".join(str(p) for p in extra_pins(args.pyproject, args.extra)) + "\n"
+        except KeyError as e:
+            ap.error(str(e.args[0]))
+    elif args.base_deps:
         text = "".join(f"{d}\n" for d in read_pyproject(args.pyproject)["project"]["dependencies"])
     elif args.platform:
         text = container_platform(args.pyproject)[args.platform] + "\n"

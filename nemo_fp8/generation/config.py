@@ -1,7 +1,9 @@
-"""Config section of the rollout engine: ``policy.generation`` (with ``vllm_cfg``).
+"""Config section of the rollout engine: ``policy.generation`` (with ``vllm_cfg`` and ``sglang_cfg``).
 
 Key names follow NeMo-RL's ``VllmConfig`` (``nemo_rl/models/generation/vllm/config.py``). The
-torch reference backend honours every precision key, so CPU runs use the same YAML.
+torch reference backend honours every precision key, so CPU runs use the same YAML. ``backend: sglang`` reuses
+``vllm_cfg``'s precision keys and takes its engine knobs from ``sglang_cfg`` (``nemo_fp8.generation.sglang.config``
+says why).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pydantic import Field
 
 from nemo_fp8.distributed.config import SUPPORTED_TENSOR_PARALLEL_SIZES, colocated_engine_error  # noqa: F401
 from nemo_fp8.generation.interfaces import ResponseLimits
+from nemo_fp8.generation.sglang.config import SglangConfig, sglang_generation_errors
 from nemo_fp8.utils.config import StrictConfig
 
 SUPPORTED_WEIGHT_BLOCK_SIZE = [128, 128]
@@ -135,7 +138,7 @@ class ResponseLimitsConfig(StrictConfig):
 
 
 class GenerationConfig(StrictConfig):
-    backend: Literal["torch", "vllm"] = "torch"
+    backend: Literal["torch", "vllm", "sglang"] = "torch"
     # the torch reference engine's high-precision dtype (what vLLM runs in bf16: attention, norms, embeddings,
     # lm_head, and FP8 layers' outputs); float64 makes a CPU run the same on every CPU type, whichever kernels torch
     # picks there (FP8 layers then accumulate exactly), with policy.precision: float64 (docs/first-run.md).
@@ -147,6 +150,8 @@ class GenerationConfig(StrictConfig):
     top_k: Optional[int] = Field(None, ge=1)
     stop_token_ids: Optional[list[int]] = None
     vllm_cfg: VllmConfig = VllmConfig()
+    # backend: sglang only: SGLang's engine knobs (vllm_cfg's precision keys still apply)
+    sglang_cfg: SglangConfig = SglangConfig()
     colocated: ColocationConfig = ColocationConfig()
     response_limits: Optional[ResponseLimitsConfig] = None
     num_engines: Optional[int] = Field(
@@ -163,6 +168,8 @@ class GenerationConfig(StrictConfig):
         if self.backend == "vllm" and tp not in SUPPORTED_TENSOR_PARALLEL_SIZES:
             errs.append(f"vllm_cfg.tensor_parallel_size: {tp} is not supported (valid: "
                         f"{', '.join(map(str, SUPPORTED_TENSOR_PARALLEL_SIZES))})")
+        if self.backend == "sglang":
+            errs.extend(sglang_generation_errors(self.sglang_cfg, self.vllm_cfg))
         lim = self.response_limits
         if lim is not None and not lim.min_tokens <= lim.median_tokens <= self.max_new_tokens:
             errs.append(f"response_limits: min_tokens={lim.min_tokens} <= median_tokens={lim.median_tokens} <= "
@@ -176,9 +183,24 @@ class GenerationConfig(StrictConfig):
 
     @property
     def sleep_discards_weights(self) -> bool:
-        """A colocated vLLM engine whose sleep drops its weights (``vllm_cfg.sleep_level == 2``): the loop refits
-        before every wake (``RefitController``)."""
-        return self.backend == "vllm" and self.colocated.enabled and self.vllm_cfg.sleep_level == 2
+        """A colocated engine whose sleep drops its weights (vLLM ``vllm_cfg.sleep_level == 2``; SGLang without
+        ``sglang_cfg.cpu_weight_backup``): the loop refits before every wake (``RefitController``)."""
+        if not self.colocated.enabled:
+            return False
+        if self.backend == "sglang":
+            return not self.sglang_cfg.cpu_weight_backup
+        return self.backend == "vllm" and self.vllm_cfg.sleep_level == 2
+
+    @property
+    def engine_memory_fraction(self) -> float:
+        """The share of a GPU's memory a real engine claims (vLLM ``gpu_memory_utilization``, SGLang
+        ``mem_fraction_static``); 0 for the torch engine. The memory preflight counts it beside a colocated
+        trainer that keeps its state on the GPU."""
+        if self.backend == "vllm":
+            return self.vllm_cfg.gpu_memory_utilization
+        if self.backend == "sglang":
+            return self.sglang_cfg.mem_fraction_static
+        return 0.0
 
     @property
     def own_engine_gpus(self) -> int:
@@ -211,6 +233,8 @@ class GenerationConfig(StrictConfig):
 
     @property
     def engine_gpus(self) -> int:
-        """GPUs of the rollout engine: vLLM's ``tensor_parallel_size``; 1 for the torch engine (which has no
-        tensor parallelism and leaves the key alone)."""
+        """GPUs of the rollout engine: vLLM's ``tensor_parallel_size``, SGLang's ``sglang_cfg.tp_size``; 1 for the
+        torch engine (which has no tensor parallelism and leaves the key alone)."""
+        if self.backend == "sglang":
+            return self.sglang_cfg.tp_size
         return self.vllm_cfg.tensor_parallel_size if self.backend == "vllm" else 1

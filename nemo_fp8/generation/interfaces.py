@@ -1,9 +1,10 @@
 """The generation (rollout) backend interface.
 
 A backend turns prompt token ids into responses plus the log-probs of the sampled tokens
-(``generation_logprobs``) and takes new weights from the policy (the refit). Two
-implementations: ``torch`` (reference, CPU or CUDA, same FP8 numerics code as the engine) and
-``vllm`` (vLLM FP8 W8A8 engine, ``nemo_fp8.generation.vllm``; docs/vllm-fp8-rollout.md). Batches follow ``nemo_fp8.batch``.
+(``generation_logprobs``) and takes new weights from the policy (the refit). Three
+implementations: ``torch`` (reference, CPU or CUDA, same FP8 numerics code as the engine),
+``vllm`` (vLLM FP8 W8A8 engine, ``nemo_fp8.generation.vllm``; docs/vllm-fp8-rollout.md) and ``sglang`` (SGLang FP8
+W8A8 engine, ``nemo_fp8.generation.sglang``; docs/rollout-engines.md). Batches follow ``nemo_fp8.batch``.
 
 Lifecycle (NeMo-RL's names), as the GRPO step drives it::
 

@@ -8,12 +8,13 @@ backend's argument.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
 
 from nemo_fp8.generation.config import VllmConfig
+from nemo_fp8.generation.sglang.config import SglangConfig
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,11 @@ class GenerationSpec:
     """The generation backend's arguments (one engine; every engine of a run gets the same spec).
 
     Attributes:
-        backend: ``policy.generation.backend`` (``"torch"`` or ``"vllm"``).
+        backend: ``policy.generation.backend`` (``"torch"``, ``"vllm"`` or ``"sglang"``).
         model_name: ``policy.model_name``, a local HF folder (architecture and initial weights).
         vllm_cfg: ``policy.generation.vllm_cfg`` (precision, FP8 layer policy, tensor parallelism, KV cache).
-        device: the torch engine's device (``policy.device`` resolved); a vLLM engine runs on its GPUs.
+        sglang_cfg: ``policy.generation.sglang_cfg`` (the SGLang engine's knobs; the default for other backends).
+        device: the torch engine's device (``policy.device`` resolved); a vLLM or SGLang engine runs on its GPUs.
         pad_token_id, eos_token_id: from the tokenizer.
         max_total_sequence_length: ``policy.max_total_sequence_length`` (prompt + response tokens).
         batch_size: ``policy.generation_batch_size``: rows per forward pass of the torch engine (vLLM schedules
@@ -37,7 +39,7 @@ class GenerationSpec:
             None for the torch engine.
     """
 
-    backend: Literal["torch", "vllm"]
+    backend: Literal["torch", "vllm", "sglang"]
     model_name: str
     vllm_cfg: VllmConfig
     device: Optional[torch.device]
@@ -48,3 +50,4 @@ class GenerationSpec:
     offload_when_idle: bool = False
     weight_transfer: Optional[Literal["ipc", "nccl"]] = None
     reference_dtype: Literal["bfloat16", "float64"] = "bfloat16"
+    sglang_cfg: SglangConfig = field(default_factory=SglangConfig)

@@ -2,6 +2,8 @@
 
 ``[project.optional-dependencies]`` ``vllm``, ``megatron`` and ``gpu`` hold the top-level pins
 (vLLM, TransformerEngine, megatron-core, Megatron-Bridge, torch, transformers, Ray, math-verify);
+``sglang`` (the second rollout engine, whose pins clash with vLLM's) is an extra of its own, outside the stack
+(``extra_pins``);
 ``docker/constraints-gpu.txt`` holds the rest of the resolved set, each package once. Readers:
 ``docker/Dockerfile`` (through ``tools/pins.py``), the GPU host staging (``tools/pins.py --stage``),
 ``tools/check_env.py`` (installed vs pinned) and ``tests/test_container.py``.
@@ -98,6 +100,19 @@ def read_pyproject(path: str | Path) -> dict:
 def stack_pins(pyproject: str | Path) -> list[Pin]:
     """Every pin of the GPU stack as ``pyproject.toml`` writes it (TE's sub-packages expanded)."""
     return _flatten(read_pyproject(pyproject)["project"]["optional-dependencies"])
+
+
+def extra_pins(pyproject: str | Path, extra: str) -> list[Pin]:
+    """The pins of one extra as ``pyproject.toml`` writes it, following ``nemo-fp8[...]`` references (e.g.
+    ``sglang``: an engine staged apart from the stack, ``tools/pins.py --extra sglang``).
+
+    Raises:
+        KeyError: no such extra (the message lists them).
+    """
+    extras = read_pyproject(pyproject)["project"]["optional-dependencies"]
+    if extra not in extras:
+        raise KeyError(f"no extra {extra!r} in {pyproject} (valid: {', '.join(sorted(extras))})")
+    return _flatten(extras, (extra,))
 
 
 def container_platform(pyproject: str | Path) -> dict[str, str]:

@@ -220,9 +220,10 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
     Each line gives the estimate by part and the keys that lower it. Nothing when it fits: activations
     are not counted, nor the colocated engine while the trainer offloads around generation, so a layout
     that passes may still run out of memory. With ``policy.generation.colocated.offload_trainer=false`` the
-    vLLM engine wakes beside the trainer's state between steps (``TrainerMemory.between_steps``: the gradient
-    buffer and TE's FP8 weight copies are freed first): that plus the engine's ``gpu_memory_utilization`` share
-    of the GPU must fit as well as the state at the optimizer step (the engine asleep).
+    vLLM or SGLang engine wakes beside the trainer's state between steps (``TrainerMemory.between_steps``: the
+    gradient buffer and TE's FP8 weight copies are freed first): that plus the engine's share of the GPU
+    (``GenerationConfig.engine_memory_fraction``) must fit as well as the state at the optimizer step (the engine
+    asleep).
     """
     est = estimate_trainer_memory(num_parameters, cfg, fp8_weight_params)
     errs = []
@@ -242,8 +243,8 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                        "16-bit moments (exp_avg_dtype / exp_avg_sq_dtype) halve it; generation on other GPUs "
                        "(policy.generation.colocated.enabled=false) keeps it on the GPU"))
     g = cfg.generation
-    engine = (g.vllm_cfg.gpu_memory_utilization * gpu_bytes
-              if g.backend == "vllm" and g.colocated.enabled and not g.colocated.offload_trainer else 0.0)
+    engine = (g.engine_memory_fraction * gpu_bytes  # vLLM's or SGLang's share; 0 for the torch engine
+              if g.colocated.enabled and not g.colocated.offload_trainer else 0.0)
     if max(est.per_gpu, est.between_steps + engine if engine else 0.0) + NON_TORCH_BYTES <= gpu_bytes:
         return errs
     m = cfg.megatron_cfg
@@ -264,9 +265,10 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                      "use_precision_aware_optimizer=true) moves Adam's state to host memory")
     beside = ""
     if engine:
+        share_key = "sglang_cfg.mem_fraction_static" if g.backend == "sglang" else "vllm_cfg.gpu_memory_utilization"
         beside = (f" (or {est.between_steps / GiB:.1f} GiB between steps, gradients and TransformerEngine's FP8 "
-                  f"weight copies freed, plus the engine's {engine / GiB:.1f} GiB, vllm_cfg.gpu_memory_utilization="
-                  f"{g.vllm_cfg.gpu_memory_utilization:g}, awake beside them with colocated.offload_trainer=false)")
+                  f"weight copies freed, plus the engine's {engine / GiB:.1f} GiB, {share_key}="
+                  f"{g.engine_memory_fraction:g}, awake beside them with colocated.offload_trainer=false)")
         hints.insert(0, "policy.generation.colocated.offload_trainer=true moves the trainer's state out while the "
                         "engine runs")
     return errs + [f"policy.megatron_cfg: the trainer's weights, gradients and optimizer state need {est.describe()} at the "
