@@ -248,7 +248,7 @@ def test_without_the_colocated_offload_the_awake_engine_is_counted_and_nothing_m
     torch_gen = _policy("policy.generation.backend=torch", "policy.generation.colocated.offload_trainer=false")
     assert trainer_memory_errors(torch_gen, H200, QWEN3_8B, HOST) == []
     # an SGLang engine's share is its mem_fraction_static (the config's vLLM engine keys back at their defaults)
-    sgl = [two_gpus, "policy.generation.backend=sglang", "policy.generation.colocated.offload_trainer=false",
+    sgl = [*two_gpus, "policy.generation.backend=sglang", "policy.generation.colocated.offload_trainer=false",
            "policy.generation.vllm_cfg.max_model_len=null", "policy.generation.vllm_cfg.model_runner=auto"]
     (err,) = trainer_memory_errors(_policy(*sgl), H200, QWEN3_8B, HOST)
     assert "the engine's 83.9 GiB, sglang_cfg.mem_fraction_static=0.6" in err
