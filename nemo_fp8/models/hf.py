@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -81,6 +82,33 @@ def compute_in_float64(model: nn.Module) -> int:
             module.forward = types.MethodType(_rotary_in_float64, module)
             changed += 1
     return changed
+
+
+def model_config(model_dir: str | Path) -> dict:
+    """The HF ``config.json`` of a local checkpoint folder, as a dict.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``model_dir``.
+    """
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` of every tensor in the ``*.safetensors`` files of a local checkpoint folder (CPU, the file's
+    dtypes), file by file in name order: an engine's initial load through its refit path.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files for the initial refit")
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                yield k, fh.get_tensor(k)
 
 
 def load_tokenizer(name: str):

@@ -137,9 +137,9 @@ def make(checkpoint, monkeypatch):
 
 
 def _state(checkpoint) -> dict[str, torch.Tensor]:
-    from nemo_fp8.generation.sglang.backend import _iter_checkpoint
+    from nemo_fp8.models.hf import iter_checkpoint
 
-    return dict(_iter_checkpoint(str(checkpoint)))
+    return dict(iter_checkpoint(str(checkpoint)))
 
 
 def _scales(step, num_layers=3, value=0.05) -> KvScales:

@@ -340,12 +340,12 @@ def test_refit_plan_moe_takes_per_expert_names_as_checkpoints_and_bridge_write_t
     quantized exactly as the fused split is (not sent as bf16 into FP8 storage)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nemo_fp8.generation.vllm.backend import _iter_checkpoint
+    from nemo_fp8.models.hf import iter_checkpoint
 
     plan, _ = build_refit_plan(VllmConfig(precision="fp8", num_first_layers_in_bf16=1), MOE)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**MOE)).to(torch.bfloat16).save_pretrained(str(tmp_path))
-    on_disk = dict(_iter_checkpoint(str(tmp_path)))
+    on_disk = dict(iter_checkpoint(str(tmp_path)))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in on_disk and not any(n.endswith("gate_up_proj") for n in on_disk)
     assert set(on_disk) == plan.expected  # every name known, none missing
     assert plan.canonical_names("model.layers.1.mlp.experts.down_proj") == [

@@ -63,9 +63,9 @@ def prompts(n=32, seed=0):
 
 def hf_state(path):
     """name -> CPU tensor of every tensor in the checkpoint at ``path``."""
-    from nemo_fp8.generation.vllm.backend import _iter_checkpoint
+    from nemo_fp8.models.hf import iter_checkpoint
 
-    return dict(_iter_checkpoint(str(path)))
+    return dict(iter_checkpoint(str(path)))
 
 
 def engine(path, **cfg):

@@ -23,10 +23,8 @@ KV scales, parameters too, come back with that refit. ``start_weight_update`` re
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -41,6 +39,7 @@ from nemo_fp8.generation.sglang.config import SglangConfig
 from nemo_fp8.generation.sglang.engine_args import READBACK_HOOK, SYNC_HOOK, build_engine_spec
 from nemo_fp8.generation.sglang.refit import (DEFAULT_BUCKET_BYTES, FlatBucket, RefitLedger, check_kv_scale,
                                               flat_buckets, refit_problem, sent_kv_scale)
+from nemo_fp8.models.hf import iter_checkpoint, model_config
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class SglangGenerationBackend:
         self.num_layers = self.spec.num_layers
         self.kv_fp8 = vllm_cfg.kv_cache_is_fp8
         # SGLang loads a tied lm_head from the embedding: the trainer's state dict still lists it; skip it
-        self._tied = {"lm_head.weight"} if _model_config(model_name).get("tie_word_embeddings") else set()
+        self._tied = {"lm_head.weight"} if model_config(model_name).get("tie_word_embeddings") else set()
         if device is None or (device.type == "cuda" and device.index is None):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -98,7 +97,7 @@ class SglangGenerationBackend:
         if load_initial_weights:
             try:
                 self.start_weight_update(0)
-                self.update_weights(_iter_checkpoint(model_name))
+                self.update_weights(iter_checkpoint(model_name))
                 self.finish_weight_update(require_kv_scales=False)
             except BaseException:
                 self.shutdown()  # the engine's processes would outlive this half-built backend
@@ -415,19 +414,3 @@ def parse_engine_state(kv: Tensor, ptrs: Tensor, mem: Tensor) -> dict:
                   "v_float": nan_none(float(row[3]))} for i, row in enumerate(kv) if not math.isnan(float(row[0]))}
     return {"kv_scales": scales, "param_ptrs": [int(x) for x in ptrs[1:1 + count]],
             "memory": {"allocated": int(mem[0]), "reserved": int(mem[1]), "free": int(mem[2])}}
-
-
-def _model_config(model_name: str) -> dict:
-    return json.loads((Path(model_name) / "config.json").read_text())
-
-
-def _iter_checkpoint(model_name: str):
-    from safetensors import safe_open
-
-    files = sorted(Path(model_name).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_name}: no *.safetensors files for the initial refit")
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                yield k, fh.get_tensor(k)

@@ -29,7 +29,6 @@ trainer's first refit (version 0, before the first rollout) and ``generate`` ref
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
@@ -41,6 +40,7 @@ from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens, request_seed
 from nemo_fp8.generation.vllm.engine_args import init_fp8
 from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
+from nemo_fp8.models.hf import iter_checkpoint, model_config
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class VllmGenerationBackend:
         self.plan = self.spec.refit_plan
         # A tied lm_head is the embedding in vLLM: the trainer's state dict still lists it; skip it.
         self._tied = {"lm_head.weight"} if _tie_word_embeddings(model_name) else set()
-        self.num_layers = int(_model_config(model_name)["num_hidden_layers"])
+        self.num_layers = int(model_config(model_name)["num_hidden_layers"])
         self.kv_fp8 = vllm_cfg.kv_cache_is_fp8
         tp = vllm_cfg.tensor_parallel_size
         # The engine's workers' GPUs as this process numbers them (vLLM's worker i runs on cuda:i).
@@ -106,7 +106,7 @@ class VllmGenerationBackend:
                         model_name)
         elif load_initial_weights:
             self.start_weight_update(0)
-            self.update_weights(_iter_checkpoint(model_name))
+            self.update_weights(iter_checkpoint(model_name))
             self.finish_weight_update(require_kv_scales=False)
 
     # ------------------------------------------------------------------ refit
@@ -406,23 +406,5 @@ def outputs_to_batch(prompts: list[list[int]], completions, pad_token_id: int, s
                             gen_lp, truncated).validate()
 
 
-def _model_config(model_name: str) -> dict:
-    import json
-
-    return json.loads((Path(model_name) / "config.json").read_text())
-
-
 def _tie_word_embeddings(model_name: str) -> bool:
-    return bool(_model_config(model_name).get("tie_word_embeddings", False))
-
-
-def _iter_checkpoint(model_name: str):
-    from safetensors import safe_open
-
-    files = sorted(Path(model_name).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_name}: no *.safetensors files for the initial refit")
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                yield k, fh.get_tensor(k)
+    return bool(model_config(model_name).get("tie_word_embeddings", False))
