@@ -361,8 +361,11 @@ class VllmGenerationBackend:
         memory profiling at start left of ``gpu_memory_utilization`` x the GPU after the weights, the activation
         peak and CUDA graphs (an FP8 KV cache holds twice BF16's in the same bytes). Fixed for the engine's life:
         sleep and wake give the same cache back. None before vLLM has set the block count."""
-        cache = self.llm.llm_engine.vllm_config.cache_config
-        return int(cache.num_gpu_blocks) * int(cache.block_size) if cache.num_gpu_blocks else None
+        # the engine client's copy of the config (vLLM V1 fills num_gpu_blocks in from the engine core's handshake);
+        # a vLLM without it reports no capacity rather than failing the run
+        cache = getattr(getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return int(blocks) * int(cache.block_size) if blocks else None
 
     def shutdown(self) -> None:
         """Release the NCCL communicator (an NCCL engine that joined a group) and shut the engine down.
