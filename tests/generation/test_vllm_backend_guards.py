@@ -106,7 +106,8 @@ def test_fp8_kv_engine_generates_only_on_fresh_scales(backend):
     assert be.weight_version().weights == 1  # the refused refit is not recorded as held
     with pytest.raises(RuntimeError, match="last refit was refused.*no KV scales were sent"):
         be.generate([[5, 6, 7]], sp)
-    assert be.llm.calls == ["start", "finish"] * 2  # the engine was asked to generate once
+    # the engine was asked to generate once; the scales the good refit left were read back (restored after a wake)
+    assert be.llm.calls == ["start", "finish", "nemo_fp8_attn_scales", "start", "finish"]
     v = _refit(be, 3, scales=True)
     assert (v.weights, v.kv_scales) == (3, 3)
     with pytest.raises(_Generated):
@@ -329,3 +330,57 @@ def test_the_engine_reports_its_kv_capacity_in_tokens_every_step(backend):
     assert group.pop_engine_metrics()["generation/kv_capacity_tokens"] == 544_656.0
     group.kv_capacity_tokens = [181_552.0, None]  # one engine without a KV cache size: no total
     assert "generation/kv_capacity_tokens" not in group.pop_engine_metrics()
+
+
+class _ScaleResettingLLM(_FakeLLM):
+    """The stand-in with attention scales: a refit with KV scales writes them; waking the KV cache resets k and v
+    to 1.0, as vLLM 0.22's V1 runner does for an FP8 KV cache (``GPUModelRunner.init_fp8_kv_scales``)."""
+
+    restores = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scales = {f"model.layers.{i}.self_attn.attn": {"q": 1.0, "k": 1.0, "v": 1.0} for i in range(2)}
+
+    def finish_weight_update(self):
+        super().finish_weight_update()
+        for i, rec in enumerate(self.scales.values()):
+            rec.update(q=0.5 + i, k=0.25 + i, v=0.125 + i)  # what the refit's scales wrote
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags):
+        self.calls.append(f"wake:{','.join(tags)}")
+        if "kv_cache" in tags:
+            for rec in self.scales.values():
+                rec.update(k=1.0, v=1.0)
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        if method == "nemo_fp8_attn_scales":
+            return [{n: dict(r) for n, r in self.scales.items()}]
+        if method == "nemo_fp8_restore_kv_scales" and self.restores:
+            for n, rec in args[0].items():
+                self.scales[n].update(rec)
+        return [len(args[0])] if args else []
+
+
+def test_fp8_kv_scales_survive_the_kv_caches_wake(backend):
+    """vLLM resets k/v scales to 1.0 when an FP8 KV cache wakes: the backend puts the last refit's back and checks
+    them live; an engine that keeps the reset is refused before it generates."""
+    be = backend(kv_cache_dtype="fp8")
+    be.llm = _ScaleResettingLLM()
+    be.spec.engine_kwargs["enable_sleep_mode"] = True  # colocated
+    _refit(be, 1, scales=True)
+    refit_scales = {n: dict(r) for n, r in be.llm.scales.items()}
+    be.finish_generation()
+    be.prepare_for_generation()
+    assert be.llm.scales == refit_scales and be.llm.calls[-4:] == [
+        "sleep1", "wake:kv_cache,weights", "nemo_fp8_restore_kv_scales", "nemo_fp8_attn_scales"]
+    with pytest.raises(_Generated):
+        be.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, greedy=True))
+    be.llm.restores = False  # the reset sticks
+    be.finish_generation()
+    with pytest.raises(RuntimeError, match="after the engine's wake, model.layers.0.self_attn.attn .* reads scales"):
+        be.prepare_for_generation()

@@ -263,3 +263,21 @@ def test_second_refit_with_new_scales_is_not_stale(kv_engine, policy):
     assert d_first > 1e-3  # the new scales are live in the kernels, not only stored
     assert torch.equal(out1.token_ids, out3.token_ids)
     assert back <= 1e-3
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_scales_survive_the_engines_sleep_and_wake(kv_engine, policy, level):
+    """vLLM 0.22's V1 runner resets k/v scales to 1.0 when an FP8 KV cache wakes (``init_fp8_kv_scales``); the
+    backend restores the refit's and checks them live, for either sleep level (level 2 needs a refit first)."""
+    be = kv_engine.backend
+    be.vllm_cfg = be.vllm_cfg.model_copy(update={"sleep_level": level})
+    kv = calibrate(policy, seed=7, margin=1.25, step=10 + level)
+    refit_with_scales(be, policy, kv, 10 + level)
+    before = be.generate(prompts(8, seed=3), SamplingParams(max_new_tokens=8, greedy=True))
+    be.finish_generation()
+    if level == 2:
+        refit_with_scales(be, policy, kv, 10 + level)
+    be.prepare_for_generation()
+    assert_engine_holds(be, kv)
+    after = be.generate(prompts(8, seed=3), SamplingParams(max_new_tokens=8, greedy=True))
+    assert torch.equal(after.token_ids, before.token_ids)

@@ -100,6 +100,7 @@ class VllmGenerationBackend:
         self._sent = 0
         self._asleep_tags: set[str] = set()  # what sleep() released and no wake_up restored yet
         self._discarded = False  # sleep(level=2) dropped the weights; only a complete refit brings them back
+        self._kv_held: dict = {}  # FP8 KV: the scales the last refit left in the layers (restored after a KV wake)
         self._refused: Optional[str] = None  # why the last refit was refused (the engine must not generate)
         if load_initial_weights and weight_transfer == "nccl":
             logger.info("NCCL weight transfer: no initial load from %s; the trainer's first refit brings the weights",
@@ -260,6 +261,9 @@ class VllmGenerationBackend:
             raise RuntimeError(self._refused)
         self._refused = None
         self._discarded = False
+        if self.kv_fp8 and got_scales:  # read back now: vLLM resets them when the KV cache wakes
+            held = self.llm.collective_rpc("nemo_fp8_attn_scales")
+            self._kv_held = {n: {k: rec[k] for k in "qkv"} for n, rec in (held[0] if held else {}).items()}
         kv = version if got_scales else self._version.kv_scales
         self._version = WeightVersion(weights=version, kv_scales=kv, num_tensors=self._sent)
         return self._version
@@ -280,8 +284,27 @@ class VllmGenerationBackend:
                                "(policy.generation.vllm_cfg.sleep_level=2) and no refit has written them since: "
                                "refit before waking the engine")
         if self._asleep_tags:  # wake only what is still asleep: waking a tag twice fails in cumem
+            kv_woke = "kv_cache" in self._asleep_tags
             self.llm.wake_up(tags=sorted(self._asleep_tags))
             self._asleep_tags.clear()
+            if kv_woke and self.kv_fp8 and self._kv_held:
+                self._restore_kv_scales()
+
+    def _restore_kv_scales(self) -> None:
+        """Put the last refit's FP8 KV scales back after the KV cache woke (vLLM's V1 runner resets k/v to 1.0 then,
+        ``Fp8WorkerExtension.nemo_fp8_restore_kv_scales``), and check them live.
+
+        Raises:
+            RuntimeError: a layer reads other scales than the refit left (the rollout would run on them).
+        """
+        self.llm.collective_rpc("nemo_fp8_restore_kv_scales", args=(self._kv_held,))
+        live = self.llm.collective_rpc("nemo_fp8_attn_scales")
+        for name, want in self._kv_held.items():
+            for rank, layers in enumerate(live):
+                got = {k: layers.get(name, {}).get(k) for k in "qkv"}
+                if got != want:
+                    raise RuntimeError(f"FP8 KV cache: after the engine's wake, {name} on worker {rank} reads scales "
+                                       f"{got}, not the refit's {want}: the rollout would run on them")
 
     def finish_generation(self) -> None:
         """Sleep (colocated engines): ``vllm_cfg.sleep_level`` 1 copies the weights to host memory, 2 discards them

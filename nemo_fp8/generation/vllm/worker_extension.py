@@ -107,6 +107,22 @@ class Fp8WorkerExtension:
                 out[name] = rec
         return out
 
+    def nemo_fp8_restore_kv_scales(self, scales: dict) -> int:
+        """Write ``scales`` (attention module name -> ``{"q", "k", "v"}`` floats, what ``nemo_fp8_attn_scales``
+        read after the refit) back into the layers' ``_{q,k,v}_scale`` tensors and their ``_*_scale_float`` host
+        copies; returns the layers written. vLLM 0.22's V1 runner resets ``_k_scale`` / ``_v_scale`` to 1.0 each
+        time an FP8 KV cache wakes (``GPUModelRunner.post_kv_cache_wake_up`` -> ``init_fp8_kv_scales``, its TODO:
+        "restore the specific calibrated scales"), which would drop the step's calibrated scales at every colocated
+        rollout."""
+        modules = dict(self._nf_model().named_modules())
+        for name, rec in scales.items():
+            m = modules[name]
+            for k in "qkv":
+                getattr(m, f"_{k}_scale").fill_(float(rec[k]))
+                if hasattr(m, f"_{k}_scale_float"):
+                    setattr(m, f"_{k}_scale_float", float(rec[k]))
+        return len(scales)
+
     def nemo_fp8_scale_convention(self) -> dict:
         """Which scale convention is live in this worker (proof for the config's claim), and its vLLM model runner."""
         from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used, is_deep_gemm_supported
