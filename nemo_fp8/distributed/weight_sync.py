@@ -70,10 +70,12 @@ class WeightVersion:
     num_tensors: int = 0
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+def iter_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int,
+                 nbytes: Optional[Callable[[Tensor], int]] = None) -> Iterator[list[tuple[str, Tensor]]]:
     """Group a stream of ``(name, tensor)`` into lists of at most ``bucket_bytes`` (no copies).
 
-    A tensor larger than ``bucket_bytes`` forms a bucket on its own. Order is preserved.
+    A tensor larger than ``bucket_bytes`` forms a bucket on its own. Order is preserved. ``nbytes``: the bytes a
+    tensor takes in a bucket (default: its own; a packed layout may round each up to its alignment).
 
     Raises:
         ValueError: ``bucket_bytes <= 0``.
@@ -83,7 +85,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int)
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for name, t in named_tensors:
-        n = t.numel() * t.element_size()
+        n = nbytes(t) if nbytes is not None else t.numel() * t.element_size()
         if bucket and size + n > bucket_bytes:
             yield bucket
             bucket, size = [], 0

@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 from torch import Tensor
 
+from nemo_fp8.distributed.weight_sync import iter_buckets
 from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_scale_name
 
 ALIGN = 16  # bytes: each tensor of a flattened bucket starts at a multiple
@@ -126,18 +127,8 @@ def flat_buckets(converted: Iterable[tuple[str, Tensor]], bucket_bytes: int = DE
     Raises:
         ValueError: ``bucket_bytes <= 0``.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    items: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, t in converted:
-        n = -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        if items and size + n > bucket_bytes:
-            yield _pack_and_clear(items)
-            size = 0
-        items.append((name, t))
-        size += n
-    if items:
+    aligned = lambda t: -(-t.numel() * t.element_size() // ALIGN) * ALIGN  # noqa: E731  (pack_flat_bucket's layout)
+    for items in iter_buckets(converted, bucket_bytes, nbytes=aligned):
         yield _pack_and_clear(items)
 
 
