@@ -98,8 +98,7 @@ class ColocationMixin:
         if not self.cfg.megatron_cfg.optimizer.optimizer_cpu_offload:
             self._move_optimizer_state("cpu")
         self._offloaded.add("optimizer")
-        gc.collect()
-        torch.cuda.empty_cache()
+        self.release_cached_memory()
 
     def _free_rebuilt_state(self) -> None:
         """Free what the next training pass makes anew, nothing copied: the gradient buffer (megatron-core zeroes it
