@@ -30,7 +30,10 @@ each alike; each is the median over ``--steps`` rounds.
 * ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the whole child;
 * ``--profile N``: a second table, N profiled ``fused`` forward + backward passes: ms by kernel
   category (``tools/profile_rollout.py``'s), GPU kernel time, host time (wall - GPU) and kernels
-  launched per pass.
+  launched per pass;
+* ``--host-profile N``: where the host's time goes in N ``fused`` passes under cProfile: own ms by library
+  part (TE modules, quantizers, recipe state, C++ extension calls, megatron-core, autograd) and the top
+  functions (``tools/lab/host_profile.py``).
 
 ``--workload rl``: a GRPO step's shapes instead of fixed micro-batches. ``--rl-responses`` sequences of a
 ``--rl-prompt``-token prompt plus a response uniform in ``--rl-response-min..--rl-response-max`` tokens (seeded,
@@ -71,6 +74,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.host_profile import format_host_profile, host_profile
 from lab.random_checkpoint import QWEN3_SHAPES, write_shape_config
 from nemo_fp8.policy.spec import PolicySpec
 
@@ -275,12 +279,15 @@ def run_child(a) -> dict:
     be.cfg.megatron_cfg.logprob_kernel = a.logprob_kernel
     step_s = timed_interleaved({"step": lambda: be.train(batch, loss_fn)}, a.steps, a.warmup)["step"] / a.micro_batches
     prof = profile_fb(ours("fused"), a.profile) if a.profile else None
+    host = host_profile(ours("fused"), a.host_profile, torch.cuda.synchronize) if a.host_profile else None
     out = dict(shape=a.shape, recipe=a.recipe, raw_ms=raw_s * 1e3, ours_ms=ours_s * 1e3, fused_ms=fused_s * 1e3,
                te_ms=te_s * 1e3, step_ms=step_s * 1e3, micro_batches=a.micro_batches, logprob_kernel=a.logprob_kernel,
                tokens=a.batch * a.seq_len, peak_gib=torch.cuda.max_memory_allocated() / 2**30, build_s=build_s,
                params_b=sum(p.numel() for p in unwrap(model).parameters()) / 1e9)
     if prof:
         out["profile"] = prof
+    if host:
+        out["host_profile"] = host
     be.shutdown()
     return out
 
@@ -432,6 +439,9 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=300, help="seconds per child")
     p.add_argument("--profile", type=int, default=0, metavar="ROUNDS",
                    help="also profile ROUNDS forward+backward passes (fused log-probs): ms by kernel category")
+    p.add_argument("--host-profile", type=int, default=0, metavar="ROUNDS",
+                   help="also run ROUNDS fused forward+backward passes under cProfile: the host's ms by library "
+                        "part and the top functions (tools/lab/host_profile.py)")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--workload", choices=["fixed", "rl"], default="fixed",
                    help="fixed: micro-batches of --batch x --seq-len; rl: a GRPO step's spread of lengths, packed "
@@ -491,7 +501,8 @@ def main() -> int:
                 cmd = launch + [__file__, "--child", "--shape", shape, "--recipe", recipe, "--model", str(model),
                        "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
                        "--warmup", str(a.warmup), "--micro-batches", str(a.micro_batches),
-                       "--logprob-kernel", a.logprob_kernel, "--profile", str(a.profile), "--workload", a.workload,
+                       "--logprob-kernel", a.logprob_kernel, "--profile", str(a.profile),
+                       "--host-profile", str(a.host_profile), "--workload", a.workload,
                        "--rl-responses", str(a.rl_responses), "--rl-prompt", str(a.rl_prompt),
                        "--rl-response-min", str(a.rl_response_min), "--rl-response-max", str(a.rl_response_max),
                        "--rl-train-mb-tokens", str(a.rl_train_mb_tokens), "--tp", str(a.tp)]
@@ -526,6 +537,9 @@ def main() -> int:
               f"optimizer step (step: {a.logprob_kernel} log-probs), median of {a.steps} after {a.warmup} warm-up")
         print_table(rows)
         print_profile(rows)
+        for r in rows:
+            if "host_profile" in r:
+                print("\n" + format_host_profile(f"{r['shape']} {r['recipe']}", r["host_profile"], r["fused_ms"]))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

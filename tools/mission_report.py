@@ -182,7 +182,8 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
 PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights", "engine_wake", "engine_sleep",
          "kv_calibration", "reward", "data_processing",
          # inside the refit's parts: what the trainer's cache releases took (colocated, offload_trainer=false)
-         "release/free_rebuilt", "release/gc", "release/empty_cache")
+         "release_before/free_rebuilt", "release_before/gc", "release_before/empty_cache",
+         "release_after/gc", "release_after/empty_cache")
 # the timed parts of other_s
 OTHER_PARTS = ("engine_wake", "engine_sleep", "kv_calibration", "reward", "advantages", "data_processing")
 

@@ -143,22 +143,22 @@ class RefitController:
                 if self.offload_trainer:
                     self.policy.offload_before_refit()
                 elif self.colocated:  # the last pass's cached activation peak goes back before the engine wakes
-                    self._release(timer)  # for the refit (without it the wake ran out of memory)
+                    self._release(timer, "before")  # for the refit (without it the wake ran out of memory)
             with timer("refit/transfer"):
                 self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
             with timer("refit/offload_weights"):
                 if self.offload_trainer:
                     self.policy.offload_after_refit()
                 elif self.colocated:
-                    self._release(timer)
+                    self._release(timer, "after")
         self.stale = False
         return self.last_stats.metrics()
 
-    def _release(self, timer: Timer) -> None:
-        """``policy.release_cached_memory()``; its parts' seconds (the slowest rank's) under ``release/<part>``, outside
-        ``refit/`` (they lie inside the refit's parts already)."""
+    def _release(self, timer: Timer, when: str) -> None:
+        """``policy.release_cached_memory()``; its parts' seconds (the slowest rank's) under ``release_<when>/<part>``
+        (``when``: ``before`` or ``after`` the transfer), outside ``refit/`` (they lie inside the refit's parts)."""
         for part, seconds in (self.policy.release_cached_memory() or {}).items():
-            timer.add(f"release/{part}", seconds)
+            timer.add(f"release_{when}/{part}", seconds)
 
     @contextlib.contextmanager
     def generating(self, timer: Timer):

@@ -134,9 +134,10 @@ def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated
     timer = Timer()
     metrics = refitter.refit_if_stale(timer)
     assert calls == expected
-    phases = timer.pop()  # each release's parts, summed over the refit's releases
-    n = calls.count("release")
-    assert (phases.get("release/gc"), phases.get("release/empty_cache")) == ((0.25 * n, 0.5 * n) if n else (None, None))
+    phases = timer.pop()  # each release's parts, the one before the transfer and the one after it apart
+    for when in ("before", "after"):
+        assert (phases.get(f"release_{when}/gc"), phases.get(f"release_{when}/empty_cache")) == \
+            ((0.25, 0.5) if "release" in calls else (None, None))
     assert metrics["refit/num_buckets"] >= 1 and gen.weight_version().weights == 0
 
 

@@ -148,6 +148,7 @@ class MegatronPolicyBackend(ColocationMixin):
                     parallel_state.get_pipeline_model_parallel_rank(), pp,
                     m.fp8_cfg.fp8 if m.fp8_cfg.enabled else None, m.fp8_cfg.fp8_recipe if m.fp8_cfg.enabled else None,
                     m.fp8_cfg.fp8_param, settings.bf16_layer_counts(cfg))
+        self._freeze_built_objects()
 
     # ----------------------------------------------------------------------- build
     def _check_block_scaling_convention(self) -> None:
