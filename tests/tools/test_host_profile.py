@@ -23,6 +23,7 @@ from lab.host_profile import format_host_profile, host_profile, part_of
     ("~", "<built-in method transformer_engine_torch.quantize>", "te.ops"),
     ("~", "<built-in method torch._C._nn.linear>", "torch.ops"),
     ("~", "<method 'add_' of 'torch._C.TensorBase' objects>", "torch.ops"),
+    ("~", "<built-in method torch._C._cuda_synchronize>", "gpu.wait"),
     ("/home/u/script.py", "main", "other"),
 ])
 def test_part_of(filename, name, part):

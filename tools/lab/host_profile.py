@@ -16,6 +16,8 @@ that cProfile does not list separately) summed over the functions of one library
 * ``torch.autograd``, ``torch.nn``, ``torch.ops`` (aten calls made from Python), ``torch.other``;
 * ``ours``: ``nemo_fp8`` (the log-prob kernels, the loss);
 * ``cuda.launch``: ``cudaLaunchKernel`` as Python sees it (triton's launcher);
+* ``gpu.wait``: the host waiting for the GPU (``torch.cuda.synchronize``: the ``sync`` after the last pass, and
+  any sync inside a pass), not host work;
 * ``other``.
 
 cProfile adds its own cost to every Python call (about 1 us each), so the absolute numbers overstate Python-heavy
@@ -46,10 +48,12 @@ PARTS = (  # first match wins
 
 
 def part_of(filename: str, funcname: str) -> str:
-    """The library part (``PARTS`` name, or ``te.ops`` / ``torch.ops`` / ``cuda.launch`` / ``other``) of one cProfile
-    entry: ``filename`` its file (``~`` for a C function), ``funcname`` its name (for a C function cProfile's
-    ``<built-in method NAME>`` / ``<method 'NAME' of 'CLASS' objects>``)."""
+    """The library part (``PARTS`` name, or ``te.ops`` / ``torch.ops`` / ``cuda.launch`` / ``gpu.wait`` /
+    ``other``) of one cProfile entry: ``filename`` its file (``~`` for a C function), ``funcname`` its name
+    (for a C function cProfile's ``<built-in method NAME>`` / ``<method 'NAME' of 'CLASS' objects>``)."""
     if filename == "~":
+        if "synchronize" in funcname:
+            return "gpu.wait"
         if "transformer_engine_torch" in funcname or "tex." in funcname:
             return "te.ops"
         if "torch._C" in funcname or "torch._ops" in funcname or "of 'torch._C" in funcname:
@@ -113,7 +117,7 @@ def host_profile(fn: Callable[[], None], rounds: int, sync: Callable[[], None] =
 
 
 def _short(filename: str) -> str:
-    """A file path from its package root (``.../site-packages/transformer_engine/x.py`` -> ``transformer_engine/x.py``)."""
+    """A file path from its package root (``.../site-packages/te/x.py`` -> ``te/x.py``)."""
     path = filename.replace("\\", "/")
     for root in ("site-packages/", "dist-packages/"):
         if root in path:
