@@ -35,7 +35,8 @@ import sys
 from pathlib import Path
 
 from nemo_fp8.utils.logger import read_metrics
-from lab.parity_report import peak_gpu_memory, side_by_side_table, step_table, summarize_run, timed_steps
+from lab.parity_report import (peak_gpu_memory, side_by_side_table, step_table, summarize_run, timed_steps,
+                               warmup_only)
 
 
 def parse_run(spec: str) -> tuple[str, Path, Path | None, Path | None]:
@@ -193,7 +194,8 @@ def parts_table(rows_by_run: dict[str, list[dict]], baseline: str, summaries: di
     out when more remain: ``timed_steps``, as ``summarize_run``), and each part's ratio to the baseline run's; "" when
     no run logged any part (runs of an older trainer). With ``summaries`` (``summarize_run`` of each run), a last
     column ``untimed s``: the run's ``other_s`` less its timed parts (``OTHER_PARTS``), the driver's work between
-    the phases that no timer covers."""
+    the phases that no timer covers. No ratio where one of the two runs is timed on its warm-up only
+    (``warmup_only``)."""
     means = {}
     for name, rows in rows_by_run.items():
         timed = timed_steps(rows)
@@ -206,11 +208,12 @@ def parts_table(rows_by_run: dict[str, list[dict]], baseline: str, summaries: di
     if not any(k.startswith("refit/") or k.startswith("engine_") for k in parts):
         return ""
     base = means.get(baseline, {})
+    base_warmup = warmup_only(rows_by_run.get(baseline, []))
     lines = ["| run | " + " | ".join(f"{k} s" for k in parts) + " |", "|---|" + "---|" * len(parts)]
     for name, m in means.items():
-        cells = []
+        cells, like = [], warmup_only(rows_by_run[name]) == base_warmup
         for k in parts:
-            v, b = m.get(k), base.get(k)
+            v, b = m.get(k), base.get(k) if like else None
             cells.append("-" if v is None else f"{v:.2f}" + (f" ({v / b:.2f}x)" if name != baseline and b else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -235,7 +238,8 @@ def refit_bytes_table(rows_by_run: dict[str, list[dict]], hbm_gbps: float = HBM_
         gb, transfer = mean("refit/gbytes"), mean("timing/refit/transfer")
         floor_s = 2 * gb / hbm_gbps
         total = mean("timing/refit") + mean("timing/engine_wake") + mean("timing/engine_sleep")
-        lines.append(f"| {name} | {len(timed)} | {gb:.2f} | {transfer:.3f} | {gb / transfer:.1f} | "
+        steps = f"{len(timed)} (warm-up only)" if warmup_only(rows) else str(len(timed))
+        lines.append(f"| {name} | {steps} | {gb:.2f} | {transfer:.3f} | {gb / transfer:.1f} | "
                      f"{floor_s * 1e3:.1f} | {transfer / floor_s:.0f}x | {total:.2f} |")
     if not lines:
         return ""

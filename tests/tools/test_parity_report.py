@@ -17,6 +17,7 @@ from lab.parity_report import (
     parity_table,
     reward_gap_table,
     seed_group_table,
+    side_by_side_table,
     summarize_run,
 )
 
@@ -82,6 +83,20 @@ def test_parity_table_ratios_to_baseline():
     assert rows["fp8+tis"][-2:] == [f"{step_fp8 / step_bf16:.2f}", "0.50"]
     assert rows["fp8+tis"][1:4] == ["0.1000", "0.2000", "0.2500"]
     assert "-" == parity_table(sums, baseline="nope").splitlines()[2].split("|")[-2].strip()
+
+
+def test_side_by_side_gives_no_ratio_between_a_warm_up_step_and_later_ones():
+    """A run stopped after its warm-up step (out of memory at step 2) is timed on that step only: the table says so
+    and puts no ratio against a baseline timed on later steps; two warm-up-only runs still compare."""
+    sums = {"bf16": summarize_run(fake_run(2.0, 0.0, [0.1, 0.2], steps=2)),
+            "fp8": summarize_run(fake_run(1.0, 0.0, [0.1], steps=1))}
+    assert sums["fp8"]["warmup_only"] and not sums["bf16"]["warmup_only"]
+    rows = _table_rows(side_by_side_table(sums, {}, "bf16"))
+    assert rows["fp8"][0] == "1 (warm-up only)" and rows["fp8"][-2:] == ["-", "-"]
+    assert rows["bf16"][0] == "2" and rows["bf16"][-2:] == ["1.00", "1.00"]
+    both = {"bf16": summarize_run(fake_run(2.0, 0.0, [0.1], steps=1)), "fp8": sums["fp8"]}
+    rows = _table_rows(side_by_side_table(both, {}, "bf16"))
+    assert rows["fp8"][-1] == "2.00"  # tokens/s: 1000 / 1.0 against 1000 / 2.0, both on the warm-up step
 
 
 def _reward_rows(rewards: list[float]) -> list[dict]:

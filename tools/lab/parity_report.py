@@ -37,6 +37,13 @@ def timed_steps(rows: list[dict], skip_first_steps: int = 1) -> list[dict]:
     return steps[skip_first_steps:] if len(steps) > skip_first_steps else steps
 
 
+def warmup_only(rows: list[dict], skip_first_steps: int = 1) -> bool:
+    """Whether ``timed_steps`` had to keep the warm-up: the run made no step beyond its first ``skip_first_steps``
+    (a run cut short). Its times are not comparable with a run timed on later steps."""
+    steps = sum(1 for r in rows if _num(r.get("train/reward_mean")))
+    return 0 < steps <= skip_first_steps
+
+
 def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
     """Summary of one run.
 
@@ -52,7 +59,8 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
         ``gen_kl_error`` / ``token_mult_prob_error`` (means over steps); ``<phase>_s`` for generation, refit, logprobs, training (seconds per step: sum
         over the timed steps / their count, 0 for a phase a step did not run); ``step_s`` (the
         step minus its validation and checkpoint time); ``other_s`` (``step_s`` minus those four phases: the FP8 KV
-        calibration, rewards, advantages, the driver's own work); ``tokens_per_s`` (mean rollout tokens/s).
+        calibration, rewards, advantages, the driver's own work); ``tokens_per_s`` (mean rollout tokens/s);
+        ``warmup_only`` (``warmup_only``: the times include the warm-up, the run made no later step).
 
     Raises:
         ValueError: no training-step rows (none with ``train/reward_mean``).
@@ -78,7 +86,8 @@ def summarize_run(rows: list[dict], skip_first_steps: int = 1) -> dict:
            "best_acc": max(vals) if vals else float("nan"), "reward_mean": mean("train/reward_mean", steps),
            "gen_kl_error": mean("mismatch/gen_kl_error", steps),
            "token_mult_prob_error": mean("mismatch/token_mult_prob_error", steps),
-           "tokens_per_s": mean("perf/rollout_tokens_per_s", timed)}
+           "tokens_per_s": mean("perf/rollout_tokens_per_s", timed),
+           "warmup_only": warmup_only(steps, skip_first_steps)}
     for phase in PHASES:
         out[f"{phase}_s"] = sum(r.get(f"timing/{phase}", 0.0) for r in timed) / len(timed)
     out["step_s"] = sum(_step_seconds(r) for r in timed) / len(timed)
@@ -267,16 +276,20 @@ def step_table(rows: list[dict]) -> str:
 
 def side_by_side_table(summaries: dict[str, dict], peaks: dict[str, dict[int, float]], baseline: str) -> str:
     """Markdown table, a row per run: :func:`summarize_run` times (first step left out), rollout tokens/s,
-    peak GiB per GPU (``peaks``: run -> {GPU index: GiB}) and the ratios to ``baseline``."""
+    peak GiB per GPU (``peaks``: run -> {GPU index: GiB}) and the ratios to ``baseline``. A run timed on its warm-up
+    step only (``warmup_only``: it stopped after it) says so in its steps cell, and its ratios are "-" unless the
+    baseline's times are its warm-up too: a warm-up step against a later one is not a comparison."""
     base = summaries.get(baseline)
     head = ["run", "steps", "gen s", "refit s", "logprobs s", "train s", "other s", "step s", "rollout tok/s", "peak GiB per GPU",
             f"step / {baseline}", f"tok/s / {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summaries.items():
         mem = ", ".join(f"{i}: {g:.1f}" for i, g in sorted(peaks.get(name, {}).items())) or "-"
-        cells = [name, str(s["steps"])] + [f"{s[f'{p}_s']:.2f}" for p in PHASES + ("other",)]
-        cells += [f"{s['step_s']:.2f}", f"{s['tokens_per_s']:,.0f}", mem, _ratio(s["step_s"], base and base["step_s"]),
-                  _ratio(s["tokens_per_s"], base and base["tokens_per_s"])]
+        like = base and bool(s.get("warmup_only")) == bool(base.get("warmup_only")) and base
+        steps = f"{s['steps']} (warm-up only)" if s.get("warmup_only") else str(s["steps"])
+        cells = [name, steps] + [f"{s[f'{p}_s']:.2f}" for p in PHASES + ("other",)]
+        cells += [f"{s['step_s']:.2f}", f"{s['tokens_per_s']:,.0f}", mem, _ratio(s["step_s"], like and like["step_s"]),
+                  _ratio(s["tokens_per_s"], like and like["tokens_per_s"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
