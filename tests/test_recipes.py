@@ -233,7 +233,7 @@ def test_the_one_gpu_suite_composes_its_runs_and_checks_the_issue_targets(tmp_pa
         ("fp8", True)
     assert cfgs["fp8kv"].policy.generation.vllm_cfg.kv_cache_dtype == "fp8"
     report = (tmp_path / "ok" / "out" / "report.md").read_text()
-    assert "| fp8kv | 363,104 | 2.00 | 109.1 | - | - | 39.1 |" in report  # KV x2, free's 40,000 MiB used
+    assert "| fp8kv | 363,104 | 2.00 | 109.1 | - | - | - | 39.1 |" in report  # KV x2, free's 40,000 MiB used
     checks = (tmp_path / "ok" / "out" / "checks.md").read_text()
     assert checks.count("| PASS |") == 9 and "FAIL" not in checks  # bf16's steps, 3 hosts, step, 4 phases
     assert "`max(fp8kv_host:host/used_gib) <= 100`" in checks

@@ -274,23 +274,25 @@ def memory_table(rows_by_run: dict[str, list[dict]], gpu_peaks: dict[str, dict[i
                  host_peaks: dict[str, float], baseline: str) -> str:
     """Markdown table, a row per run: the engines' KV capacity in tokens (``generation/kv_capacity_tokens``, its
     last value; the ratio to the baseline run's), the trainer's peak allocated and reserved GiB
-    (``memory/train_peak_*``, the largest over steps), the largest nvidia-smi reading over the GPUs (``gpu_peaks``:
-    run -> {GPU: GiB}) and the host's peak used GiB (``host_peaks``); "-" where a run has no such record. "" when
-    no run has any of them."""
-    keys = ("generation/kv_capacity_tokens", "memory/train_peak_allocated_gib", "memory/train_peak_reserved_gib")
+    (``memory/train_peak_*``, the largest over steps), what the trainer reserved beside the woken engine
+    (``memory/beside_engine_reserved_gib``, colocated with its state kept; the largest over steps), the largest
+    nvidia-smi reading over the GPUs (``gpu_peaks``: run -> {GPU: GiB}) and the host's peak used GiB
+    (``host_peaks``); "-" where a run has no such record. "" when no run has any of them."""
+    keys = ("generation/kv_capacity_tokens", "memory/train_peak_allocated_gib", "memory/train_peak_reserved_gib",
+            "memory/beside_engine_reserved_gib")
     if not (gpu_peaks or host_peaks or any(_last(rows, k) is not None for rows in rows_by_run.values()
                                            for k in keys)):
         return ""
     base_kv = _last(rows_by_run.get(baseline, []), keys[0])
     head = ["run", "KV capacity tokens", f"KV / {baseline}", "trainer peak allocated GiB",
-            "trainer peak reserved GiB", "peak GPU GiB (nvidia-smi)", "peak host GiB"]
+            "trainer peak reserved GiB", "trainer beside engine GiB", "peak GPU GiB (nvidia-smi)", "peak host GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rows in rows_by_run.items():
-        kv, alloc, reserved = _last(rows, keys[0]), _most(rows, keys[1]), _most(rows, keys[2])
+        kv, alloc, reserved, beside = _last(rows, keys[0]), _most(rows, keys[1]), _most(rows, keys[2]), _most(rows, keys[3])
         gpu, host = gpu_peaks.get(name), host_peaks.get(name)
         cells = [name, "-" if kv is None else f"{kv:,.0f}", f"{kv / base_kv:.2f}" if kv and base_kv else "-",
                  "-" if alloc is None else f"{alloc:.1f}", "-" if reserved is None else f"{reserved:.1f}",
-                 f"{max(gpu.values()):.1f}" if gpu else "-", "-" if host is None else f"{host:.1f}"]
+                 "-" if beside is None else f"{beside:.1f}", f"{max(gpu.values()):.1f}" if gpu else "-", "-" if host is None else f"{host:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -36,6 +36,7 @@ from nemo_fp8.policy.config import PolicyConfig
 from nemo_fp8.policy.interfaces import PolicyBackend
 from nemo_fp8.utils.config import CheckpointingConfig, LoggerConfig
 from nemo_fp8.utils.console import StepBar
+from nemo_fp8.utils.run_dir import RunFailed
 from nemo_fp8.utils.timer import Timer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,26 @@ def sum_engine_metrics(rounds: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def wake_oom_hint(error: str, beside_engine: dict[str, float]) -> str:
+    """What to change when a colocated engine ran out of memory waking beside a trainer that kept its state.
+
+    Args:
+        error: the engine's error text; only one that says "out of memory" gets a hint.
+        beside_engine: the trainer's ``cuda_memory_gib()`` after the refit's release (``allocated_gib``,
+            ``reserved_gib``); ``{}`` when the trainer's state left the GPU (``offload_trainer``) or on CPU.
+
+    Returns:
+        str: the trainer's GiB on the GPU and the keys that give the engine room, or "" (no hint).
+    """
+    if "out of memory" not in error.lower() or "reserved_gib" not in beside_engine:
+        return ""
+    reserved, allocated = beside_engine["reserved_gib"], beside_engine.get("allocated_gib", float("nan"))
+    return (f"the trainer held {reserved:.1f} GiB of this GPU beside the engine ({allocated:.1f} GiB of live "
+            f"tensors, the rest cached blocks that torch.cuda.empty_cache could not return); lower "
+            f"policy.generation.vllm_cfg.gpu_memory_utilization or policy.sequence_packing.train_mb_tokens, or set "
+            f"policy.generation.colocated.offload_trainer=true")
+
+
 class RefitController:
     """Keeps the engine's weights (and FP8 KV scales) on the policy's version (NeMo-RL's "stale" flag).
 
@@ -117,6 +138,7 @@ class RefitController:
         self.offload_trainer = offload_trainer
         self.colocated = colocated
         self.sleep_discards_weights = sleep_discards_weights
+        self.beside_engine: dict[str, float] = {}  # policy.cuda_memory_gib() after the last colocated refit
         self.stale = True
         self.version, self.kv_scales = version, kv_scales
         self.last_stats = None
@@ -152,7 +174,11 @@ class RefitController:
                 elif self.colocated:
                     self._release(timer, "after")
         self.stale = False
-        return self.last_stats.metrics()
+        metrics = self.last_stats.metrics()
+        if self.colocated and not self.offload_trainer:  # the trainer's part of the GPU the engine wakes beside
+            self.beside_engine = self.policy.cuda_memory_gib() or {}
+            metrics.update({f"memory/beside_engine_{k}": v for k, v in self.beside_engine.items()})
+        return metrics
 
     def _release(self, timer: Timer, when: str) -> None:
         """``policy.release_cached_memory()``; its parts' seconds (the slowest rank's) under ``release_<when>/<part>``
@@ -169,7 +195,13 @@ class RefitController:
         """
         self.refit_if_stale(timer)
         with timer("engine_wake"):  # outside the four phases: the step's "other" time
-            self.generation.prepare_for_generation()
+            try:
+                self.generation.prepare_for_generation()
+            except RunFailed as e:
+                hint = wake_oom_hint(str(e), self.beside_engine)
+                if not hint:
+                    raise
+                raise type(e)(f"{e}; {hint}") from e
         try:
             with timer("engine_wake"):  # the version check counts with the wake
                 held = self.generation.weight_version()

@@ -43,6 +43,15 @@ from nemo_fp8.policy.spec import PolicySpec
 logger = logging.getLogger(__name__)
 
 
+def max_per_key(per_rank: list[Optional[dict[str, float]]]) -> dict[str, float]:
+    """The ranks' ``{name: value}`` dicts (None: nothing) -> each name's largest value."""
+    out: dict[str, float] = {}
+    for figures in per_rank:
+        for k, v in (figures or {}).items():
+            out[k] = max(out.get(k, v), v)
+    return out
+
+
 # --------------------------------------------------------------------------- actors
 @ray.remote
 class PolicyWorker(MemoryProbe):
@@ -188,6 +197,9 @@ class PolicyWorker(MemoryProbe):
 
     def release_cached_memory(self) -> dict[str, float]:
         return self.backend.release_cached_memory() or {}
+
+    def cuda_memory_gib(self) -> dict[str, float]:
+        return self.backend.cuda_memory_gib() or {}
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -389,11 +401,11 @@ class PolicyGroup:
 
     def release_cached_memory(self) -> dict[str, float]:
         """Every rank's; the seconds of each part, the slowest rank's (the refit waits for all of them)."""
-        out: dict[str, float] = {}
-        for parts in self._call_all("release_cached_memory"):
-            for k, v in (parts or {}).items():
-                out[k] = max(out.get(k, 0.0), v)
-        return out
+        return max_per_key(self._call_all("release_cached_memory"))
+
+    def cuda_memory_gib(self) -> dict[str, float]:
+        """Every rank's; the largest of each figure (the fullest GPU is the one an engine beside it fails on)."""
+        return max_per_key(self._call_all("cuda_memory_gib"))
 
     def save(self, path) -> None:
         self._call_all("save", str(path))  # rank 0 writes; Megatron ranks write shards

@@ -489,6 +489,11 @@ class TorchPolicyBackend:
             return {}
         return timed_parts((("gc", gc.collect), ("empty_cache", torch.cuda.empty_cache)))
 
+    def cuda_memory_gib(self) -> dict[str, float]:
+        from nemo_fp8.utils.memory import cuda_memory_gib
+
+        return cuda_memory_gib(self.device)
+
     def offload_after_refit(self) -> None:
         """Colocated on a GPU: the weights to host memory too, so the engine can wake."""
         if self.device.type == "cuda" and "model" not in self._offloaded:

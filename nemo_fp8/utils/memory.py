@@ -60,6 +60,21 @@ class MemoryWatch:
         self._peak_shmem = max(self._peak_shmem, _status_kb("RssShmem"))
 
 
+def cuda_memory_gib(device) -> dict[str, float]:
+    """This process's CUDA caching-allocator holdings now, GiB: ``allocated_gib`` (``torch.cuda.memory_allocated``:
+    live tensors) and ``reserved_gib`` (``torch.cuda.memory_reserved``: the segments it holds from the device, what
+    another process on the GPU cannot have; above ``allocated_gib`` by the cached free blocks, which
+    ``torch.cuda.empty_cache`` returns only where a whole segment is free). ``{}`` for a CPU device or without CUDA.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return {}
+    return {"allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+            "reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
+
+
 class CudaMemoryWindow:
     """This process's CUDA caching-allocator figures over a window of work (one training call).
 

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from nemo_fp8.algorithms.grpo import RefitController, grpo_step, validate
+from nemo_fp8.algorithms.grpo import RefitController, grpo_step, validate, wake_oom_hint
 from nemo_fp8.distributed.weight_sync import InProcessWeightSync
 from nemo_fp8.data import PromptDataloader
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
@@ -13,6 +13,7 @@ from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 from nemo_fp8.rewards import MathRewardScorer
 from nemo_fp8.trainer import prepare_prompts
+from nemo_fp8.utils.run_dir import RunFailed
 from nemo_fp8.utils.timer import Timer
 from nemo_fp8.policy.spec import PolicySpec
 
@@ -129,16 +130,55 @@ def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated
     policy.offload_before_refit = lambda: calls.append("before")
     policy.offload_after_refit = lambda: calls.append("after")
     policy.release_cached_memory = lambda: calls.append("release") or {"gc": 0.25, "empty_cache": 0.5}
+    policy.cuda_memory_gib = lambda: {"allocated_gib": 70.5, "reserved_gib": 80.25}  # as a GPU rank reads them
     refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20),
                                offload_trainer=offload, colocated=colocated)
     timer = Timer()
     metrics = refitter.refit_if_stale(timer)
     assert calls == expected
+    # what the trainer keeps on the GPU the engine wakes beside, only where it keeps its state there
+    beside = {k: v for k, v in metrics.items() if k.startswith("memory/beside_engine_")}
+    assert beside == ({"memory/beside_engine_allocated_gib": 70.5, "memory/beside_engine_reserved_gib": 80.25}
+                      if "release" in calls else {})
     phases = timer.pop()  # each release's parts, the one before the transfer and the one after it apart
     for when in ("before", "after"):
         assert (phases.get(f"release_{when}/gc"), phases.get(f"release_{when}/empty_cache")) == \
             ((0.25, 0.5) if "release" in calls else (None, None))
     assert metrics["refit/num_buckets"] >= 1 and gen.weight_version().weights == 0
+
+
+def test_an_engine_out_of_memory_beside_the_trainer_names_its_gib_and_the_keys(tiny_cfg):
+    """Colocated with the trainer's state kept (offload_trainer=false), an engine that cannot wake for lack of memory
+    stops the run with the trainer's GiB on the GPU and the keys that make room; other failures pass unchanged."""
+    cfg = tiny_cfg(*SMALL)
+    tok, loader, policy, gen, _ = setup(cfg)
+    policy.cuda_memory_gib = lambda: {"allocated_gib": 79.4, "reserved_gib": 91.6}
+    refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20),
+                               offload_trainer=False, colocated=True)
+    failures = iter(["engine 0 failed: wake_up: CUDA Error: out of memory at cumem_allocator.cpp:139",
+                     "engine 0 failed: the actor died"])
+
+    def wake():
+        raise RunFailed(next(failures))
+
+    gen.prepare_for_generation = wake
+    with pytest.raises(RunFailed) as e:
+        with refitter.generating(Timer()):
+            pass
+    text = str(e.value)
+    assert text.startswith("engine 0 failed: wake_up: CUDA Error: out of memory")
+    assert "held 91.6 GiB of this GPU beside the engine (79.4 GiB of live tensors" in text
+    for key in ("gpu_memory_utilization", "train_mb_tokens", "offload_trainer=true"):
+        assert key in text
+    with pytest.raises(RunFailed, match=r"^engine 0 failed: the actor died$"):
+        with refitter.generating(Timer()):
+            pass
+
+
+def test_wake_oom_hint_only_for_memory_and_a_trainer_on_the_gpu():
+    assert wake_oom_hint("CUDA out of memory", {}) == ""  # the trainer's state left the GPU (or a CPU run)
+    assert wake_oom_hint("actor died", {"reserved_gib": 1.0}) == ""
+    assert "1.0 GiB" in wake_oom_hint("RuntimeError: CUDA Error: Out Of Memory", {"reserved_gib": 1.0})
 
 
 def test_validation_accuracy_per_data_source(tiny_cfg):

@@ -79,15 +79,16 @@ def test_report_runs_adds_kv_capacity_and_peak_gpu_and_host_memory(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(
             {"step": s, "train/reward_mean": 0.0, "timing/step": 2.0, "generation/kv_capacity_tokens": kv,
-             "memory/train_peak_allocated_gib": 100.0 + s, "memory/train_peak_reserved_gib": 110.0}) for s in (1, 2)))
+             "memory/train_peak_allocated_gib": 100.0 + s, "memory/train_peak_reserved_gib": 110.0,
+             **({"memory/beside_engine_reserved_gib": 80.0 + s} if name == "fp8kv" else {})}) for s in (1, 2)))
     (tmp_path / "gpu_mem_fp8kv.csv").write_text("timestamp, index, memory.used [MiB]\nt, 0, 133120 MiB\n")
     (tmp_path / "host_mem_fp8kv.jsonl").write_text(
         "".join(json.dumps({"step": i, "host/used_gib": g}) + "\n" for i, g in enumerate([40.0, 71.25, 60.0], 1)))
     res = _suite_shell(tmp_path, "report_runs")
     assert res.returncode == 0, res.stdout + res.stderr
     table = (tmp_path / "report.md").read_text()
-    assert "| fp8kv | 445,856 | 2.46 | 102.0 | 110.0 | 130.0 | 71.2 |" in table
-    assert "| bf16 | 181,552 | 1.00 | 102.0 | 110.0 | - | - |" in table
+    assert "| fp8kv | 445,856 | 2.46 | 102.0 | 110.0 | 82.0 | 130.0 | 71.2 |" in table
+    assert "| bf16 | 181,552 | 1.00 | 102.0 | 110.0 | - | - | - |" in table
     (tmp_path / "host_mem_fp8kv.jsonl").write_text('{"step": 1}\n')
     res = _suite_shell(tmp_path, "report_runs")
     assert res.returncode == 2 and "no host/used_gib row" in res.stderr

@@ -7,7 +7,7 @@ import torch
 
 from nemo_fp8.utils.metrics import MetricAccumulator
 from nemo_fp8.policy.torch_backend import ShardTrainResult, reduce_train_results
-from nemo_fp8.utils.memory import CudaMemoryWindow
+from nemo_fp8.utils.memory import CudaMemoryWindow, cuda_memory_gib
 from nemo_fp8.utils.config import ProfileConfig
 from nemo_fp8.utils.profiling import TrainProfiler
 
@@ -30,6 +30,15 @@ def test_cuda_memory_window_reports_nothing_without_cuda():
     window = CudaMemoryWindow("cpu")
     window.start()
     assert window.metrics("memory/train_") == {}
+    assert cuda_memory_gib("cpu") == {}
+
+
+def test_the_policy_group_reports_each_figure_of_the_fullest_rank():
+    from nemo_fp8.policy.group import max_per_key
+
+    ranks = [{"allocated_gib": 70.0, "reserved_gib": 81.0}, None, {"allocated_gib": 72.5, "reserved_gib": 79.0}]
+    assert max_per_key(ranks) == {"allocated_gib": 72.5, "reserved_gib": 81.0}
+    assert max_per_key([{"gc": -1.0}]) == {"gc": -1.0} and max_per_key([]) == {}
 
 
 def _steps(tmp_path, call: int, profiled_call: int, trace: bool = False):

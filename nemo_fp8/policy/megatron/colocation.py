@@ -20,6 +20,7 @@ import torch
 
 from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.offload import HostBuffers, timed_parts
+from nemo_fp8.utils.memory import cuda_memory_gib
 
 
 class ColocationMixin:
@@ -129,6 +130,10 @@ class ColocationMixin:
         without it). Returns the seconds of each part (``timed_parts``)."""
         return timed_parts((("free_rebuilt", self._free_rebuilt_state), ("gc", gc.collect),
                             ("empty_cache", torch.cuda.empty_cache)))
+
+    def cuda_memory_gib(self) -> dict[str, float]:
+        """``nemo_fp8.utils.memory.cuda_memory_gib`` of this rank's GPU."""
+        return cuda_memory_gib(self.device)
 
     def offload_after_refit(self) -> None:
         """The weights to host memory too, so a colocated engine can wake."""
