@@ -3,7 +3,9 @@
 # examples/configs/grpo_math_8B_megatron{,_fp8}_1gpu.yaml: BF16, FP8 (W8A8 blockwise rollout with DeepGEMM + TE
 # blockwise training + TIS) and FP8 + FP8 KV cache of one workload side by side, then the report
 # (tools/mission_report.py: each phase per step, rollout tokens/s, KV capacity, peak GPU and host memory per run).
-# Written, not yet run on a GPU. Recipes: examples/configs/recipes/llm/mission-8b-1gpu/{standard,long-responses}.yaml
+# Run on one H200 (docs/results/2026-12-02-mission-1gpu-standard-1xh200): the standard workload's BF16 run, at
+# 16,384-token micro-batches, took 8.8 minutes (3.5-4 of start-up, steps of 146.7 and 114.8 s); the FP8 run at that
+# size ran out of memory at its second step's engine wake. Long responses: not run yet. Recipes: examples/configs/recipes/llm/mission-8b-1gpu/{standard,long-responses}.yaml
 # (BF16), the FP8 runs adding arms/*.yaml fragments (mission_arms, tests/test_suites/mission.sh):
 #   standard        32 prompts x 16 responses of up to 1,024 tokens, 2 steps. Checks: the FP8 step <= 0.80 x BF16's,
 #                   every FP8 phase (generation, refit, log-probs, training) no slower than BF16's
@@ -16,7 +18,10 @@
 #             report and checks join whatever runs $OUT holds
 #   SUITE_TIMEOUT  seconds per run (default 600: three runs in 30 minutes); CHECKS=0 prints the report only
 #   MISSION_ARGS, MISSION_TOKENIZER, NEMO_FP8_SHARED_DATA  as in tests/test_suites/mission.sh
-# On a fresh host the first FP8 run also compiles DeepGEMM's kernels (minutes, once; DG_JIT_CACHE_DIR keeps them).
+# On a fresh host the first FP8 run also compiles DeepGEMM's kernels (once; DG_JIT_CACHE_DIR keeps them): vLLM's
+# warm-up (VLLM_DEEP_GEMM_WARMUP=relax) ran 42 of its 1,735 GEMM shapes in 32 s here, 18-29 minutes projected, more
+# than a run's SUITE_TIMEOUT: on a fresh host, a first FP8 engine to warm the cache, or
+# MISSION_ARGS=policy.generation.vllm_cfg.use_deep_gemm=false (CUTLASS's block-scaled GEMMs).
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-600}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; source "$(dirname "$0")/../mission.sh"
 WORKLOAD=${WORKLOAD:-standard}
