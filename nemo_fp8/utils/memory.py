@@ -64,15 +64,18 @@ def cuda_memory_gib(device) -> dict[str, float]:
     """This process's CUDA caching-allocator holdings now, GiB: ``allocated_gib`` (``torch.cuda.memory_allocated``:
     live tensors) and ``reserved_gib`` (``torch.cuda.memory_reserved``: the segments it holds from the device, what
     another process on the GPU cannot have; above ``allocated_gib`` by the cached free blocks, which
-    ``torch.cuda.empty_cache`` returns only where a whole segment is free). ``{}`` for a CPU device or without CUDA.
+    ``torch.cuda.empty_cache`` returns only where a whole segment is free); and ``device_used_gib``, the whole GPU's
+    used memory (``torch.cuda.mem_get_info``: total - free, every process on it, what is outside PyTorch too).
+    ``{}`` for a CPU device or without CUDA.
     """
     import torch
 
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return {}
+    free, total = torch.cuda.mem_get_info(device)
     return {"allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
-            "reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
+            "reserved_gib": torch.cuda.memory_reserved(device) / 2**30, "device_used_gib": (total - free) / 2**30}
 
 
 class CudaMemoryWindow:
