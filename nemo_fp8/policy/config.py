@@ -190,6 +190,12 @@ class MegatronConfig(StrictConfig):
         default_factory=dict, description="environment variables of the policy's rank processes (NeMo-RL's "
         "policy.megatron_cfg.env_vars), over the defaults (megatron_env_vars): e.g. {PYTORCH_CUDA_ALLOC_CONF: "
         "'expandable_segments:False'} turns the default expandable segments off")
+    train_expandable_segments: bool = Field(
+        False, description="with the cuda_ipc refit, whose handles need cudaMalloc segments: the allocator switches "
+        "to expandable segments while the trainer computes log-probs and trains and back before each refit "
+        "(nemo_fp8.utils.memory.set_expandable_segments), so what a step frees (activations, TE's FP8 weight "
+        "copies, the gradient buffer) goes back to the device page by page before the engine wakes, instead of "
+        "staying reserved in segments that the step's other allocations (Adam's moments at the first step) share")
     optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
     distributed_data_parallel_config: DistributedDataParallelConfig = DistributedDataParallelConfig()
     fp8_cfg: Fp8TrainingConfig = Fp8TrainingConfig()
@@ -257,6 +263,21 @@ MEGATRON_DEFAULT_ENV_VARS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:Tru
 
 def _expandable(env: dict[str, str]) -> bool:
     return "expandable_segments:true" in env.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+
+
+def _train_expandable_errors(cfg: "PolicyConfig") -> list[str]:
+    """Why ``megatron_cfg.train_expandable_segments`` cannot run with ``cfg`` (empty: it can): it is for the megatron
+    backend under the colocated cuda_ipc refit with the trainer's state kept on the GPU (``offload_trainer: false``:
+    weights moved back during training would land in expandable segments, and a weight shared as it is would then
+    have no legacy handle), without an FP8 KV cache (its scales travel as small tensors, which may reuse a cached
+    block of an expandable segment)."""
+    why = [w for w, bad in (("megatron_cfg.enabled: true", not cfg.megatron_cfg.enabled),
+                            ("weight_sync.method: 'cuda_ipc' (the other refits run expandable segments throughout: "
+                             "the default PYTORCH_CUDA_ALLOC_CONF)", cfg.weight_sync.method != "cuda_ipc"),
+                            ("generation.colocated.offload_trainer: false", cfg.generation.colocated.offload_trainer),
+                            ("generation.vllm_cfg.kv_cache_dtype other than fp8",
+                             cfg.generation.vllm_cfg.kv_cache_is_fp8)) if bad]
+    return [f"megatron_cfg.train_expandable_segments: true needs {', '.join(why)}"] if why else []
 
 
 def megatron_env_vars(cfg: "PolicyConfig") -> dict[str, str]:
@@ -457,6 +478,8 @@ class PolicyConfig(StrictConfig):
                         "weight_sync.method: 'cuda_ipc' cannot run together: a tensor in an expandable segment is "
                         "shared through pidfd_getfd, which containers refuse (pytorch/pytorch#165685); drop "
                         "expandable_segments or use weight_sync.method 'object_store'")
+        if self.megatron_cfg.train_expandable_segments:
+            errs.extend(_train_expandable_errors(self))
         if self.weight_sync.method == "cuda_ipc":
             why = [w for w, bad in (("generation.backend: vllm", self.generation.backend != "vllm"),
                                     ("generation.colocated.enabled: true", not self.generation.colocated.enabled),

@@ -78,6 +78,19 @@ def cuda_memory_gib(device) -> dict[str, float]:
             "reserved_gib": torch.cuda.memory_reserved(device) / 2**30, "device_used_gib": (total - free) / 2**30}
 
 
+def set_expandable_segments(on: bool) -> None:
+    """Switch this process's CUDA caching allocator between expandable segments (``on``: new segments are CUDA
+    virtual-memory ranges mapped page by page, whose free pages ``torch.cuda.empty_cache`` unmaps, so freed memory
+    goes back to the device whatever lives beside it) and ``cudaMalloc`` segments (``off``: what a legacy CUDA IPC
+    handle can share), at run time (``torch._C._accelerator_setAllocatorSettings``, the call behind
+    ``torch.cuda.memory._set_allocator_settings``; SkyRL #1470 and miles #2852 switch it on for the training step
+    the same way). Segments already made keep their kind; a no-op without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{'True' if on else 'False'}")
+
+
 class CudaMemoryWindow:
     """This process's CUDA caching-allocator figures over a window of work (one training call).
 

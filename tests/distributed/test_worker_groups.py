@@ -1,6 +1,7 @@
 """Ray worker groups: object-store refit (correct, bounded memory), data parallelism, cluster plan."""
 
 import mmap
+import re
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,47 @@ def test_expandable_segments_with_the_cuda_ipc_refit_is_a_config_error():
         load_config("examples/configs/grpo_math_tiny_megatron_fp8.yaml", [
             "policy.weight_sync.method=cuda_ipc",
             "policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:True'}"])
+
+
+def test_train_expandable_segments_fits_only_the_colocated_cuda_ipc_refit_that_keeps_the_trainer():
+    """``megatron_cfg.train_expandable_segments``: the one-GPU layout (cuda_ipc, trainer state kept) takes it; every
+    setting it cannot run beside is named, with what would run."""
+    from nemo_fp8.config import ConfigError, load_config
+
+    one_gpu = "examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml"
+    on = "policy.megatron_cfg.train_expandable_segments=true"
+    assert load_config(one_gpu, [on]).policy.megatron_cfg.train_expandable_segments
+    for override, named in [("policy.weight_sync.method=object_store", "weight_sync.method: 'cuda_ipc'"),
+                            ("policy.generation.colocated.offload_trainer=true", "offload_trainer: false"),
+                            ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype other than fp8")]:
+        with pytest.raises(ConfigError, match=r"megatron_cfg.train_expandable_segments: true needs .*" + re.escape(named)):
+            load_config(one_gpu, [on, override])
+    with pytest.raises(ConfigError, match=r"train_expandable_segments: true needs megatron_cfg.enabled: true"):
+        load_config("examples/configs/grpo_math_tiny.yaml", [on])
+
+
+def test_the_trainer_allocates_in_expandable_segments_and_refits_from_cudamalloc_ones(monkeypatch):
+    """With ``train_expandable_segments`` each log-prob / training pass starts by switching the allocator to
+    expandable segments and each release before a refit switches it back before it empties the cache; without the
+    key the allocator is never touched."""
+    from nemo_fp8.config import load_config
+    from nemo_fp8.policy.megatron import colocation
+
+    calls = []
+    monkeypatch.setattr(colocation, "set_expandable_segments", lambda on: calls.append(("expandable", on)))
+    monkeypatch.setattr(colocation.torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+
+    class Trainer(colocation.ColocationMixin):  # the mixin's state without a model: nothing to move or free
+        def __init__(self):
+            self.chunks, self.reference_chunks, self.device = [], None, CPU
+            self._offloaded, self._state_on_host, self.optimizer = set(), [], None
+
+    for key, expect in [(True, [("expandable", True), ("expandable", False), ("empty_cache",)]),
+                        (False, [("empty_cache",)])]:
+        trainer = Trainer()
+        trainer.cfg = load_config("examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml",
+                                  [f"policy.megatron_cfg.train_expandable_segments={str(key).lower()}"]).policy
+        calls.clear()
+        trainer.prepare_for_training()
+        parts = trainer.release_cached_memory()
+        assert calls == expect and set(parts) == {"free_rebuilt", "gc", "empty_cache"}

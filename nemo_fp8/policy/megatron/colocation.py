@@ -20,7 +20,7 @@ import torch
 
 from nemo_fp8.policy.megatron.memory import DTYPE_BYTES
 from nemo_fp8.policy.offload import HostBuffers, timed_parts
-from nemo_fp8.utils.memory import cuda_memory_gib
+from nemo_fp8.utils.memory import cuda_memory_gib, set_expandable_segments
 
 
 class ColocationMixin:
@@ -79,7 +79,11 @@ class ColocationMixin:
             self._state_on_host = []
 
     def prepare_for_training(self) -> None:
-        """Bring back whatever ``offload_*`` moved to host memory."""
+        """Bring back whatever ``offload_*`` moved to host memory. With ``train_expandable_segments`` the
+        allocator switches to expandable segments first: what the pass allocates (the gradient buffer made again,
+        activations, TE's FP8 weight copies, at the first step Adam's moments) lands in them."""
+        if self.cfg.megatron_cfg.train_expandable_segments:
+            set_expandable_segments(True)
         if not self._offloaded:
             return
         self._move_ddp_buffers(False, params="model" in self._offloaded, grads=True)
@@ -127,7 +131,11 @@ class ColocationMixin:
         the optimizer state stay on the GPU, what the next pass rebuilds is freed (``_free_rebuilt_state``: the
         gradient buffer, TE's FP8 weight copies) and the allocator's free cached blocks (the step's activation
         peak) go back to the device (several trainers sharing one GPU with their engines ran out of memory
-        without it). Returns the seconds of each part (``timed_parts``)."""
+        without it). With ``train_expandable_segments`` the allocator first goes back to ``cudaMalloc`` segments,
+        which the refit's CUDA IPC handles need, and ``empty_cache`` unmaps the free pages of the expandable ones.
+        Returns the seconds of each part (``timed_parts``)."""
+        if self.cfg.megatron_cfg.train_expandable_segments:
+            set_expandable_segments(False)
         return timed_parts((("free_rebuilt", self._free_rebuilt_state), ("gc", gc.collect),
                             ("empty_cache", torch.cuda.empty_cache)))
 
