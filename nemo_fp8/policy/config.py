@@ -269,12 +269,14 @@ def _train_expandable_errors(cfg: "PolicyConfig") -> list[str]:
     """Why ``megatron_cfg.train_expandable_segments`` cannot run with ``cfg`` (empty: it can): it is for the megatron
     backend under the colocated cuda_ipc refit with the trainer's state kept on the GPU (``offload_trainer: false``:
     weights moved back during training would land in expandable segments, and a weight shared as it is would then
-    have no legacy handle), without an FP8 KV cache (its scales travel as small tensors, which may reuse a cached
-    block of an expandable segment)."""
+    have no legacy handle), packed (a bucket's buffer is large enough never to be a cached remnant of an expandable
+    segment, ``PACKED_MIN_BUFFER_BYTES``; unpacked FP8 tensors are small ones), without an FP8 KV cache (its scales
+    travel as small tensors of their own, which may reuse such a remnant)."""
     why = [w for w, bad in (("megatron_cfg.enabled: true", not cfg.megatron_cfg.enabled),
                             ("weight_sync.method: 'cuda_ipc' (the other refits run expandable segments throughout: "
                              "the default PYTORCH_CUDA_ALLOC_CONF)", cfg.weight_sync.method != "cuda_ipc"),
                             ("generation.colocated.offload_trainer: false", cfg.generation.colocated.offload_trainer),
+                            ("weight_sync.packed: true", not cfg.weight_sync.packed),
                             ("generation.vllm_cfg.kv_cache_dtype other than fp8",
                              cfg.generation.vllm_cfg.kv_cache_is_fp8)) if bad]
     return [f"megatron_cfg.train_expandable_segments: true needs {', '.join(why)}"] if why else []

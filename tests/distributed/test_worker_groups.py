@@ -276,6 +276,7 @@ def test_train_expandable_segments_fits_only_the_colocated_cuda_ipc_refit_that_k
     assert load_config(one_gpu, [on]).policy.megatron_cfg.train_expandable_segments
     for override, named in [("policy.weight_sync.method=object_store", "weight_sync.method: 'cuda_ipc'"),
                             ("policy.generation.colocated.offload_trainer=true", "offload_trainer: false"),
+                            ("policy.weight_sync.packed=false", "weight_sync.packed: true"),
                             ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype other than fp8")]:
         with pytest.raises(ConfigError, match=r"megatron_cfg.train_expandable_segments: true needs .*" + re.escape(named)):
             load_config(one_gpu, [on, override])

@@ -145,7 +145,7 @@ def test_packed_ipc_send_gives_one_buffer_per_bucket_that_unpacks_to_the_convert
     fp32 ``weight_scale_inv`` and bf16 norms, each at an offset its dtype can be viewed at (widest first); a scalar
     KV scale, which that unpacking cannot give shape ``[]``, follows in an unpacked update."""
     from nemo_fp8.fp8.quantize import quantize_weight_blockwise
-    from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
+    from nemo_fp8.generation.vllm.refit import PACKED_MIN_BUFFER_BYTES, RefitPlan, send_weights_ipc
 
     _stub_vllm_ipc(monkeypatch, ["GPU-aaa", "GPU-bbb"])
     monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor", lambda t: (None, t))  # "handle": itself
@@ -161,9 +161,10 @@ def test_packed_ipc_send_gives_one_buffer_per_bucket_that_unpacks_to_the_convert
             return
         buffers = [info["ipc_handles"][u] for u in ("GPU-aaa", "GPU-bbb")]
         assert buffers[0].dtype == torch.uint8 and torch.equal(buffers[0], buffers[1])
-        assert sum(info["tensor_sizes"]) == buffers[0].numel()
+        content = sum(info["tensor_sizes"])  # vLLM's receiver reads the buffer's first bytes (packed_ipc_consumer)
+        assert buffers[0].numel() == max(content, PACKED_MIN_BUFFER_BYTES)
         for name, d, shape, chunk in zip(info["names"], info["dtype_names"], info["shapes"],
-                                         buffers[0].split(info["tensor_sizes"])):
+                                         buffers[0][:content].split(info["tensor_sizes"])):
             received[name] = chunk.contiguous().view(getattr(torch, d)).view(*shape).clone()
 
     g = torch.Generator().manual_seed(0)

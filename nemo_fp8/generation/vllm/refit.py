@@ -51,6 +51,10 @@ _FUSED_EXPERTS_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 DEFAULT_BUCKET_BYTES = 1 << 30
+# A packed bucket's buffer is at least this large: more than a page of the allocator's expandable large segments
+# (20 MiB), so it is never carved from a cached remnant beside a live tensor in one of them, which a legacy CUDA IPC
+# handle cannot share (policy.megatron_cfg.train_expandable_segments: the trainer trains in such segments)
+PACKED_MIN_BUFFER_BYTES = 32 << 20
 
 
 @dataclass
@@ -369,7 +373,12 @@ def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], N
     items = sorted(((name, t) for name, t in bucket if t.dim() > 0), key=lambda it: -it[1].element_size())
     if items:
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
-        buffer = torch.cat(flats) if len(flats) > 1 else flats[0]  # a tensor alone: shared as it is
+        total = sum(f.numel() for f in flats)
+        if len(flats) == 1 and total >= PACKED_MIN_BUFFER_BYTES:
+            buffer = flats[0]  # a large tensor alone: shared as it is
+        else:  # vLLM's receiver reads the first sum(tensor_sizes) bytes of a buffer (packed_ipc_consumer)
+            buffer = torch.empty(max(total, PACKED_MIN_BUFFER_BYTES), dtype=torch.uint8, device=flats[0].device)
+            torch.cat(flats, out=buffer[:total])
         del flats
         copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
         info = IPCWeightTransferUpdateInfo(
