@@ -25,6 +25,12 @@ class VllmConfig(StrictConfig):
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
     use_deep_gemm: bool = False
+    deep_gemm_warmup: Literal["relax", "full", "skip"] = Field(
+        "relax", description="vLLM's VLLM_DEEP_GEMM_WARMUP with use_deep_gemm: at start-up DeepGEMM compiles its "
+        "kernels for the M sizes where its block choice changes (relax, vLLM's default), for every M up to "
+        "max_num_batched_tokens (full), or for none, each compiled at its first use instead (skip). On a fresh host "
+        "the 8B engine's relax warm-up counted 1,735 GEMM shapes at about 1 s each at its start "
+        "(docs/results/2026-12-02-mission-1gpu-standard-1xh200); DG_JIT_CACHE_DIR keeps them for the next start")
     num_first_layers_in_bf16: int = Field(0, ge=0)
     num_last_layers_in_bf16: int = Field(0, ge=0)
     fp8_ignore_patterns: list[str] = Field(default_factory=list)
@@ -73,6 +79,9 @@ class VllmConfig(StrictConfig):
 
     def config_errors(self) -> list[str]:
         errs = []
+        if self.deep_gemm_warmup != "relax" and not self.use_deep_gemm:
+            errs.append(f"deep_gemm_warmup: {self.deep_gemm_warmup!r} sets DeepGEMM's warm-up, which runs only with "
+                        "use_deep_gemm: true (valid without it: 'relax', the default)")
         if self.weight_block_size != SUPPORTED_WEIGHT_BLOCK_SIZE:
             errs.append(f"weight_block_size: {self.weight_block_size} is not supported (valid: "
                         f"{SUPPORTED_WEIGHT_BLOCK_SIZE}, the block size of vLLM/DeepGEMM block-scaled FP8 kernels)")

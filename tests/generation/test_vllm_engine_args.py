@@ -281,6 +281,15 @@ def test_scale_convention_env_and_refusal():
         build_engine_spec(VllmConfig(precision="fp8"), DENSE, weight_transfer="tcp")
 
 
+def test_deep_gemm_warmup_is_vllms_switch_and_needs_deep_gemm():
+    assert engine_env(VllmConfig(precision="fp8", use_deep_gemm=True))["VLLM_DEEP_GEMM_WARMUP"] == "relax"
+    skip = engine_env(VllmConfig(precision="fp8", use_deep_gemm=True, deep_gemm_warmup="skip"))
+    assert skip["VLLM_DEEP_GEMM_WARMUP"] == "skip"
+    assert "VLLM_DEEP_GEMM_WARMUP" not in engine_env(VllmConfig(precision="fp8"))  # no DeepGEMM: no warm-up
+    with pytest.raises(ValueError, match=r"deep_gemm_warmup: 'skip' .* use_deep_gemm: true"):
+        VllmConfig(precision="fp8", deep_gemm_warmup="skip")
+
+
 def test_compiled_fp8_engines_turn_vllms_fp32_only_fused_quant_kernels_off():
     off = {"pass_config": {"fuse_act_quant": False, "fuse_norm_quant": False}}
     pow2 = dict(precision="fp8", use_deep_gemm=True, pow2_weight_scaling_factors=True,

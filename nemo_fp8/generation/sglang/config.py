@@ -34,6 +34,7 @@ VLLM_ENGINE_KEYS: dict[str, Optional[str]] = {
     "sleep_level": "sglang_cfg.cpu_weight_backup",
     "model_runner": None,
     "seed_each_request": "sglang_cfg.enable_deterministic_inference",
+    "deep_gemm_warmup": None,
 }
 # attention backends whose kernels read the k/v scale *tensors* a refit writes (see SglangConfig.attention_backend)
 LIVE_KV_SCALE_BACKENDS = ("fa3",)

@@ -36,7 +36,8 @@ What the FP8 engine needs, and where each piece comes from:
   cache hash). ``pow2_activation_scales`` there is read by the patch that makes vLLM's
   per-token-group activation quantizer honour ``pow2_activation_scaling_factors``.
 * Environment (set before the engine spawns its processes, inherited by them): vLLM's own switches
-  only, ``VLLM_USE_DEEP_GEMM`` (``use_deep_gemm``), ``VLLM_USE_DEEP_GEMM_E8M0``
+  only, ``VLLM_USE_DEEP_GEMM`` (``use_deep_gemm``; with it ``VLLM_DEEP_GEMM_WARMUP``, ``deep_gemm_warmup``),
+  ``VLLM_USE_DEEP_GEMM_E8M0``
   (= ``pow2_weight_scaling_factors``: one scale convention end to end), ``VLLM_USE_V2_MODEL_RUNNER``
   and ``VLLM_ALLOW_INSECURE_SERIALIZATION``: vLLM reads these from the environment and has no
   engine argument for them. No nemo_fp8 setting travels through the environment.
@@ -116,6 +117,8 @@ def engine_env(cfg: VllmConfig) -> dict[str, str]:
         # through vLLM's msgpack encoder, which needs its pickle fallback for them
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
+    if cfg.use_deep_gemm:  # which kernels DeepGEMM compiles at start-up (vLLM's default: relax)
+        env["VLLM_DEEP_GEMM_WARMUP"] = cfg.deep_gemm_warmup
     if cfg.model_runner != "auto":  # auto: vLLM decides per model (V2 for unquantized Qwen3 only, in 0.22)
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
     return env

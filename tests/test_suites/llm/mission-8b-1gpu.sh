@@ -20,8 +20,10 @@
 #   MISSION_ARGS, MISSION_TOKENIZER, NEMO_FP8_SHARED_DATA  as in tests/test_suites/mission.sh
 # On a fresh host the first FP8 run also compiles DeepGEMM's kernels (once; DG_JIT_CACHE_DIR keeps them): vLLM's
 # warm-up (VLLM_DEEP_GEMM_WARMUP=relax) ran 42 of its 1,735 GEMM shapes in 32 s here, 18-29 minutes projected, more
-# than a run's SUITE_TIMEOUT: on a fresh host, a first FP8 engine to warm the cache, or
-# MISSION_ARGS=policy.generation.vllm_cfg.use_deep_gemm=false (CUTLASS's block-scaled GEMMs).
+# than a run's SUITE_TIMEOUT: on a fresh host, a first FP8 engine to warm the cache,
+# MISSION_ARGS=policy.generation.vllm_cfg.deep_gemm_warmup=skip (each kernel compiled at its first use, the warm-up
+# step's and the CUDA graph capture's: not measured) or policy.generation.vllm_cfg.use_deep_gemm=false (CUTLASS's
+# block-scaled GEMMs).
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-600}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"; source "$(dirname "$0")/../mission.sh"
 WORKLOAD=${WORKLOAD:-standard}
