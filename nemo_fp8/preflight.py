@@ -312,6 +312,26 @@ def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None, host_b
     return trainer_memory_errors(cfg.policy, gpu_bytes, n, host_bytes, matrices) if gpu_bytes else []
 
 
+def activation_warnings(cfg: MasterConfig, gpu_bytes: int | None = None) -> list[str]:
+    """The megatron trainer's backward pass (state, gradients, FP8 weight copies, the micro-batch's activations)
+    against one GPU's memory (``nemo_fp8.policy.megatron.memory.activation_memory_warnings``): warnings, since
+    the activations are an estimate. Skipped where ``check_trainer_memory`` is, or without the checkpoint's
+    ``config.json``."""
+    from nemo_fp8.policy.megatron.memory import activation_memory_warnings, checkpoint_parameter_counts, checkpoint_shape
+
+    if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
+        return []
+    shape = checkpoint_shape(cfg.policy.model_name)
+    try:
+        n, matrices = checkpoint_parameter_counts(cfg.policy.model_name)
+    except (FileNotFoundError, ValueError):  # no checkpoint yet, or check_trainer_memory named the bad file
+        return []
+    gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
+    if not (gpu_bytes and shape):
+        return []
+    return activation_memory_warnings(cfg.policy, gpu_bytes, n, shape, matrices)
+
+
 def schedule_warnings(cfg: MasterConfig) -> list[str]:
     """The learning-rate schedule's parts this run never reaches (``policy.schedule.schedule_warnings``), each
     naming its key: the optimizer of the backend that trains (``policy.megatron_cfg.optimizer`` or
@@ -388,6 +408,6 @@ def preflight(cfg: MasterConfig) -> None:
     idle = idle_gpus_warning(cfg, need)
     if idle:
         logger.warning("preflight: %s", idle)
-    for line in schedule_warnings(cfg) + [w for w in (async_age_warning(cfg),) if w]:
+    for line in activation_warnings(cfg) + schedule_warnings(cfg) + [w for w in (async_age_warning(cfg),) if w]:
         logger.warning("preflight: %s", line)
     logger.info("preflight: data, model path, resources (%s) and trainer memory ok", need)

@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from nemo_fp8.config import config_diff, load_config
-from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, checkpoint_parameter_counts,
-                                             estimate_trainer_memory, trainer_memory_errors)
+from nemo_fp8.policy.megatron.memory import (NON_TORCH_BYTES, GiB, activation_bytes, activation_memory_warnings,
+                                             checkpoint_parameter_counts, estimate_trainer_memory,
+                                             trainer_memory_errors)
 from nemo_fp8.preflight import check_trainer_memory
 
 QWEN3_8B = 8_190_735_360  # Megatron's count of the Qwen3-8B-shaped checkpoint on the H200 (untied embeddings)
@@ -346,3 +347,44 @@ def test_the_preflight_stops_the_one_gpu_configs_on_an_80gb_card_naming_the_keys
             assert key in err
         assert ("fp8_cfg.fp8_param=true" in err) == (path == CONFIG_1GPU_FP8)
         assert check_trainer_memory(cfg, gpu_bytes=H200, host_bytes=HOST) == []
+
+
+QWEN3_8B_SHAPE = (36, 4096, 151936)  # num_hidden_layers, hidden_size, vocab_size
+
+
+@pytest.mark.parametrize("config,tokens,measured_gib", [
+    (CONFIG_1GPU, 16384, 114.45),     # BF16, its second step (the constants' calibration)
+    (CONFIG_1GPU_FP8, 4096, 109.1),   # FP8 at the configs' micro-batch, the 8 x 8 mission
+])
+def test_the_backward_peak_estimate_meets_the_one_gpu_runs(config, tokens, measured_gib):
+    """The trainer's peak allocation in the one-GPU mission runs (memory/train_peak_allocated_gib): state between
+    steps + gradients + TE's FP8 copies + one micro-batch's activations (docs/results/
+    2026-12-02-mission-1gpu-standard-1xh200 and 2026-12-02-release-and-host-profile-1xh200)."""
+    policy = load_config(config, [f"policy.sequence_packing.train_mb_tokens={tokens}"]).policy
+    est = estimate_trainer_memory(QWEN3_8B, policy, QWEN3_8B_MATRICES)
+    act = activation_bytes(policy, *QWEN3_8B_SHAPE)
+    assert act / tokens == 36 * 4096 * 2 + 4 * 151936 + 145 * 4096  # layer inputs, logits + gradient, one layer
+    assert est.backward_peak(act) / GiB == pytest.approx(measured_gib, abs=1.2)
+
+
+def test_the_preflight_warns_of_the_16k_fp8_micro_batch_that_ran_out_of_memory(tmp_path):
+    """What ran on one H200: BF16 at 16,384-token micro-batches, FP8 at 4,096 (no warning); FP8 at 16,384 ran out of
+    memory (a warning with the largest micro-batch that fits the estimate and the keys that make room)."""
+    import json
+
+    from nemo_fp8.preflight import activation_warnings
+
+    for path, tokens in ((CONFIG_1GPU, 16384), (CONFIG_1GPU_FP8, 4096)):
+        policy = load_config(path, [f"policy.sequence_packing.train_mb_tokens={tokens}"]).policy
+        assert activation_memory_warnings(policy, H200, QWEN3_8B, QWEN3_8B_SHAPE, QWEN3_8B_MATRICES) == []
+    fp8 = load_config(CONFIG_1GPU_FP8, ["policy.sequence_packing.train_mb_tokens=16384"]).policy
+    (warning,) = activation_memory_warnings(fp8, H200, QWEN3_8B, QWEN3_8B_SHAPE, QWEN3_8B_MATRICES)
+    assert warning.startswith("policy.sequence_packing.train_mb_tokens: a training pass of 16,384 tokens may run out")
+    assert "about 127.3 GiB (104.5 of state, gradients and FP8 weight copies, 22.8 of activations)" in warning
+    assert "train_mb_tokens <= 11,264 (now 16,384)" in warning and "train_expandable_segments=true" in warning
+    model = _qwen3_8b_headers(tmp_path)  # the preflight reads the counts and the shape from the checkpoint
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}))
+    cfg = load_config(CONFIG_1GPU_FP8, [f"policy.model_name={model}", "policy.sequence_packing.train_mb_tokens=16384"])
+    assert activation_warnings(cfg, gpu_bytes=H200) == [warning]
+    (model / "config.json").unlink()
+    assert activation_warnings(cfg, gpu_bytes=H200) == []  # no shape: nothing estimated

@@ -70,6 +70,19 @@ GiB = 2**30
 NON_TORCH_BYTES = int(7.8 * GiB)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # optimizer.exp_avg_dtype / exp_avg_sq_dtype names
 REBUILT_PARTS = ("grads", "fp8_weight_copies", "unscaled_moments")  # made anew by every step (between_steps)
+# One training micro-batch's activations with activation_checkpointing (megatron-core recomputes every layer), bytes
+# per token: each layer's input kept for its recompute (layers x hidden x 2, bf16), the logits and their gradient
+# (vocab x 2 x 2: the fused log-prob kernel keeps no fp32 copy of either) and one layer's recompute working set,
+# RECOMPUTE_BYTES_PER_HIDDEN x hidden: what the other two leave of the one-GPU BF16 run's peak at 16,384-token
+# micro-batches (114.45 GiB allocated, 91.6 of state in the backward pass; docs/results/
+# 2026-12-02-mission-1gpu-standard-1xh200). The same terms give the FP8 run's peak at 4,096 tokens within 1.1 GiB.
+RECOMPUTE_BYTES_PER_HIDDEN = 145
+# Without checkpointing each layer keeps its activations: 34 x hidden bytes per token in 16 bits (Korthikanti et al.
+# 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1 without the attention scores, which
+# flash attention does not store)
+LAYER_BYTES_PER_HIDDEN = 34
+# What PyTorch's allocator reserved above its peak allocation in that BF16 run (124.4 against 114.45 GiB)
+ALLOCATOR_SLACK = 0.09
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,12 @@ class TrainerMemory:
     parts: dict[str, float] = field(default_factory=dict)
     bytes_per_param: dict[str, float] = field(default_factory=dict)
     host: float = 0.0
+
+    def backward_peak(self, activations: float) -> float:
+        """Bytes per GPU in a training pass's backward: the state between steps, the gradient buffer and TE's FP8
+        weight copies made again, and ``activations`` (``activation_bytes``); Adam's temporaries come later, at the
+        step (``per_gpu``)."""
+        return self.between_steps + self.parts.get("grads", 0.0) + self.parts.get("fp8_weight_copies", 0.0) + activations
 
     @property
     def between_steps(self) -> float:
@@ -157,6 +176,76 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
     weights_out = per_param["weights"] if moved else 0
     return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
                          host=num_parameters / tp / shard * (host_per_param + arena) + num_parameters / tp * weights_out)
+
+
+def train_mb_tokens(cfg: PolicyConfig) -> int:
+    """Tokens of one training micro-batch: ``sequence_packing.train_mb_tokens`` when packing, else
+    ``train_micro_batch_size`` rows of ``max_total_sequence_length``."""
+    if cfg.sequence_packing.enabled:
+        return cfg.sequence_packing.train_mb_tokens
+    return cfg.train_micro_batch_size * cfg.max_total_sequence_length
+
+
+def activation_bytes(cfg: PolicyConfig, layers: int, hidden: int, vocab: int, tokens: int | None = None) -> float:
+    """Bytes per GPU of one training micro-batch's activations (module constants ``RECOMPUTE_BYTES_PER_HIDDEN``,
+    ``LAYER_BYTES_PER_HIDDEN``: with and without ``activation_checkpointing``), divided by tensor parallelism.
+
+    Args:
+        cfg: the policy config (``megatron_cfg.activation_checkpointing``, tensor parallelism, the micro-batch).
+        layers, hidden, vocab: the model's ``num_hidden_layers``, ``hidden_size``, ``vocab_size``.
+        tokens: the micro-batch's tokens (default: ``train_mb_tokens(cfg)``).
+
+    Returns:
+        float: bytes; an estimate calibrated on Qwen3-8B (the constants' sources).
+    """
+    m = cfg.megatron_cfg
+    tokens = train_mb_tokens(cfg) if tokens is None else tokens
+    per_layer = 2 if m.activation_checkpointing else LAYER_BYTES_PER_HIDDEN
+    recompute = RECOMPUTE_BYTES_PER_HIDDEN if m.activation_checkpointing else 0
+    per_token = layers * hidden * per_layer + 4 * vocab + recompute * hidden
+    return tokens * per_token / m.tensor_model_parallel_size
+
+
+def checkpoint_shape(model_dir: str | Path) -> tuple[int, int, int] | None:
+    """(``num_hidden_layers``, ``hidden_size``, ``vocab_size``) of an HF checkpoint folder's ``config.json``; None
+    when it has no such file or keys (a multimodal config nests them)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        c = json.loads(path.read_text())
+        return int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def activation_memory_warnings(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int,
+                               shape: tuple[int, int, int], fp8_weight_params: int = 0) -> list[str]:
+    """One line when a training pass's backward (``TrainerMemory.backward_peak`` with ``activation_bytes``), with
+    the allocator's slack (``ALLOCATOR_SLACK``) and ``NON_TORCH_BYTES``, may not fit ``gpu_bytes``: the estimate, the
+    largest ``train_mb_tokens`` that would (packing on) and the other keys that make room. A warning, not an error:
+    the activations are an estimate. Empty for pipeline parallelism (stages hold different micro-batch counts)."""
+    if cfg.megatron_cfg.pipeline_model_parallel_size > 1:
+        return []
+    est = estimate_trainer_memory(num_parameters, cfg, fp8_weight_params)
+    act = activation_bytes(cfg, *shape)
+    peak = est.backward_peak(act)
+    if peak * (1 + ALLOCATOR_SLACK) + NON_TORCH_BYTES <= gpu_bytes:
+        return []
+    tokens = train_mb_tokens(cfg)
+    room = (gpu_bytes - NON_TORCH_BYTES) / (1 + ALLOCATOR_SLACK) - est.backward_peak(0.0)
+    fit = int(room / (act / tokens)) // 1024 * 1024 if room > 0 else 0
+    hints = []
+    if cfg.sequence_packing.enabled and fit >= cfg.max_total_sequence_length:
+        hints.append(f"policy.sequence_packing.train_mb_tokens <= {fit:,} (now {tokens:,})")
+    if not cfg.megatron_cfg.activation_checkpointing:
+        hints.append("policy.megatron_cfg.activation_checkpointing=true")
+    if not cfg.megatron_cfg.train_expandable_segments and cfg.weight_sync.method == "cuda_ipc":
+        hints.append("policy.megatron_cfg.train_expandable_segments=true (less of the slack)")
+    return [f"policy.sequence_packing.train_mb_tokens: a training pass of {tokens:,} tokens may run out of GPU memory: "
+            f"its backward holds about {peak / GiB:.1f} GiB ({est.backward_peak(0.0) / GiB:.1f} of state, gradients"
+            f"{' and FP8 weight copies' if est.parts.get('fp8_weight_copies') else ''}, {act / GiB:.1f} of "
+            f"activations), with the allocator's ~{ALLOCATOR_SLACK:.0%} above its peak and "
+            f"~{NON_TORCH_BYTES / GiB:.1f} GiB outside PyTorch more than the GPU's {gpu_bytes / GiB:.1f} GiB"
+            + (f"; {'; '.join(hints)}" if hints else "")]
 
 
 def _is_decoder_matrix(name: str, shape: list[int]) -> bool:
