@@ -37,6 +37,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec(sft_steps=20, sft_batch_size=32))
 
 
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    """The tiny model's tokenizer."""
+    from nemo_fp8.models.hf import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module: 8 logical CPUs, room for policy ranks and engines side by side."""
+    import ray
+
+    from nemo_fp8.distributed.cluster import init_ray
+
+    init_ray(None, num_cpus=8)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def shipped_tiny_model(tmp_path_factory) -> Path:
     """The tiny model with the shipped weights: the same bytes on every machine (a warm start built here, as

@@ -11,29 +11,15 @@ from nemo_fp8.config import ConfigError, load_config
 from nemo_fp8.generation.group import EngineError, GenerationGroup, assign_bins, expected_tokens, plan_bins
 from nemo_fp8.distributed.placement import create_placement_group, plan_cluster, plan_from_config
 from nemo_fp8.distributed.weight_sync import ObjectStoreWeightSync
-from nemo_fp8.distributed.cluster import init_ray
 from nemo_fp8.generation import GenerationSpec, SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
 from nemo_fp8.generation.interfaces import request_seed
-from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.trainer import start_workers
 from nemo_fp8.policy.spec import PolicySpec
 
 CPU = torch.device("cpu")
 TINY_MEGATRON = "examples/configs/grpo_math_tiny_megatron_fp8.yaml"
 DP4 = ["policy.train_global_batch_size=128", "policy.train_micro_batch_size=8"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    init_ray(None, num_cpus=8)  # logical CPUs: four engines and a policy rank side by side
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(str(tiny_model_dir))
 
 
 def _prompts(tok, distinct: int, n: int) -> list[list[int]]:

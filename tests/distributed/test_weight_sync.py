@@ -13,7 +13,6 @@ from nemo_fp8.fp8.kv_scales import KvScales, fake_quantize_static, is_kv_scale_n
 from nemo_fp8.fp8.quantize import quantize_weight_blockwise
 from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
-from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
 from nemo_fp8.policy.spec import PolicySpec
 
@@ -57,11 +56,6 @@ def test_kv_scales_from_amax_and_names():
         KvScales.from_amax(torch.ones(2), torch.ones(2), torch.ones(2), step=0, margin=0.5)
     with pytest.raises(ValueError, match="v_amax"):
         KvScales.from_amax(torch.ones(2), torch.ones(2), torch.tensor([1.0, float("nan")]), step=0)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(str(tiny_model_dir))
 
 
 def _engine(cfg, tok, precision):

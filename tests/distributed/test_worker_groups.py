@@ -10,12 +10,10 @@ import torch
 
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.distributed.cluster import init_ray
 from nemo_fp8.distributed.placement import create_placement_group, plan_cluster
 from nemo_fp8.distributed.weight_sync import InProcessWeightSync, ObjectStoreWeightSync
 from nemo_fp8.generation import SamplingParams
 from nemo_fp8.generation.torch_backend import TorchGenerationBackend
-from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.policy.group import PolicyGroup, shard_rows, train_shard_indices
 from nemo_fp8.policy.spec import PolicySpec
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend
@@ -23,18 +21,6 @@ from nemo_fp8.trainer import start_workers
 
 CPU = torch.device("cpu")
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    init_ray(None, num_cpus=8)  # logical CPUs: room for two groups side by side
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(str(tiny_model_dir))
 
 
 def test_cluster_plan_and_sharding():

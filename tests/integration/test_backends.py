@@ -16,11 +16,6 @@ from nemo_fp8.policy.spec import PolicySpec
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(str(tiny_model_dir))
-
-
 def make_generation(cfg, tok, **vllm_updates):
     vc = cfg.policy.generation.vllm_cfg.model_copy(update=vllm_updates)
     return TorchGenerationBackend(cfg.policy.model_name, vc, CPU, tok.pad_token_id, tok.eos_token_id,

@@ -1,12 +1,10 @@
 """Sequence packing on the torch reference backend (fp32, tiny model): packed == unpacked."""
 
 import pytest
-import ray
 import torch
 
 from nemo_fp8.algorithms.loss import ClippedPGLossFn
 from nemo_fp8.batch import TrainBatch
-from nemo_fp8.distributed.cluster import init_ray
 from nemo_fp8.distributed.placement import create_placement_group, plan_cluster
 from nemo_fp8.policy.group import PolicyGroup
 from nemo_fp8.policy.torch_backend import TorchPolicyBackend, logprob_micro_batches
@@ -89,13 +87,6 @@ def test_changing_one_sequence_never_changes_another_in_its_bin(backends):
         assert torch.equal(after[others], before[others])
         if batch.response_lengths[victim] > 1:
             assert not torch.equal(after[victim], before[victim])
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    init_ray(None, num_cpus=8)
-    yield
-    ray.shutdown()
 
 
 def test_two_data_parallel_ranks_packed_train_like_one(ray_cluster, tiny_cfg):

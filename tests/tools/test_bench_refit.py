@@ -7,26 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 
 from bench_refit import main, refit_rows, row_line, summary
-from nemo_fp8.distributed.cluster import init_ray
-from nemo_fp8.models.hf import load_tokenizer
 from nemo_fp8.trainer import start_workers
 
 TINY_FP8 = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny_fp8.yaml")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    init_ray(None, num_cpus=8)  # logical CPUs: room for the policy and the engine
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return load_tokenizer(str(tiny_model_dir))
 
 
 def test_every_refit_is_a_row_with_its_parts_and_bytes(ray_cluster, tiny_cfg, tok):
