@@ -317,7 +317,8 @@ def activation_warnings(cfg: MasterConfig, gpu_bytes: int | None = None) -> list
     against one GPU's memory (``nemo_fp8.policy.megatron.memory.activation_memory_warnings``): warnings, since
     the activations are an estimate. Skipped where ``check_trainer_memory`` is, or without the checkpoint's
     ``config.json``."""
-    from nemo_fp8.policy.megatron.memory import activation_memory_warnings, checkpoint_parameter_counts, checkpoint_shape
+    from nemo_fp8.policy.megatron.memory import (activation_memory_warnings, checkpoint_parameter_counts,
+                                                 checkpoint_shape)
 
     if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
         return []

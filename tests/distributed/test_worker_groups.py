@@ -264,7 +264,7 @@ def test_train_expandable_segments_fits_only_the_colocated_cuda_ipc_refit_that_k
                             ("policy.generation.colocated.offload_trainer=true", "offload_trainer: false"),
                             ("policy.weight_sync.packed=false", "weight_sync.packed: true"),
                             ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype other than fp8")]:
-        with pytest.raises(ConfigError, match=r"megatron_cfg.train_expandable_segments: true needs .*" + re.escape(named)):
+        with pytest.raises(ConfigError, match=r"train_expandable_segments: true needs .*" + re.escape(named)):
             load_config(one_gpu, [on, override])
     with pytest.raises(ConfigError, match=r"train_expandable_segments: true needs megatron_cfg.enabled: true"):
         load_config("examples/configs/grpo_math_tiny.yaml", [on])

@@ -35,7 +35,8 @@ def test_a_refit_bucket_after_an_expandable_pass_is_shareable():
     try:  # a pass: tensors that stay (moments) between tensors that go (activations), small and large
         keep, gone = [], []
         for i in range(24):
-            (keep if i % 3 == 0 else gone).append(torch.ones(int((1 + i % 5) * 7.3 * MiB), dtype=torch.uint8, device=dev))
+            big = torch.ones(int((1 + i % 5) * 7.3 * MiB), dtype=torch.uint8, device=dev)
+            (keep if i % 3 == 0 else gone).append(big)
             (keep if i % 4 == 0 else gone).append(torch.ones(4096 + 512 * i, dtype=torch.uint8, device=dev))
         del gone
     finally:

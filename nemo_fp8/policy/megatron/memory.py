@@ -2,8 +2,10 @@
 
 Pure arithmetic on the config and the checkpoint's parameter count (safetensors headers, nothing
 loaded): the preflight refuses a layout whose state cannot fit before Ray, vLLM or Megatron start.
-It is a lower bound of the trainer's memory: activations, logits, TransformerEngine's FP8 weight
-copies and the colocated engine's memory come on top.
+That state is a lower bound of the trainer's memory: activations, logits, TransformerEngine's FP8 weight
+copies and the colocated engine's memory come on top. A training pass's backward (the state, its gradients and
+FP8 copies, one micro-batch's activations from the model's shape: ``activation_bytes``) gets a warning where it
+may not fit (``activation_memory_warnings``).
 
 Bytes per parameter, megatron-core 0.18's distributed optimizer with TransformerEngine 2.11's FusedAdam
 (``megatron/core/optimizer/distrib_optimizer.py``, ``transformer_engine/pytorch/optimizers/fused_adam.py``):
@@ -107,7 +109,8 @@ class TrainerMemory:
         """Bytes per GPU in a training pass's backward: the state between steps, the gradient buffer and TE's FP8
         weight copies made again, and ``activations`` (``activation_bytes``); Adam's temporaries come later, at the
         step (``per_gpu``)."""
-        return self.between_steps + self.parts.get("grads", 0.0) + self.parts.get("fp8_weight_copies", 0.0) + activations
+        rebuilt = self.parts.get("grads", 0.0) + self.parts.get("fp8_weight_copies", 0.0)
+        return self.between_steps + rebuilt + activations
 
     @property
     def between_steps(self) -> float:
