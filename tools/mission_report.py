@@ -288,11 +288,13 @@ def memory_table(rows_by_run: dict[str, list[dict]], gpu_peaks: dict[str, dict[i
             "trainer peak reserved GiB", "trainer beside engine GiB", "peak GPU GiB (nvidia-smi)", "peak host GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rows in rows_by_run.items():
-        kv, alloc, reserved, beside = _last(rows, keys[0]), _most(rows, keys[1]), _most(rows, keys[2]), _most(rows, keys[3])
+        kv = _last(rows, keys[0])
+        alloc, reserved, beside = (_most(rows, k) for k in keys[1:])
         gpu, host = gpu_peaks.get(name), host_peaks.get(name)
         cells = [name, "-" if kv is None else f"{kv:,.0f}", f"{kv / base_kv:.2f}" if kv and base_kv else "-",
                  "-" if alloc is None else f"{alloc:.1f}", "-" if reserved is None else f"{reserved:.1f}",
-                 "-" if beside is None else f"{beside:.1f}", f"{max(gpu.values()):.1f}" if gpu else "-", "-" if host is None else f"{host:.1f}"]
+                 "-" if beside is None else f"{beside:.1f}", f"{max(gpu.values()):.1f}" if gpu else "-",
+                 "-" if host is None else f"{host:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
