@@ -293,44 +293,43 @@ def gpu_total_bytes() -> int | None:
         return None
 
 
-def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None, host_bytes: int | None = None) -> list[str]:
-    """The megatron trainer's weights, gradients and optimizer state against one GPU's memory, and its
-    optimizer state in host memory against this machine's (``nemo_fp8.policy.megatron.memory``).
-    Skipped without the megatron backend, a local safetensors checkpoint at ``policy.model_name`` or a
-    GPU (``gpu_bytes`` None: ``gpu_total_bytes``; ``host_bytes`` None: ``host_total_bytes``)."""
-    from nemo_fp8.policy.megatron.memory import checkpoint_parameter_counts, trainer_memory_errors
+def trainer_memory_checks(cfg: MasterConfig, gpu_bytes: int | None = None,
+                          host_bytes: int | None = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the megatron trainer's memory (``nemo_fp8.policy.megatron.memory``), from one read
+    of the checkpoint's headers and of the GPU's size. Errors: its weights, gradients and optimizer state against
+    one GPU's memory, and its optimizer state in host memory against this machine's (``trainer_memory_errors``).
+    Warnings: its backward pass (state, gradients, FP8 weight copies, the micro-batch's
+    activations, an estimate) against one GPU's memory (``activation_memory_warnings``; needs the checkpoint's
+    ``config.json``). Skipped without the megatron backend, a local safetensors checkpoint at
+    ``policy.model_name`` or a GPU (``gpu_bytes`` None: ``gpu_total_bytes``; ``host_bytes`` None:
+    ``host_total_bytes``)."""
+    from nemo_fp8.policy.megatron.memory import (activation_memory_warnings, checkpoint_parameter_counts,
+                                                 checkpoint_shape, trainer_memory_errors)
 
     if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
-        return []
+        return [], []
     try:
         n, matrices = checkpoint_parameter_counts(cfg.policy.model_name)
     except FileNotFoundError:  # no local safetensors checkpoint (yet): nothing to estimate from
-        return []
+        return [], []
     except ValueError as e:
-        return [f"policy.model_name: {e}"]
+        return [f"policy.model_name: {e}"], []
     gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
-    return trainer_memory_errors(cfg.policy, gpu_bytes, n, host_bytes, matrices) if gpu_bytes else []
+    if not gpu_bytes:
+        return [], []
+    errs = trainer_memory_errors(cfg.policy, gpu_bytes, n, host_bytes, matrices)
+    shape = checkpoint_shape(cfg.policy.model_name)
+    return errs, activation_memory_warnings(cfg.policy, gpu_bytes, n, shape, matrices) if shape else []
+
+
+def check_trainer_memory(cfg: MasterConfig, gpu_bytes: int | None = None, host_bytes: int | None = None) -> list[str]:
+    """The errors of ``trainer_memory_checks``."""
+    return trainer_memory_checks(cfg, gpu_bytes, host_bytes)[0]
 
 
 def activation_warnings(cfg: MasterConfig, gpu_bytes: int | None = None) -> list[str]:
-    """The megatron trainer's backward pass (state, gradients, FP8 weight copies, the micro-batch's activations)
-    against one GPU's memory (``nemo_fp8.policy.megatron.memory.activation_memory_warnings``): warnings, since
-    the activations are an estimate. Skipped where ``check_trainer_memory`` is, or without the checkpoint's
-    ``config.json``."""
-    from nemo_fp8.policy.megatron.memory import (activation_memory_warnings, checkpoint_parameter_counts,
-                                                 checkpoint_shape)
-
-    if not cfg.policy.megatron_cfg.enabled or cfg.cluster.address:
-        return []
-    shape = checkpoint_shape(cfg.policy.model_name)
-    try:
-        n, matrices = checkpoint_parameter_counts(cfg.policy.model_name)
-    except (FileNotFoundError, ValueError):  # no checkpoint yet, or check_trainer_memory named the bad file
-        return []
-    gpu_bytes = gpu_bytes if gpu_bytes is not None else gpu_total_bytes()
-    if not (gpu_bytes and shape):
-        return []
-    return activation_memory_warnings(cfg.policy, gpu_bytes, n, shape, matrices)
+    """The warnings of ``trainer_memory_checks``."""
+    return trainer_memory_checks(cfg, gpu_bytes)[1]
 
 
 def schedule_warnings(cfg: MasterConfig) -> list[str]:
@@ -401,14 +400,15 @@ def preflight(cfg: MasterConfig) -> None:
     # What this machine cannot run (FP8 kernels, engines, CUDA): tools/check_env.py shows why.
     errs = config_support_errors(cfg) + check_data(cfg) + check_model(cfg) + check_resources(cfg) \
         + check_pipeline_layers(cfg)
+    memory_warnings = []
     if not errs:  # the model folder and resources are fine: is the trainer's state smaller than a GPU?
-        errs = check_trainer_memory(cfg)
+        errs, memory_warnings = trainer_memory_checks(cfg)
     if errs:
         raise PreflightError("preflight failed:\n" + "\n".join(f"  - {e}" for e in errs))
     need = required_resources(cfg)
     idle = idle_gpus_warning(cfg, need)
     if idle:
         logger.warning("preflight: %s", idle)
-    for line in activation_warnings(cfg) + schedule_warnings(cfg) + [w for w in (async_age_warning(cfg),) if w]:
+    for line in memory_warnings + schedule_warnings(cfg) + [w for w in (async_age_warning(cfg),) if w]:
         logger.warning("preflight: %s", line)
     logger.info("preflight: data, model path, resources (%s) and trainer memory ok", need)
