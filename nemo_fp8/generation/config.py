@@ -28,9 +28,9 @@ class VllmConfig(StrictConfig):
     deep_gemm_warmup: Literal["relax", "full", "skip"] = Field(
         "relax", description="vLLM's VLLM_DEEP_GEMM_WARMUP with use_deep_gemm: at start-up DeepGEMM compiles its "
         "kernels for the M sizes where its block choice changes (relax, vLLM's default), for every M up to "
-        "max_num_batched_tokens (full), or for none, each compiled at its first use instead (skip). On a fresh host "
-        "the 8B engine's relax warm-up counted 1,735 GEMM shapes at about 1 s each at its start "
-        "(docs/results/2026-12-02-mission-1gpu-standard-1xh200); DG_JIT_CACHE_DIR keeps them for the next start")
+        "max_num_batched_tokens (full), or for none, each compiled at its first use instead (skip): on a fresh host "
+        "the start-up warm-up can take longer than a run (docs/vllm-fp8-rollout.md); DG_JIT_CACHE_DIR keeps the "
+        "kernels for the next start")
     num_first_layers_in_bf16: int = Field(0, ge=0)
     num_last_layers_in_bf16: int = Field(0, ge=0)
     fp8_ignore_patterns: list[str] = Field(default_factory=list)

@@ -75,15 +75,14 @@ REBUILT_PARTS = ("grads", "fp8_weight_copies", "unscaled_moments")  # made anew 
 # One training micro-batch's activations with activation_checkpointing (megatron-core recomputes every layer), bytes
 # per token: each layer's input kept for its recompute (layers x hidden x 2, bf16), the logits and their gradient
 # (vocab x 2 x 2: the fused log-prob kernel keeps no fp32 copy of either) and one layer's recompute working set,
-# RECOMPUTE_BYTES_PER_HIDDEN x hidden: what the other two leave of the one-GPU BF16 run's peak at 16,384-token
-# micro-batches (114.45 GiB allocated, 91.6 of state in the backward pass; docs/results/
-# 2026-12-02-mission-1gpu-standard-1xh200). The same terms give the FP8 run's peak at 4,096 tokens within 1.1 GiB.
+# RECOMPUTE_BYTES_PER_HIDDEN x hidden: what the other two leave of the measured peak of a BF16 run at 16,384-token
+# micro-batches, checked against an FP8 run at 4,096 (docs/multi-gpu.md gives the runs and their numbers).
 RECOMPUTE_BYTES_PER_HIDDEN = 145
 # Without checkpointing each layer keeps its activations: 34 x hidden bytes per token in 16 bits (Korthikanti et al.
 # 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1 without the attention scores, which
 # flash attention does not store)
 LAYER_BYTES_PER_HIDDEN = 34
-# What PyTorch's allocator reserved above its peak allocation in that BF16 run (124.4 against 114.45 GiB)
+# What PyTorch's allocator reserved above its peak allocation in that BF16 run (docs/multi-gpu.md)
 ALLOCATOR_SLACK = 0.09
 
 
