@@ -64,10 +64,10 @@ def refit_rows(workers, refits: int, kv_scales=None) -> list[dict]:
         scales = dataclasses.replace(kv_scales, step=i) if kv_scales is not None else None
         refitter.mark_stale(i, scales)
         timer = Timer()
-        with refitter.generating(timer):
-            metrics = dict(refitter.last_stats.metrics()) if refitter.last_stats else {}
+        metrics = refitter.refit_if_stale(timer)  # what generating() runs first; here for its metrics
+        with refitter.generating(timer):  # the wake and the sleep (nothing stale left to refit)
+            pass
         row = {"step": i + 1, **{f"timing/{k}": v for k, v in timer.pop().items()}, **metrics}
-        row.update({f"memory/beside_engine_{k}": v for k, v in refitter.beside_engine.items()})
         row["timing/refit_total"] = sum(row.get(f"timing/{k}", 0.0) for k in ("refit", "engine_wake", "engine_sleep"))
         used = (workers.policy.cuda_memory_gib() or {}).get("device_used_gib")
         if used is not None:
