@@ -181,6 +181,8 @@ def ceiling_table(summaries: dict[str, dict], engine_rows: list[dict], baseline:
 
 # the parts of the refit and of the step's "other" time the trainer times (timing/<part>, seconds)
 PARTS = ("refit/offload_trainer_state", "refit/transfer", "refit/offload_weights", "engine_wake", "engine_sleep",
+         # inside the transfer (SyncStats.parts): the engines' update frame, the sender's export, the engines' loads
+         "refit/transfer/start", "refit/transfer/export", "refit/transfer/load", "refit/transfer/finish",
          "kv_calibration", "reward", "data_processing",
          # inside the refit's parts: what the trainer's cache releases took (colocated, offload_trainer=false)
          "release_before/free_rebuilt", "release_before/gc", "release_before/empty_cache",

@@ -168,6 +168,8 @@ class RefitController:
                     self._release(timer, "before")  # for the refit (without it the wake ran out of memory)
             with timer("refit/transfer"):
                 self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
+            for part, seconds in self.last_stats.parts().items():  # inside the transfer: SyncStats.parts
+                timer.add(f"refit/transfer/{part}", seconds)
             with timer("refit/offload_weights"):
                 if self.offload_trainer:
                     self.policy.offload_after_refit()

@@ -175,6 +175,10 @@ class SyncStats:
         bytes: payload bytes (sum of tensor sizes).
         max_bucket_bytes: the largest bucket sent (bounds the extra memory).
         seconds: wall time of the whole update.
+        start_seconds, finish_seconds: the engines' ``start_weight_update`` / ``finish_weight_update`` with the
+            version checks (vLLM's layerwise reload set up and finished).
+        load_seconds: the buckets' engine calls summed, each from the sender's call to the engines' return (the
+            Ray call, vLLM's RPC to its workers and their load); 0 where the transport does not time them.
     """
 
     version: int
@@ -183,12 +187,27 @@ class SyncStats:
     bytes: int = 0
     max_bucket_bytes: int = 0
     seconds: float = 0.0
+    start_seconds: float = 0.0
+    finish_seconds: float = 0.0
+    load_seconds: float = 0.0
 
-    def add_bucket(self, num_tensors: int, nbytes: int) -> None:
+    def add_bucket(self, num_tensors: int, nbytes: int, load_seconds: float = 0.0) -> None:
         self.num_buckets += 1
         self.num_tensors += num_tensors
         self.bytes += nbytes
         self.max_bucket_bytes = max(self.max_bucket_bytes, nbytes)
+        self.load_seconds += load_seconds
+
+    def parts(self) -> dict[str, float]:
+        """Seconds of the update by part: ``start`` and ``finish`` (the engines' weight-update frame), ``load`` (the
+        engines' calls per bucket) and ``export``, the rest: the sender's export of its weights, their conversion
+        (FP8 quantization), packing, and the calls that start the transfer. Empty when the buckets' loads were not
+        timed (the export could not be told from the load)."""
+        if not self.load_seconds:
+            return {}
+        export = self.seconds - self.start_seconds - self.finish_seconds - self.load_seconds
+        return {"start": self.start_seconds, "export": max(export, 0.0), "load": self.load_seconds,
+                "finish": self.finish_seconds}
 
     def metrics(self) -> dict[str, float]:
         return {"refit/num_buckets": float(self.num_buckets), "refit/gbytes": self.bytes / 1e9,
@@ -248,11 +267,13 @@ def engine_labels(generation_workers: Sequence, labels: Optional[Sequence[str]])
 
 
 def _sync_actors(generation_workers: Sequence, labels: Sequence[str], peers: Sequence, version: int,
-                 kv_scales: Optional[KvScales], transfer: Callable[[], Iterable[tuple[int, int]]]) -> SyncStats:
+                 kv_scales: Optional[KvScales], transfer: Callable[[], Iterable[tuple]]) -> SyncStats:
     """The frame every refit between Ray actors shares: every engine's ``start_weight_update``; the ``peers``
     (Megatron tensor-parallel ranks that gather their shards into rank 0's export) join with
-    ``drain_weights``; ``transfer()`` moves the buckets to every engine and yields (tensors, bytes) per bucket
-    (one engine's copy); then every engine's ``finish_weight_update`` and the version checks, each engine named.
+    ``drain_weights``; ``transfer()`` moves the buckets to every engine and yields (tensors, bytes) or (tensors,
+    bytes, seconds of the engines' load) per bucket (one engine's copy); then every engine's
+    ``finish_weight_update`` and the version checks, each engine named. The times of the frame's parts go into
+    the ``SyncStats`` (``parts``).
 
     Raises:
         RuntimeError: an engine's checks (a refit in progress, weights missing, KV scales incomplete or of
@@ -263,13 +284,16 @@ def _sync_actors(generation_workers: Sequence, labels: Sequence[str], peers: Seq
     t0 = time.perf_counter()
     stats = SyncStats(version)
     call_all(generation_workers, "start_weight_update", version)
+    stats.start_seconds = time.perf_counter() - t0
     draining = [p.drain_weights.remote() for p in peers]
-    for num_tensors, nbytes in transfer():
-        stats.add_bucket(num_tensors, nbytes)
+    for bucket in transfer():
+        stats.add_bucket(*bucket)
     ray.get(draining)
+    t1 = time.perf_counter()
     held = call_all(generation_workers, "finish_weight_update")
     for got, label in zip(held, labels):
         _check_version(got, version, kv_scales, label)
+    stats.finish_seconds = time.perf_counter() - t1
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -290,10 +314,15 @@ class InProcessWeightSync:
         t0 = time.perf_counter()
         stats = SyncStats(version)
         self.generation.start_weight_update(version)
+        stats.start_seconds = time.perf_counter() - t0
         for bucket in iter_buckets(weight_stream(self.policy.named_weights(), kv_scales), self.bucket_bytes):
+            t1 = time.perf_counter()
             self.generation.update_weights(bucket)
-            stats.add_bucket(len(bucket), sum(t.numel() * t.element_size() for _, t in bucket))
+            stats.add_bucket(len(bucket), sum(t.numel() * t.element_size() for _, t in bucket),
+                             time.perf_counter() - t1)
+        t1 = time.perf_counter()
         _check_version(self.generation.finish_weight_update(), version, kv_scales)
+        stats.finish_seconds = time.perf_counter() - t1
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -326,9 +355,10 @@ class ObjectStoreWeightSync:
                 num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.bucket_bytes, kv_scales)
             for ref in stream:
                 # The ref resolves inside each engine actor, straight from the object store.
+                t0 = time.perf_counter()
                 loaded = call_all(self.generation_workers, "receive_packed_bucket", ref)
                 del ref  # its object can be freed now
-                yield loaded[0]
+                yield (*loaded[0], time.perf_counter() - t0)
 
         return _sync_actors(self.generation_workers, self.labels, self.peers, version, kv_scales, transfer)
 

@@ -23,6 +23,7 @@ released by the actors' ``shutdown``).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterator, Optional, Sequence
 
 import ray
@@ -99,14 +100,14 @@ class PolicyWorker(MemoryProbe):
             yield pack_bucket(bucket)
 
     def send_weights_cuda_ipc(self, generation_worker, bucket_bytes: int, kv_scales: Optional[KvScales],
-                              packed: bool = False) -> list[tuple[int, int]]:
+                              packed: bool = False) -> list[tuple[int, int, float]]:
         """The refit straight from this rank's GPU into a colocated vLLM engine (``CudaIpcWeightSync``).
 
         The weights (and KV scales) are quantized here as the engine's ``direct_refit_spec`` says and
         handed over bucket by bucket as CUDA IPC handles (vLLM's IPC weight-transfer engine): the engine
         actor passes each bucket's handles to ``LLM.update_weights`` and its worker copies from this
         process's memory, which stays alive until the call returns; ``packed``: one handle per bucket
-        (``send_weights_ipc``). Returns (tensors, bytes) per update.
+        (``send_weights_ipc``). Returns (tensors, bytes, seconds of the engine's call) per update.
 
         Raises:
             KeyError: a weight the engine's model does not have (raised before that tensor is quantized).
@@ -117,18 +118,21 @@ class PolicyWorker(MemoryProbe):
                                  lambda stream, update, plan: send_weights_ipc(stream, update, plan, bucket_bytes,
                                                                                packed=packed))
 
-    def _send_direct(self, generation_workers: list, kv_scales: Optional[KvScales], send) -> list[tuple[int, int]]:
+    def _send_direct(self, generation_workers: list, kv_scales: Optional[KvScales],
+                     send) -> list[tuple[int, int, float]]:
         """What the direct refits (CUDA IPC, NCCL) share: the engine's ``direct_refit_spec``, this rank's weights and
         KV scales through ``direct_refit_stream``, ``send(stream, update, plan) -> tensors sent`` with ``update``
         handing each bucket's ``{"update_info": ...}`` to the engine actor's ``receive_update``, then ``note_sent``.
-        Returns (tensors, bytes) per bucket, of the converted tensors (``update_info_stats``)."""
+        Returns (tensors, bytes, seconds of the engines' call) per bucket, of the converted tensors
+        (``update_info_stats``)."""
         spec = ray.get(generation_workers[0].direct_refit_spec.remote())  # every engine has the same model
         names: list[str] = []
-        buckets: list[tuple[int, int]] = []
+        buckets: list[tuple[int, int, float]] = []
 
         def update(payload: dict) -> None:
+            t0 = time.perf_counter()
             call_all(generation_workers, "receive_update", payload)
-            buckets.append(update_info_stats(payload["update_info"]))
+            buckets.append((*update_info_stats(payload["update_info"]), time.perf_counter() - t0))
 
         stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), spec["plan"],
                                      spec["skip"], names)
@@ -153,7 +157,7 @@ class PolicyWorker(MemoryProbe):
         self._nccl_group = nccl_trainer_init(master_address, master_port, world_size)
 
     def send_weights_nccl(self, generation_workers: list, bucket_bytes: int,
-                          kv_scales: Optional[KvScales]) -> list[tuple[int, int]]:
+                          kv_scales: Optional[KvScales]) -> list[tuple[int, int, float]]:
         """The refit from this rank's GPU to a vLLM engine on GPUs of its own, by NCCL broadcast (``NcclWeightSync``).
 
         The weights (and KV scales) stream in buckets of ``bucket_bytes`` (``iter_buckets``, bytes before
@@ -162,7 +166,7 @@ class PolicyWorker(MemoryProbe):
         the engine actor's ``receive_update`` (``LLM.update_weights``) tell its workers the names/dtypes/shapes,
         from a thread, and broadcasts the bucket meanwhile; the call returns once the workers have loaded it
         (``NcclWeightSync``'s docstring says why this does not deadlock). Then ``note_sent``. Returns (tensors,
-        bytes) per bucket, of the converted tensors.
+        bytes, seconds of the engines' call) per bucket, of the converted tensors.
 
         Raises:
             RuntimeError: no NCCL group (``init_weight_transfer_nccl`` first; ``start_workers`` does it for

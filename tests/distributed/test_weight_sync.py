@@ -86,6 +86,26 @@ def test_in_process_sync_loads_every_weight_with_its_version(tiny_cfg, tok, prec
         assert torch.equal(q.weight, want["model.layers.1.self_attn.q_proj.weight"].to(torch.bfloat16))
 
 
+def test_sync_stats_split_the_update_into_frame_export_and_load(tiny_cfg, tok):
+    """SyncStats.parts: the engine's start and finish, its loads per bucket and the rest (the export) add up to
+    the update's wall time; a transport that did not time its loads gives no parts (export would swallow them)."""
+    from nemo_fp8.distributed.weight_sync import SyncStats
+
+    cfg = tiny_cfg()
+    policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
+    stats = InProcessWeightSync(policy, _engine(cfg, tok, "fp8"), bucket_bytes=256 * 1024).sync(version=1)
+    parts = stats.parts()
+    assert list(parts) == ["start", "export", "load", "finish"] and all(v >= 0 for v in parts.values())
+    assert parts["load"] > 0 and sum(parts.values()) == pytest.approx(stats.seconds)
+    untimed = SyncStats(2, seconds=1.0, start_seconds=0.1, finish_seconds=0.2)
+    untimed.add_bucket(3, 300)
+    assert untimed.parts() == {}
+    timed = SyncStats(2, seconds=1.0, start_seconds=0.1, finish_seconds=0.2)
+    timed.add_bucket(3, 300, 0.25)
+    timed.add_bucket(1, 100, 0.25)
+    assert timed.parts() == pytest.approx({"start": 0.1, "export": 0.2, "load": 0.5, "finish": 0.2})
+
+
 def test_kv_scales_travel_with_the_weights_and_incomplete_updates_fail(tiny_cfg, tok):
     cfg = tiny_cfg()
     policy = TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))
@@ -366,7 +386,7 @@ def test_nccl_weight_sync_connects_both_sides_and_refits_in_order(monkeypatch):
                     start_weight_update=lambda v: held.update(version=v),
                     finish_weight_update=lambda: WeightVersion(weights=held["version"], kv_scales=-1, num_tensors=5))
     rank0 = _Actor("rank0", log, nccl_rendezvous=lambda: ("10.0.0.1", 29511), init_weight_transfer_nccl=lambda *a: None,
-                   send_weights_nccl=lambda gen, bucket_bytes, kv: [(3, 300), (2, 64)])
+                   send_weights_nccl=lambda gen, bucket_bytes, kv: [(3, 300, 0.5), (2, 64, 0.25)])
     peer = _Actor("peer", log, drain_weights=lambda: 0)
     ws = NcclWeightSync(rank0, [engine], bucket_bytes=1024, engine_gpus=2, peers=[peer])
     ws.connect()
@@ -379,6 +399,7 @@ def test_nccl_weight_sync_connects_both_sides_and_refits_in_order(monkeypatch):
     assert log[2][1] == ([engine], 1024, None)  # rank 0 calls the engine actor itself, bucket by bucket
     assert (stats.version, stats.num_buckets, stats.num_tensors, stats.bytes, stats.max_bucket_bytes) == (4, 2, 5, 364,
                                                                                                          300)
+    assert stats.load_seconds == 0.75  # the engine's calls as rank 0 timed them
     engine._methods["finish_weight_update"] = lambda: WeightVersion(weights=3)
     with pytest.raises(RuntimeError, match="engine 0 reports weights of version 3 after an update to 5"):
         ws.sync(version=5)

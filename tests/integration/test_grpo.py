@@ -51,10 +51,12 @@ def test_grpo_step_runs_every_phase(tiny_cfg, overrides):
     metrics = grpo_step(1, iter(loader), policy, gen, lambda r, a: [float(len(x) % 2 == 0) for x in r], tok, cfg, timer,
                         refitter)
     phases = timer.pop()
+    transfer_parts = {f"refit/transfer/{p}" for p in ("start", "export", "load", "finish")}
     assert set(phases) == {"refit", "refit/offload_trainer_state", "refit/transfer", "refit/offload_weights",
                            "engine_wake", "engine_sleep", "generation", "reward", "advantages", "data_processing", "logprobs",
-                           "training"}
-    assert sum(v for k, v in phases.items() if k.startswith("refit/")) <= phases["refit"]  # its parts
+                           "training"} | transfer_parts
+    assert sum(v for k, v in phases.items() if k.count("/") == 1 and k.startswith("refit/")) <= phases["refit"]
+    assert sum(phases[k] for k in transfer_parts) <= phases["refit/transfer"]  # the transfer's own parts
     assert metrics["refit/num_buckets"] >= 2  # the initial refit, in 1 MiB buckets
     assert refitter.stale and refitter.version == 1  # the engine is refreshed lazily, before the next rollout
     for key in ("train/reward_mean", "mismatch/gen_kl_error", "mismatch/token_mult_prob_error", "loss/is_weight_mean",
