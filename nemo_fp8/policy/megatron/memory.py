@@ -36,7 +36,11 @@ layer, norms and MoE routers stay BF16), divided by tensor parallelism. On the 8
 2) the FP8 trainer's peak allocation was 55.7 GiB against this module's 45.8 GiB of state without them
 (``docs/performance.md``, the 4-GPU mission); with them, 52.2 GiB, and the rest is activations. At tensor
 parallel 1 they are 12.9 GiB for Qwen3-8B: a layout that would otherwise pass on an 80 GB GPU and run out of
-memory in its first step.
+memory in its first step. With megatron-core's ``disable_parameter_transpose_cache``
+(``override_transformer_config``) TE keeps no such cache: each forward quantizes its weights afresh (reading the
+bf16 weights once more per micro-batch, about 1% of an 8B pass of 16,384 tokens), so with activation checkpointing
+only the layer being recomputed holds FP8 copies (about 0.4 GiB for Qwen3-8B, inside the recompute working set) and
+the estimate counts none; without checkpointing every layer saves its copy for the backward and they count in full.
 
 Model parallelism divides all of it: tensor parallelism splits every matrix, pipeline parallelism
 (``pipeline_model_parallel_size`` P) gives each stage 1/P of the decoder layers, the first stage the embedding and
@@ -170,6 +174,8 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
     parts = {k: num_parameters / tp * v for k, v in per_param.items()}
     parts.update({k: num_parameters / tp / shard * v for k, v in opt.items()})
     copies = 2 * fp8_weight_params if m.fp8_cfg.enabled and not m.fp8_cfg.fp8_param else 0
+    if copies and m.activation_checkpointing and fp8_weights_uncached(cfg):
+        copies = 0  # each layer quantizes its weights afresh, one layer's copies at a time (module docstring)
     if copies:  # rowwise + columnwise FP8 weights of every TE linear, kept between micro-batches
         parts["fp8_weight_copies"] = copies / tp
         per_param["fp8_weight_copies"] = copies / num_parameters
@@ -178,6 +184,13 @@ def estimate_trainer_memory(num_parameters: int, cfg: PolicyConfig, fp8_weight_p
     weights_out = per_param["weights"] if moved else 0
     return TrainerMemory(num_parameters, sum(parts.values()), parts, {**per_param, **opt},
                          host=num_parameters / tp / shard * (host_per_param + arena) + num_parameters / tp * weights_out)
+
+
+def fp8_weights_uncached(cfg: PolicyConfig) -> bool:
+    """True when megatron-core passes TransformerEngine no ``is_first_microbatch``
+    (``override_transformer_config.disable_parameter_transpose_cache``): every forward quantizes its FP8 weights
+    afresh and keeps no copy between micro-batches."""
+    return bool(cfg.megatron_cfg.override_transformer_config.get("disable_parameter_transpose_cache", False))
 
 
 def train_mb_tokens(cfg: PolicyConfig) -> int:
@@ -240,6 +253,9 @@ def activation_memory_warnings(cfg: PolicyConfig, gpu_bytes: int, num_parameters
         hints.append(f"policy.sequence_packing.train_mb_tokens <= {fit:,} (now {tokens:,})")
     if not cfg.megatron_cfg.activation_checkpointing:
         hints.append("policy.megatron_cfg.activation_checkpointing=true")
+    if est.parts.get("fp8_weight_copies") and cfg.megatron_cfg.activation_checkpointing:
+        hints.append("policy.megatron_cfg.override_transformer_config.disable_parameter_transpose_cache=true "
+                     f"(no FP8 weight copies kept: {est.parts['fp8_weight_copies'] / GiB:.1f} GiB)")
     if not cfg.megatron_cfg.train_expandable_segments and cfg.weight_sync.method == "cuda_ipc":
         hints.append("policy.megatron_cfg.train_expandable_segments=true (less of the slack)")
     return [f"policy.sequence_packing.train_mb_tokens: a training pass of {tokens:,} tokens may run out of GPU memory: "
@@ -350,7 +366,9 @@ def trainer_memory_errors(cfg: PolicyConfig, gpu_bytes: int, num_parameters: int
                      "FusedAdam unscales them all to fp32 during the step")
     if est.parts.get("fp8_weight_copies"):
         hints.append(f"fp8_cfg.fp8_param=true keeps the weights in FP8 instead of BF16 weights plus "
-                     f"TransformerEngine's FP8 copies ({est.parts['fp8_weight_copies'] / GiB:.1f} GiB per GPU)")
+                     f"TransformerEngine's FP8 copies ({est.parts['fp8_weight_copies'] / GiB:.1f} GiB per GPU)"
+                     + (", or override_transformer_config.disable_parameter_transpose_cache=true quantizes them "
+                        "afresh each micro-batch" if m.activation_checkpointing else ""))
     if not m.optimizer.optimizer_cpu_offload or m.optimizer.optimizer_offload_fraction < 1:
         hints.append("optimizer.optimizer_cpu_offload=true with a larger optimizer_offload_fraction (and "
                      "use_precision_aware_optimizer=true) moves Adam's state to host memory")
