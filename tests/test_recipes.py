@@ -159,7 +159,8 @@ def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path, capsys):
     assert recipe_main(["get", str(RECIPES / "no-such-suite" / "x.yaml"), "grpo.seed"]) == 2
     assert "config file not found" in capsys.readouterr().err
     assert recipe_main(["overrides", str(ARMS / "fp8.yaml"), str(ARMS / "fp8-kv-cache.yaml")]) == 0
-    assert capsys.readouterr().out.splitlines()[-2:] == ["policy.generation.vllm_cfg.use_deep_gemm=true",
+    assert capsys.readouterr().out.splitlines()[-3:] == ["policy.generation.vllm_cfg.use_deep_gemm=true",
+                                                          "policy.megatron_cfg.train_expandable_segments=false",
                                                           "policy.generation.vllm_cfg.kv_cache_dtype=fp8"]
     arm = tmp_path / "arm.yaml"
     for text, says in [("defaults: fp8.yaml\n", "defaults"), ("policy:\n  x: [1, 2]\n", "policy.x is a list"),
@@ -226,7 +227,10 @@ def test_the_one_gpu_suite_composes_its_runs_and_checks_the_issue_targets(tmp_pa
     layout = load_config(REPO / "examples" / "configs" / "grpo_math_8B_megatron_1gpu.yaml")
     for c in cfgs.values():
         assert c.cluster.gpus_per_node == 1 and c.policy.megatron_cfg.tensor_model_parallel_size == 1
-        assert c.policy.megatron_cfg == layout.policy.megatron_cfg.model_copy(update={"fp8_cfg": c.policy.megatron_cfg.fp8_cfg})
+        m = c.policy.megatron_cfg  # the layout's, but for the FP8 keys (the FP8 KV arm's allocator setting too)
+        own = {"fp8_cfg": m.fp8_cfg, "train_expandable_segments": m.train_expandable_segments}
+        assert m == layout.policy.megatron_cfg.model_copy(update=own)
+        assert m.train_expandable_segments == (c.policy.generation.vllm_cfg.kv_cache_dtype != "fp8")
         assert c.data.train_path == "/data/gsm8k/train.jsonl"
     assert cfgs["bf16"].policy.generation.vllm_cfg.precision == "bfloat16"
     assert (cfgs["fp8"].policy.generation.vllm_cfg.precision, cfgs["fp8"].policy.megatron_cfg.fp8_cfg.enabled) == \

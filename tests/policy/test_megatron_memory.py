@@ -305,13 +305,17 @@ def _qwen3_8b_headers(folder):
 
 def test_the_one_gpu_configs_fit_one_h200_by_the_numbers_in_their_comments():
     """grpo_math_8B_megatron{,_fp8}_1gpu.yaml on a 139.8 GiB GPU and a 128 GiB host: at the optimizer step 91.5 GiB
-    (BF16) / 104.5 (FP8, with TE's FP8 weight copies) + 7.8 outside PyTorch; between steps 76.3 beside the engine's
-    41.9; 61.0 GiB of Adam's state in host memory. Each pair of the four configs differs by what it should: the
-    layout (1gpu against the 8-GPU config) or the FP8 keys."""
-    for path, step in ((CONFIG_1GPU, 91.5), (CONFIG_1GPU_FP8, 104.5)):
+    (both: FP8 keeps no TE weight copies, disable_parameter_transpose_cache) + 7.8 outside PyTorch; a training pass of
+    16,384 tokens 114.4 GiB; between steps 76.3 beside the engine's 41.9; 61.0 GiB of Adam's state in host memory.
+    Each pair of the four configs differs by what it should: the layout (1gpu against the 8-GPU config) or the FP8
+    keys."""
+    for path in (CONFIG_1GPU, CONFIG_1GPU_FP8):
         policy = load_config(path).policy
         est = estimate_trainer_memory(QWEN3_8B, policy, QWEN3_8B_MATRICES)
-        assert est.per_gpu / GiB == pytest.approx(step, abs=0.05)
+        assert est.per_gpu / GiB == pytest.approx(91.5, abs=0.05)
+        assert policy.sequence_packing.train_mb_tokens == 16384
+        assert est.backward_peak(activation_bytes(policy, *QWEN3_8B_SHAPE)) / GiB == pytest.approx(114.4, abs=0.05)
+        assert activation_memory_warnings(policy, H200, QWEN3_8B, QWEN3_8B_SHAPE, QWEN3_8B_MATRICES) == []
         assert est.between_steps / GiB == pytest.approx(76.3, abs=0.05)
         assert policy.generation.vllm_cfg.gpu_memory_utilization * H200 / GiB == pytest.approx(41.9, abs=0.05)
         assert (est.between_steps + 0.3 * H200 + NON_TORCH_BYTES) / GiB == pytest.approx(126.0, abs=0.05)
@@ -337,7 +341,7 @@ def test_the_preflight_stops_the_one_gpu_configs_on_an_80gb_card_naming_the_keys
     checkpoint's own parameter counts, with the estimate and the keys that lower it; on an H200 it passes."""
     model = _qwen3_8b_headers(tmp_path)
     assert checkpoint_parameter_counts(model) == (QWEN3_8B, QWEN3_8B_MATRICES)
-    for path, need in ((CONFIG_1GPU, "91.5 GiB per GPU"), (CONFIG_1GPU_FP8, "104.5 GiB per GPU")):
+    for path, need in ((CONFIG_1GPU, "91.5 GiB per GPU"), (CONFIG_1GPU_FP8, "91.5 GiB per GPU")):
         cfg = load_config(path, [f"policy.model_name={model}"])
         (err,) = check_trainer_memory(cfg, gpu_bytes=H100, host_bytes=HOST)
         assert need in err and "~7.8 GiB outside PyTorch's allocator" in err and "the GPU's 79.6 GiB" in err
@@ -345,22 +349,27 @@ def test_the_preflight_stops_the_one_gpu_configs_on_an_80gb_card_naming_the_keys
         for key in ("tensor_model_parallel_size (now 1)", "policy.data_parallel_size, now 1",
                     "optimizer_cpu_offload=true with a larger optimizer_offload_fraction"):
             assert key in err
-        assert ("fp8_cfg.fp8_param=true" in err) == (path == CONFIG_1GPU_FP8)
+        assert "fp8_cfg.fp8_param=true" not in err  # no FP8 weight copies in either
         assert check_trainer_memory(cfg, gpu_bytes=H200, host_bytes=HOST) == []
 
 
 QWEN3_8B_SHAPE = (36, 4096, 151936)  # num_hidden_layers, hidden_size, vocab_size
 
 
-@pytest.mark.parametrize("config,tokens,measured_gib", [
-    (CONFIG_1GPU, 16384, 114.45),     # BF16, its second step (the constants' calibration)
-    (CONFIG_1GPU_FP8, 4096, 109.1),   # FP8 at the configs' micro-batch, the 8 x 8 mission
+CACHED = "policy.megatron_cfg.override_transformer_config.disable_parameter_transpose_cache=false"  # TE's FP8 cache
+
+
+@pytest.mark.parametrize("config,tokens,extra,measured_gib", [
+    (CONFIG_1GPU, 16384, [], 114.45),         # BF16, its second step (the constants' calibration)
+    (CONFIG_1GPU_FP8, 4096, [CACHED], 109.1),  # FP8 with TE's FP8 weight cache, the 8 x 8 mission
+    (CONFIG_1GPU_FP8, 16384, [], 114.54),     # FP8 as the config ships, the standard workload's second step
 ])
-def test_the_backward_peak_estimate_meets_the_one_gpu_runs(config, tokens, measured_gib):
+def test_the_backward_peak_estimate_meets_the_one_gpu_runs(config, tokens, extra, measured_gib):
     """The trainer's peak allocation in the one-GPU mission runs (memory/train_peak_allocated_gib): state between
-    steps + gradients + TE's FP8 copies + one micro-batch's activations (docs/results/
-    2026-12-02-mission-1gpu-standard-1xh200 and 2026-12-02-release-and-host-profile-1xh200)."""
-    policy = load_config(config, [f"policy.sequence_packing.train_mb_tokens={tokens}"]).policy
+    steps + gradients + TE's FP8 copies (when cached) + one micro-batch's activations (docs/results/
+    2026-12-02-mission-1gpu-standard-16k-1xh200, 2026-12-02-mission-1gpu-standard-1xh200 and
+    2026-12-02-release-and-host-profile-1xh200)."""
+    policy = load_config(config, [f"policy.sequence_packing.train_mb_tokens={tokens}", *extra]).policy
     est = estimate_trainer_memory(QWEN3_8B, policy, QWEN3_8B_MATRICES)
     act = activation_bytes(policy, *QWEN3_8B_SHAPE)
     assert act / tokens == 36 * 4096 * 2 + 4 * 151936 + 145 * 4096  # layer inputs, logits + gradient, one layer
@@ -368,23 +377,31 @@ def test_the_backward_peak_estimate_meets_the_one_gpu_runs(config, tokens, measu
 
 
 def test_the_preflight_warns_of_the_16k_fp8_micro_batch_that_ran_out_of_memory(tmp_path):
-    """What ran on one H200: BF16 at 16,384-token micro-batches, FP8 at 4,096 (no warning); FP8 at 16,384 ran out of
-    memory (a warning with the largest micro-batch that fits the estimate and the keys that make room)."""
+    """What ran on one H200 with TE's FP8 weight cache: BF16 at 16,384-token micro-batches, FP8 at 4,096 (no warning);
+    FP8 at 16,384 ran out of memory (a warning with the largest micro-batch that fits the estimate and the keys that
+    make room); without the cache, as the config ships, FP8 at 16,384 ran and the estimate does not warn."""
     import json
 
     from nemo_fp8.preflight import activation_warnings
 
     for path, tokens in ((CONFIG_1GPU, 16384), (CONFIG_1GPU_FP8, 4096)):
-        policy = load_config(path, [f"policy.sequence_packing.train_mb_tokens={tokens}"]).policy
+        policy = load_config(path, [f"policy.sequence_packing.train_mb_tokens={tokens}", CACHED]).policy
         assert activation_memory_warnings(policy, H200, QWEN3_8B, QWEN3_8B_SHAPE, QWEN3_8B_MATRICES) == []
-    fp8 = load_config(CONFIG_1GPU_FP8, ["policy.sequence_packing.train_mb_tokens=16384"]).policy
+    ran = [CACHED, "policy.megatron_cfg.train_expandable_segments=false"]  # the run that ran out of memory
+    fp8 = load_config(CONFIG_1GPU_FP8, ["policy.sequence_packing.train_mb_tokens=16384", *ran]).policy
     (warning,) = activation_memory_warnings(fp8, H200, QWEN3_8B, QWEN3_8B_SHAPE, QWEN3_8B_MATRICES)
     assert warning.startswith("policy.sequence_packing.train_mb_tokens: a training pass of 16,384 tokens may run out")
     assert "about 127.3 GiB (104.5 of state, gradients and FP8 weight copies, 22.8 of activations)" in warning
     assert "train_mb_tokens <= 11,264 (now 16,384)" in warning and "train_expandable_segments=true" in warning
+    assert "disable_parameter_transpose_cache=true (no FP8 weight copies kept: 12.9 GiB)" in warning
+    # without TE's FP8 weight cache the pass holds BF16's state and gradients: the 16,384 tokens fit the estimate
+    uncached = load_config(CONFIG_1GPU_FP8).policy  # as the config ships
+    assert "fp8_weight_copies" not in estimate_trainer_memory(QWEN3_8B, uncached, QWEN3_8B_MATRICES).parts
+    assert activation_memory_warnings(uncached, H200, QWEN3_8B, QWEN3_8B_SHAPE, QWEN3_8B_MATRICES) == []
     model = _qwen3_8b_headers(tmp_path)  # the preflight reads the counts and the shape from the checkpoint
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}))
-    cfg = load_config(CONFIG_1GPU_FP8, [f"policy.model_name={model}", "policy.sequence_packing.train_mb_tokens=16384"])
+    cfg = load_config(CONFIG_1GPU_FP8, [f"policy.model_name={model}", "policy.sequence_packing.train_mb_tokens=16384",
+                                        *ran])
     assert activation_warnings(cfg, gpu_bytes=H200) == [warning]
     (model / "config.json").unlink()
     assert activation_warnings(cfg, gpu_bytes=H200) == []  # no shape: nothing estimated
