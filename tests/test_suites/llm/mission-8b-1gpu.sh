@@ -3,9 +3,10 @@
 # examples/configs/grpo_math_8B_megatron{,_fp8}_1gpu.yaml: BF16, FP8 (W8A8 blockwise rollout with DeepGEMM + TE
 # blockwise training + TIS) and FP8 + FP8 KV cache of one workload side by side, then the report
 # (tools/mission_report.py: each phase per step, rollout tokens/s, KV capacity, peak GPU and host memory per run).
-# Run on one H200 (docs/results/2026-12-02-mission-1gpu-standard-1xh200): the standard workload's BF16 run, at
-# 16,384-token micro-batches, took 8.8 minutes (3.5-4 of start-up, steps of 146.7 and 114.8 s); the FP8 run at that
-# size ran out of memory at its second step's engine wake. Long responses: not run yet. Recipes: examples/configs/recipes/llm/mission-8b-1gpu/{standard,long-responses}.yaml
+# Run on one H200 (docs/results/2026-12-02-mission-1gpu-standard-16k-1xh200): the standard workload's BF16 and FP8
+# runs (FP8 with DeepGEMM off) took 8-9 minutes each (about 3 of start-up); FP8's second step 0.78x BF16's, 7 of the
+# 8 checks passed (the refit's "no slower": 1.025x). Long responses: not run yet.
+# Recipes: examples/configs/recipes/llm/mission-8b-1gpu/{standard,long-responses}.yaml
 # (BF16), the FP8 runs adding arms/*.yaml fragments (mission_arms, tests/test_suites/mission.sh):
 #   standard        32 prompts x 16 responses of up to 1,024 tokens, 2 steps. Checks: the FP8 step <= 0.80 x BF16's,
 #                   every FP8 phase (generation, refit, log-probs, training) no slower than BF16's
