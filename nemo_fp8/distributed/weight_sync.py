@@ -178,7 +178,8 @@ class SyncStats:
         start_seconds, finish_seconds: the engines' ``start_weight_update`` / ``finish_weight_update`` with the
             version checks (vLLM's layerwise reload set up and finished).
         load_seconds: the buckets' engine calls summed, each from the sender's call to the engines' return (the
-            Ray call, vLLM's RPC to its workers and their load); 0 where the transport does not time them.
+            Ray call, vLLM's RPC to its workers and their load; over NCCL the call spans the bucket's broadcast,
+            which the sender runs meanwhile); 0 where the transport does not time them.
     """
 
     version: int

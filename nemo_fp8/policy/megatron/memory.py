@@ -38,9 +38,10 @@ layer, norms and MoE routers stay BF16), divided by tensor parallelism. On the 8
 parallel 1 they are 12.9 GiB for Qwen3-8B: a layout that would otherwise pass on an 80 GB GPU and run out of
 memory in its first step. With megatron-core's ``disable_parameter_transpose_cache``
 (``override_transformer_config``) TE keeps no such cache: each forward quantizes its weights afresh (reading the
-bf16 weights once more per micro-batch, about 1% of an 8B pass of 16,384 tokens), so with activation checkpointing
-only the layer being recomputed holds FP8 copies (about 0.4 GiB for Qwen3-8B, inside the recompute working set) and
-the estimate counts none; without checkpointing every layer saves its copy for the backward and they count in full.
+bf16 weights once more per micro-batch: by its bytes about 1% of an 8B pass of 16,384 tokens), so with activation
+checkpointing only the layer being recomputed holds FP8 copies (about 0.4 GiB for Qwen3-8B, inside the recompute
+working set) and the estimate counts none; without checkpointing every layer saves its copy for the backward and
+they count in full.
 
 Model parallelism divides all of it: tensor parallelism splits every matrix, pipeline parallelism
 (``pipeline_model_parallel_size`` P) gives each stage 1/P of the decoder layers, the first stage the embedding and
