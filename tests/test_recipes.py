@@ -268,6 +268,64 @@ def test_the_one_gpu_suites_long_responses_check_fp8_kv_against_bf16(tmp_path):
         assert not (tmp_path / env.get("WORKLOAD", "runs") / "out").exists()  # stopped before suite_init
 
 
+def _refit_suite(tmp_path: Path, env: dict[str, str], total_s: dict[str, float],
+                 growth_gib: float = 0.0) -> tuple[subprocess.CompletedProcess, dict[str, list[str]]]:
+    """``refit-8b-1gpu.sh`` run whole on CPU: its Python is a wrapper for which ``tools/bench_refit.py`` records its
+    arguments and writes one row per refit into ``--out`` (the first 3 s of warm-up, then ``total_s[run]`` each, the
+    device's memory growing by ``growth_gib`` over the run); the checks run for real. Returns the suite's result and
+    each run's arguments."""
+    bin_dir, fake = tmp_path / "bin", tmp_path / "fake"
+    bin_dir.mkdir(parents=True)
+    fake.mkdir()
+    for run, s in total_s.items():
+        rows = [{"step": k, "timing/refit_total": 3.0 if k == 1 else s, "refit/gbytes": 9.4,
+                 "memory/device_used_gib": 40.0 + growth_gib * (k - 1) / 3} for k in (1, 2, 3, 4)]
+        (fake / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wrapper = bin_dir / "python"
+    wrapper.write_text(f"""#!/bin/bash
+case "$*" in
+  *write_random_checkpoint*) exit 0 ;;
+  *bench_refit.py*)
+    prev=""; for a in "$@"; do [ "$prev" = --out ] && dir=$a; prev=$a; done
+    run=$(basename "$dir"); printf "%s\\n" "$@" > {tmp_path}/$run.args
+    [ -f {fake}/$run.jsonl ] || exit 1
+    cp {fake}/$run.jsonl "$dir/metrics.jsonl"; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    full = {**os.environ, "PYTHON": str(wrapper), "OUT": str(tmp_path / "out"), "REFITS": "4", **env}
+    res = subprocess.run(["bash", "tests/test_suites/llm/refit-8b-1gpu.sh"], cwd=REPO, capture_output=True,
+                         text=True, env=full, timeout=300)
+    return res, {p.stem: p.read_text().splitlines() for p in tmp_path.glob("*.args")}
+
+
+def test_the_refit_suite_benches_both_configs_and_checks_issue_70s_targets(tmp_path):
+    """refit-8b-1gpu.sh: bench_refit on the one-GPU BF16 and FP8 configs with the random 8B checkpoint and the shared
+    data; a refit + wake + sleep of 0.4 s after the warm-up passes, 0.6 s fails, so does memory that grows by 2 GiB or
+    a run that wrote nothing; bad input stops it before any run."""
+    res, runs = _refit_suite(tmp_path / "ok", {"NEMO_FP8_SHARED_DATA": "/data"}, {"bf16": 0.4, "fp8": 0.45})
+    assert res.returncode == 0, res.stdout + res.stderr
+    configs = {name: args[args.index("--config") + 1] for name, args in runs.items()}
+    assert configs == {"bf16": "examples/configs/grpo_math_8B_megatron_1gpu.yaml",
+                       "fp8": "examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml"}
+    for args in runs.values():
+        assert args[args.index("--refits") + 1] == "4" and "policy.model_name=models/qwen3-8b-random" in args
+        assert "data.train_path=/data/gsm8k/train.jsonl" in args
+    checks = (tmp_path / "ok" / "out" / "checks.md").read_text()
+    assert checks.count("| PASS |") == 4 and "`mean(fp8:timing/refit_total[1:]) <= 0.5` | 0.45 ; 0.5 | PASS" in checks
+    res, _ = _refit_suite(tmp_path / "slow", {"RUNS": "fp8"}, {"fp8": 0.6}, growth_gib=2.0)
+    assert res.returncode == 1
+    assert "`mean(fp8:timing/refit_total[1:]) <= 0.5` | 0.6 ; 0.5 | FAIL" in res.stdout
+    assert "| `last(fp8:memory/device_used_gib) - first(fp8:memory/device_used_gib) <= 1.0` | 2 ; 1 | FAIL |" \
+        in res.stdout
+    res, _ = _refit_suite(tmp_path / "lost", {}, {"bf16": 0.4})  # the FP8 run crashed before its rows
+    assert res.returncode == 1 and "FAIL" in res.stdout
+    for env, says in [({"RUNS": "bf16 fp4"}, "unknown run fp4"), ({"REFITS": "1"}, "need 2 or more")]:
+        res, runs = _refit_suite(tmp_path / says.split()[0], env, {})
+        assert res.returncode == 2 and says in res.stdout and runs == {}
+
+
 def test_the_long_responses_rollout_outgrows_bf16s_kv_cache_and_fits_fp8_kvs():
     """The long-responses recipe's arithmetic, from the project's own functions: each step's drawn response limits
     (the loop's ``step_sampling``, ``request_max_new_tokens``) sum to the comment's tokens; at Qwen3-8B's KV bytes per
