@@ -77,6 +77,12 @@ def cross_field_errors(cfg: MasterConfig) -> list[str]:
         errs.append("loss_fn.use_importance_sampling_correction: FP8 rollout (policy.generation.vllm_cfg.precision='fp8') "
                     "needs true, to correct the rollout/trainer mismatch; set "
                     "loss_fn.allow_fp8_rollout_without_is_correction=true to run uncorrected on purpose")
+    # the torch reference engine refits in its own process, in no format of vLLM's: it ignores the key
+    if vllm_cfg.refit_format == "kernel" and (cfg.policy.weight_sync.method == "nccl"
+                                              or cfg.policy.generation.backend == "sglang"):
+        errs.append("policy.generation.vllm_cfg.refit_format: 'kernel' is for the vLLM engine refit by CUDA IPC or "
+                    f"from its own process (policy.weight_sync.method: {cfg.policy.weight_sync.method!r}, "
+                    f"policy.generation.backend: {cfg.policy.generation.backend!r}); valid otherwise: 'checkpoint'")
     dp = cfg.policy.data_parallel_size
     if vllm_cfg.kv_cache_is_fp8 and vllm_cfg.kv_calibration_max_samples is not None \
             and vllm_cfg.kv_calibration_max_samples < dp:

@@ -66,6 +66,13 @@ class VllmConfig(StrictConfig):
         "(verl's for vLLM >= 0.18): the loop then refits before every wake, and the refit's completeness check "
         "(every weight of the model arrived) leaves no weight stale. vLLM saves and restores the model's buffers "
         "(rotary caches, KV scales) itself")
+    refit_format: Literal["checkpoint", "kernel"] = Field(
+        "checkpoint", description="how the engine takes a refit (vLLM's start_weight_update is_checkpoint_format). "
+        "checkpoint: HF-named tensors through the model's weight loaders and vLLM's layerwise reload, which re-runs "
+        "each layer's quantization processing; kernel: tensors stacked into the engine's own parameters (fused "
+        "q/k/v and gate/up) and copied in place, no loaders, no processing (nemo_fp8/generation/vllm/"
+        "kernel_format.py): for BF16 engines and FP8 ones on CUTLASS's block-scaled kernel (use_deep_gemm: false), "
+        "tensor parallel 1, without an FP8 KV cache, refit by CUDA IPC or from the engine's own process")
     model_runner: Literal["auto", "v1", "v2"] = Field(
         "auto", description="vLLM's GPU model runner (VLLM_USE_V2_MODEL_RUNNER). auto: vLLM's choice; vLLM 0.22 "
         "picks V2 only for unquantized dense models of its list (Qwen3ForCausalLM), so a BF16 Qwen3 engine runs V2 "
@@ -88,6 +95,14 @@ class VllmConfig(StrictConfig):
         if self.kv_cache_is_fp8 and self.precision != "fp8":
             errs.append("kv_cache_dtype: 'fp8' needs policy.generation.vllm_cfg.precision='fp8' "
                         "(valid with bfloat16 precision: 'auto')")
+        if self.refit_format == "kernel":
+            why = [w for w, bad in (("use_deep_gemm: false (DeepGEMM re-lays its weights out after loading)",
+                                     self.precision == "fp8" and self.use_deep_gemm),
+                                    ("tensor_parallel_size: 1", self.tensor_parallel_size != 1),
+                                    ("kv_cache_dtype: 'auto' (the FP8 KV scales load through the attention layers' "
+                                     "own processing)", self.kv_cache_is_fp8)) if bad]
+            if why:
+                errs.append(f"refit_format: 'kernel' needs {', '.join(why)} (valid otherwise: 'checkpoint')")
         return errs
 
 

@@ -115,13 +115,14 @@ class PolicyWorker(MemoryProbe):
         from nemo_fp8.generation.vllm.refit import send_weights_ipc
 
         return self._send_direct([generation_worker], kv_scales,
-                                 lambda stream, update, plan: send_weights_ipc(stream, update, plan, bucket_bytes,
-                                                                               packed=packed))
+                                 lambda stream, update, plan, layout: send_weights_ipc(
+                                     stream, update, plan, bucket_bytes, packed=packed, layout=layout))
 
     def _send_direct(self, generation_workers: list, kv_scales: Optional[KvScales],
                      send) -> list[tuple[int, int, float]]:
         """What the direct refits (CUDA IPC, NCCL) share: the engine's ``direct_refit_spec``, this rank's weights and
-        KV scales through ``direct_refit_stream``, ``send(stream, update, plan) -> tensors sent`` with ``update``
+        KV scales through ``direct_refit_stream``, ``send(stream, update, plan, layout) -> tensors sent`` (``layout``:
+        the engine's ``KernelLayout`` or None) with ``update``
         handing each bucket's ``{"update_info": ...}`` to the engine actor's ``receive_update``, then ``note_sent``.
         Returns (tensors, bytes, seconds of the engines' call) per bucket, of the converted tensors
         (``update_info_stats``)."""
@@ -136,7 +137,7 @@ class PolicyWorker(MemoryProbe):
 
         stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), spec["plan"],
                                      spec["skip"], names)
-        n = send(stream, update, spec["plan"])
+        n = send(stream, update, spec["plan"], spec.get("layout"))
         call_all(generation_workers, "note_sent", names, n)
         return buckets
 
@@ -181,7 +182,10 @@ class PolicyWorker(MemoryProbe):
                                "policy.weight_sync.method='nccl')")
         group = self._nccl_group
 
-        def send(stream, update, plan) -> int:  # update runs in send_weights_nccl's thread while this one broadcasts
+        def send(stream, update, plan, layout) -> int:  # update runs in send_weights_nccl's thread meanwhile
+            if layout is not None:  # the config refuses it (vllm_cfg.refit_format)
+                raise RuntimeError("send_weights_nccl: the NCCL refit sends the checkpoint format only; the engine "
+                                   "expects its kernel format (vllm_cfg.refit_format: kernel)")
             return sum(send_weights_nccl(bucket, update, plan, group) for bucket in iter_buckets(stream, bucket_bytes))
 
         return self._send_direct(generation_workers, kv_scales, send)

@@ -38,6 +38,7 @@ class _FakeLLM:
 
     def start_weight_update(self, is_checkpoint_format):
         self.calls.append("start")
+        self.checkpoint_format = is_checkpoint_format
 
     def finish_weight_update(self):
         self.calls.append("finish")
@@ -49,9 +50,11 @@ class _FakeLLM:
         self.calls.append("init")
         self.init_request = request
 
+    answers: dict = {}  # collective_rpc method -> what each worker answers (a test sets it)
+
     def collective_rpc(self, method, args=()):
         self.calls.append(method)
-        return []
+        return [self.answers[method]] if method in self.answers else []
 
     def generate(self, *args, **kwargs):
         raise _Generated()
@@ -172,8 +175,8 @@ def test_tensor_parallel_engine_refits_every_gpu_and_refuses_a_one_gpu_sender(ba
     from nemo_fp8.generation.vllm import backend as mod
 
     sent = []
-    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None: sent.append(
-        (len(items), devices)) or len(items))
+    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None, layout=None:
+                        sent.append((len(items), devices)) or len(items))
     be = backend(tensor_parallel_size=2)
     assert be.llm.kwargs["tensor_parallel_size"] == 2 and be.llm.kwargs["distributed_executor_backend"] == "mp"
     be.start_weight_update(1)
@@ -184,7 +187,7 @@ def test_tensor_parallel_engine_refits_every_gpu_and_refuses_a_one_gpu_sender(ba
     one = backend()
     one.start_weight_update(1)
     one.update_weights([("model.embed_tokens.weight", None)])
-    assert sent[-1] == (1, None) and set(one.direct_refit_spec()) == {"plan", "skip"}
+    assert sent[-1] == (1, None) and set(one.direct_refit_spec()) == {"plan", "skip", "layout"}
 
 
 def test_an_engine_never_refit_does_not_generate(backend):
@@ -242,7 +245,7 @@ def test_nccl_engine_of_two_gpus_answers_the_trainer_and_ipc_engines_join_no_gro
     CUDA IPC engine of two GPUs refuses it: ``test_tensor_parallel_engine_refits_every_gpu...``); its group has the
     trainer plus two workers. A CUDA IPC engine refuses to join an NCCL group and shuts down without one."""
     tp2 = backend(weight_transfer="nccl", tensor_parallel_size=2)
-    assert set(tp2.direct_refit_spec()) == {"plan", "skip"}
+    assert set(tp2.direct_refit_spec()) == {"plan", "skip", "layout"}
     tp2.init_weight_transfer("10.0.0.1", 29500, 3)
     assert tp2.llm.init_request["init_info"]["world_size"] == 3
     ipc = backend()
@@ -384,3 +387,33 @@ def test_fp8_kv_scales_survive_the_kv_caches_wake(backend):
     be.finish_generation()
     with pytest.raises(RuntimeError, match="after the engine's wake, model.layers.0.self_attn.attn .* reads scales"):
         be.prepare_for_generation()
+
+
+def test_a_kernel_format_engine_copies_its_refits_into_its_own_parameters(backend, monkeypatch):
+    """vllm_cfg.refit_format: kernel: the engine reads its parameters from its worker, checks that a refit of its
+    checkpoint covers them, starts every refit in vLLM's kernel format and hands the layout to whoever sends
+    (its own update_weights, a trainer's direct refit); an FP8 engine on DeepGEMM is refused at start."""
+    from nemo_fp8.generation.vllm import backend as mod
+    from nemo_fp8.generation.vllm.kernel_format import KernelLayout
+    from nemo_fp8.generation.vllm.refit import meta_model
+    from tests.generation.test_vllm_kernel_format import PACKED, QWEN3, _engine_params
+
+    be0 = backend(model=QWEN3)  # the plan of this model, for the parameter table its worker would report
+    table = _engine_params(meta_model(QWEN3), be0.plan)
+    answer = {"params": table, "packed": PACKED, "linear_kernels": ["CutlassFp8BlockScaledMMKernel"]}
+    monkeypatch.setattr(_FakeLLM, "answers", {"nemo_fp8_kernel_params": answer})
+    sent = []
+    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None, layout=None:
+                        sent.append(layout) or len(items))
+    be = backend(model=QWEN3, refit_format="kernel")
+    assert isinstance(be.kernel_layout, KernelLayout) and be.kernel_layout.params == table
+    be.start_weight_update(1)
+    assert be.llm.checkpoint_format is False
+    be.update_weights([("model.embed_tokens.weight", None)])
+    assert sent == [be.kernel_layout] and be.direct_refit_spec()["layout"] is be.kernel_layout
+    assert backend(model=QWEN3).direct_refit_spec()["layout"] is None  # the checkpoint format: no layout
+    monkeypatch.setattr(_FakeLLM, "answers", {"nemo_fp8_kernel_params": dict(
+        answer, linear_kernels=["DeepGemmFp8BlockScaledMMKernel"])})
+    with pytest.raises(RuntimeError, match="CUTLASS's block-scaled kernel, this engine runs "
+                                           "\\['DeepGemmFp8BlockScaledMMKernel'\\]"):
+        backend(model=QWEN3, refit_format="kernel")

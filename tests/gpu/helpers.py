@@ -71,11 +71,11 @@ def hf_state(path):
 def engine(path, **cfg):
     """A colocated FP8 ``VllmGenerationBackend`` on ``path`` (20% of GPU memory, 64 sequences).
 
-    ``cfg``: further ``VllmConfig`` fields (e.g. ``kv_cache_dtype="fp8"``).
+    ``cfg``: further ``VllmConfig`` fields (e.g. ``kv_cache_dtype="fp8"``; ``precision="bfloat16"`` for a BF16 one).
     """
     from nemo_fp8.generation.vllm.backend import VllmGenerationBackend
 
-    vcfg = VllmConfig(precision="fp8", gpu_memory_utilization=0.2, **cfg)
+    vcfg = VllmConfig(**{"precision": "fp8", "gpu_memory_utilization": 0.2, **cfg})
     return VllmGenerationBackend(str(path), vcfg, pad_token_id=0, eos_token_id=EOS, max_total_sequence_length=MAX_LEN,
                                  colocated=True, engine_overrides={"max_num_seqs": 64})
 

@@ -5,7 +5,8 @@ refit brings the real weights (the backend does that itself from ``model_name``'
 ``load_initial_weights`` is set). Refit: ``start_weight_update`` -> ``update_weights`` (buckets of
 HF-named high-precision tensors, quantized on the GPU and sent over CUDA IPC; the trainer may call
 ``send_weights_ipc`` / ``send_weights_nccl`` from ``refit`` directly instead) ->
-``finish_weight_update`` (vLLM's layerwise reload, in place). Generation returns
+``finish_weight_update`` (vLLM's layerwise reload, in place; with ``vllm_cfg.refit_format: kernel`` the tensors
+are stacked into the engine's own parameters and vLLM copies them in, ``kernel_format``). Generation returns
 ``processed_logprobs``: log-probs of the distribution actually sampled (logits / temperature).
 Sleep/wake (level 1) for colocation.
 
@@ -39,7 +40,8 @@ from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_sca
 from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens, request_seed
 from nemo_fp8.generation.vllm.engine_args import init_fp8
-from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
+from nemo_fp8.generation.vllm.kernel_format import KernelLayout
+from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, meta_model, nccl_init_info, send_weights_ipc
 from nemo_fp8.models.hf import iter_checkpoint, model_config
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class VllmGenerationBackend:
         # The engine's workers' GPUs as this process numbers them (vLLM's worker i runs on cuda:i).
         self.refit_devices = [torch.device("cuda", i) for i in range(tp)] if tp > 1 else None
         self.llm = LLM(**self.spec.engine_kwargs)
+        # vllm_cfg.refit_format: kernel: every refit, the first load too, copies into the engine's own parameters
+        self.kernel_layout = self._kernel_layout(model_name) if vllm_cfg.refit_format == "kernel" else None
         self._version = WeightVersion()
         self._pending: Optional[int] = None
         self._seen: set[str] = set()
@@ -112,13 +116,33 @@ class VllmGenerationBackend:
 
     # ------------------------------------------------------------------ refit
 
+    def _kernel_layout(self, model_name: str) -> KernelLayout:
+        """The engine's parameters as its worker reports them (``nemo_fp8_kernel_params``), checked against the
+        converted tensors of a refit of ``model_name`` (``KernelLayout.check``).
+
+        Raises:
+            RuntimeError: an FP8 engine whose linears run another kernel than CUTLASS's block-scaled one (DeepGEMM
+                re-lays its weights out after loading: not a format a refit can copy into).
+            ValueError: a refit that would not cover the engine's parameters (``KernelLayout.check``).
+        """
+        info = self.llm.collective_rpc("nemo_fp8_kernel_params")[0]
+        if self.vllm_cfg.precision == "fp8" and info["linear_kernels"] != ["CutlassFp8BlockScaledMMKernel"]:
+            raise RuntimeError(f"vllm_cfg.refit_format: 'kernel' needs the FP8 linears on CUTLASS's block-scaled "
+                               f"kernel, this engine runs {info['linear_kernels']} (use_deep_gemm: false; or "
+                               "refit_format: checkpoint)")
+        layout = KernelLayout({n: (d, list(s)) for n, (d, s) in info["params"].items()}, info["packed"])
+        shapes = {n: tuple(shape) for name, t in meta_model(model_name).state_dict().items()
+                  for n, _, shape in self.plan.converted_meta(name, tuple(t.shape), t.dtype)}
+        layout.check(shapes, skip=self._tied)
+        return layout
+
     def start_weight_update(self, version: int) -> None:
         if self._pending is not None:
             raise RuntimeError(f"start_weight_update({version}): a refit to version {self._pending} is in progress")
         if "weights" in self._asleep_tags:  # a refit needs the weights back, not the KV cache yet
             self.llm.wake_up(tags=["weights"])
             self._asleep_tags.discard("weights")
-        self.llm.start_weight_update(is_checkpoint_format=True)
+        self.llm.start_weight_update(is_checkpoint_format=self.kernel_layout is None)
         self._pending, self._seen, self._sent = version, set(), 0
 
     def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
@@ -140,11 +164,12 @@ class VllmGenerationBackend:
                  if n not in self._tied]
         self._seen.update(self.plan.checked_names(n for n, _ in items))
         self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes,
-                                       devices=self.refit_devices)
+                                       devices=self.refit_devices, layout=self.kernel_layout)
 
     def direct_refit_spec(self) -> dict:
         """What a trainer needs to send straight to this engine (``send_weights_ipc`` in its own process):
-        ``plan`` (``RefitPlan``) and ``skip`` (HF names the engine does not take: a tied ``lm_head``).
+        ``plan`` (``RefitPlan``), ``skip`` (HF names the engine does not take: a tied ``lm_head``) and ``layout``
+        (the ``KernelLayout`` its refits are copied in, ``vllm_cfg.refit_format: kernel``; else None).
 
         An NCCL engine of any tensor parallelism answers too: the broadcast reaches every worker.
 
@@ -156,7 +181,7 @@ class VllmGenerationBackend:
             raise RuntimeError(f"direct CUDA IPC refit into an engine of tensor_parallel_size={len(self.refit_devices)}"
                                ": the trainer's handles are for its own GPU only; use policy.weight_sync.method "
                                "'object_store' or 'auto' (the engine then sends every worker its own copy)")
-        return {"plan": self.plan, "skip": set(self._tied)}
+        return {"plan": self.plan, "skip": set(self._tied), "layout": self.kernel_layout}
 
     def receive_update(self, payload: dict) -> None:
         """One bucket a trainer sent directly: ``payload`` is ``{"update_info": ...}`` of vLLM's weight-transfer

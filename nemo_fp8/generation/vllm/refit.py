@@ -282,7 +282,8 @@ def merge_ipc_handles(per_device: Sequence[Sequence[dict[str, tuple]]]) -> list[
 
 def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None,
-                     devices: Optional[Sequence[torch.device]] = None, packed: bool = False) -> int:
+                     devices: Optional[Sequence[torch.device]] = None, packed: bool = False,
+                     layout=None) -> int:
     """Quantize and send over CUDA IPC, one ``update_fn({"update_info": ...})`` per bucket.
 
     ``named_tensors``: ``(HF name, tensor)``, any float dtype and device, converted by ``plan.convert``
@@ -306,24 +307,33 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
     starts at an offset its dtype can be viewed at; scalars (KV scales, shape ``[]``, which vLLM's unpacking
     cannot reshape to) follow in an unpacked update of their own.
 
+    ``layout`` (a ``kernel_format.KernelLayout``, the engine's refit in kernel format): the converted tensors are
+    stacked into the engine's own parameters (``KernelLayout.fuse``) before they are bucketed, and the returned count
+    is of those.
+
     Raises:
-        ValueError: both ``device`` and ``devices``; ``devices`` naming one GPU twice (``merge_ipc_handles``).
+        ValueError: both ``device`` and ``devices``; ``devices`` naming one GPU twice (``merge_ipc_handles``);
+            a stream that does not fit ``layout``.
     """
     if devices is not None and device is not None:
         raise ValueError("send_weights_ipc: pass device (one-GPU engine) or devices (tensor-parallel), not both")
     if not devices:
         devices = [device or torch.device("cuda", torch.cuda.current_device())]
-    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices), packed)
+    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices), packed, layout)
 
 
 def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
-                              plan: RefitPlan, bucket_bytes: int, devices: list[torch.device], packed: bool) -> int:
+                              plan: RefitPlan, bucket_bytes: int, devices: list[torch.device], packed: bool,
+                              layout=None) -> int:
     """``send_weights_ipc`` into an engine of ``len(devices)`` GPUs: every bucket on every device, one update per
     bucket with a handle per tensor or, ``packed``, one per bucket (see there)."""
     uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
     send = _send_packed if packed else _send_unpacked
+    converted = plan.convert_all(named_tensors, devices[0])
+    if layout is not None:
+        converted = layout.fuse(converted)
     n = 0
-    for bucket in _buckets(plan.convert_all(named_tensors, devices[0]), bucket_bytes):
+    for bucket in _buckets(converted, bucket_bytes):
         send(bucket, update_fn, devices, uuids)
         n += len(bucket)
         del bucket

@@ -76,6 +76,17 @@ class Fp8WorkerExtension:
         return {n: (str(p.dtype).split(".")[-1], list(p.shape), p.data_ptr())
                 for n, p in self._nf_model().named_parameters()}
 
+    def nemo_fp8_kernel_params(self) -> dict:
+        """What a refit in kernel format (``kernel_format.KernelLayout``) copies into: ``params``, name -> (dtype
+        name, shape) of every parameter; ``packed``, the model's ``packed_modules_mapping`` (fused module -> its
+        parts); ``linear_kernels``, the class names of the FP8 linears' kernels (empty for a BF16 engine)."""
+        model = self._nf_model()
+        params = {n: (str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()}
+        packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+        kernels = {type(k).__name__ for m in model.modules()
+                   if (k := getattr(getattr(m, "quant_method", None), "fp8_linear", None)) is not None}
+        return {"params": params, "packed": packed, "linear_kernels": sorted(kernels)}
+
     def nemo_fp8_memory(self) -> dict:
         torch.cuda.synchronize()
         return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
