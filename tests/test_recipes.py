@@ -302,8 +302,9 @@ exec {sys.executable} "$@"
 
 def test_the_refit_suite_benches_both_configs_and_checks_issue_70s_targets(tmp_path):
     """refit-8b-1gpu.sh: bench_refit on the one-GPU BF16 and FP8 configs with the random 8B checkpoint and the shared
-    data; a refit + wake + sleep of 0.4 s after the warm-up passes, 0.6 s fails, so does memory that grows by 2 GiB or
-    a run that wrote nothing; bad input stops it before any run."""
+    data, in vLLM's checkpoint format and in the engine's kernel format; a refit + wake + sleep of 0.4 s after the
+    warm-up passes, 0.6 s fails, so does memory that grows by 2 GiB or a run that wrote nothing; bad input stops it
+    before any run."""
     res, runs = _refit_suite(tmp_path / "ok", {"NEMO_FP8_SHARED_DATA": "/data"}, {"bf16": 0.4, "fp8": 0.45})
     assert res.returncode == 0, res.stdout + res.stderr
     configs = {name: args[args.index("--config") + 1] for name, args in runs.items()}
@@ -314,6 +315,18 @@ def test_the_refit_suite_benches_both_configs_and_checks_issue_70s_targets(tmp_p
         assert "data.train_path=/data/gsm8k/train.jsonl" in args
     checks = (tmp_path / "ok" / "out" / "checks.md").read_text()
     assert checks.count("| PASS |") == 4 and "`mean(fp8:timing/refit_total[1:]) <= 0.5` | 0.45 ; 0.5 | PASS" in checks
+    # FP8 on CUTLASS in every run; the kernel-format runs add vllm_cfg.refit_format=kernel
+    assert "policy.generation.vllm_cfg.use_deep_gemm=false" in runs["fp8"]
+    assert not any("refit_format" in a for a in runs["fp8"] + runs["bf16"])
+    res, runs = _refit_suite(tmp_path / "kernel", {"RUNS": "bf16-kernel fp8-kernel"},
+                             {"bf16-kernel": 0.3, "fp8-kernel": 0.35})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert runs["fp8-kernel"][runs["fp8-kernel"].index("--config") + 1].endswith("grpo_math_8B_megatron_fp8_1gpu.yaml")
+    for name in ("bf16-kernel", "fp8-kernel"):
+        assert "policy.generation.vllm_cfg.refit_format=kernel" in runs[name]
+    assert ("policy.generation.vllm_cfg.use_deep_gemm=false" in runs["fp8-kernel"],
+            "policy.generation.vllm_cfg.use_deep_gemm=false" in runs["bf16-kernel"]) == (True, False)
+    assert "`mean(fp8-kernel:timing/refit_total[1:]) <= 0.5` | 0.35 ; 0.5 | PASS" in res.stdout
     res, _ = _refit_suite(tmp_path / "slow", {"RUNS": "fp8"}, {"fp8": 0.6}, growth_gib=2.0)
     assert res.returncode == 1
     assert "`mean(fp8:timing/refit_total[1:]) <= 0.5` | 0.6 ; 0.5 | FAIL" in res.stdout

@@ -7,17 +7,25 @@
 # first and the transfer's ratio to its HBM floor. Checks, each run: refit + wake + sleep <= 0.5 s a refit after the
 # first (the warm-up), the GPU's memory after the last refit within 1 GiB of after the first.
 # No training runs between refits, so the release of a training pass's activation peak is not in these numbers (the
-# mission suite's are: mission-8b-1gpu.sh's report has the refit's parts of a real step).
+# mission suite's are: mission-8b-1gpu.sh's report has the refit's parts of a real step). The FP8 engines run
+# CUTLASS's block-scaled GEMMs (use_deep_gemm=false): DeepGEMM's warm-up on a fresh host takes longer than a run,
+# and the kernel format needs CUTLASS.
+# Runs: bf16, fp8 (vLLM's checkpoint format: its layerwise reload), bf16-kernel, fp8-kernel (the engine's kernel
+# format, vllm_cfg.refit_format=kernel: copied into its parameters).
 # Knobs: RUNS (default "bf16 fp8"), REFITS (default 20), SUITE_TIMEOUT seconds per run (default 420), BENCH_ARGS
-# (key=value overrides for every run, e.g. policy.generation.vllm_cfg.use_deep_gemm=false on a fresh host),
-# MISSION_TOKENIZER and NEMO_FP8_SHARED_DATA as in tests/test_suites/mission.sh.
+# (key=value overrides for every run), MISSION_TOKENIZER and NEMO_FP8_SHARED_DATA as in tests/test_suites/mission.sh.
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-420}  # this suite's default; common.sh's is 560 s
 source "$(dirname "$0")/../common.sh"
 REFITS=${REFITS:-20}
 for v in ${RUNS:-bf16 fp8}; do
-  case $v in bf16|fp8) ;; *) echo "unknown run $v (bf16, fp8)"; exit 2 ;; esac
+  case $v in
+    bf16|fp8|bf16-kernel|fp8-kernel) ;;
+    *) echo "unknown run $v (bf16, fp8, bf16-kernel, fp8-kernel)"; exit 2 ;;
+  esac
 done
-[[ $REFITS =~ ^[0-9]+$ ]] && [ "$REFITS" -ge 2 ] || { echo "REFITS=$REFITS: need 2 or more (the first is warm-up)"; exit 2; }
+if ! [[ $REFITS =~ ^[0-9]+$ ]] || [ "$REFITS" -lt 2 ]; then
+  echo "REFITS=$REFITS: need 2 or more (the first is warm-up)"; exit 2
+fi
 suite_init refit-8b-1gpu
 data=()
 [ -z "${NEMO_FP8_SHARED_DATA:-}" ] || data=(data.train_path="$NEMO_FP8_SHARED_DATA/gsm8k/train.jsonl"
@@ -27,12 +35,15 @@ data=()
   ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
 checks=()
 for v in ${RUNS:-bf16 fp8}; do
-  config=examples/configs/grpo_math_8B_megatron_1gpu.yaml
-  [ "$v" = fp8 ] && config=examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml
+  config=examples/configs/grpo_math_8B_megatron_1gpu.yaml args=()
+  [ "${v%-kernel}" = fp8 ] && config=examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml \
+    args=(policy.generation.vllm_cfg.use_deep_gemm=false)
+  [ "$v" != "${v%-kernel}" ] && args+=(policy.generation.vllm_cfg.refit_format=kernel)
   mkdir -p "$OUT/$v"
   # shellcheck disable=SC2086
   timeout "$SUITE_TIMEOUT" "$PYTHON" tools/bench_refit.py --config "$config" --refits "$REFITS" --out "$OUT/$v" \
-    policy.model_name=models/qwen3-8b-random "${data[@]}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$v/run.log" | tail -25
+    policy.model_name=models/qwen3-8b-random "${data[@]}" "${args[@]}" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/$v/run.log" | tail -25
   echo "run $v: rc=${PIPESTATUS[0]}"
   checks+=("mean($v:timing/refit_total[1:]) <= 0.5"
            "last($v:memory/device_used_gib) - first($v:memory/device_used_gib) <= 1.0")
