@@ -31,9 +31,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from mission_report import HBM_COPY_GBPS  # the refit's floor: the H200's device-to-device copy bandwidth, GB/s
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "examples" / "configs" / "grpo_math_8B_megatron_fp8_1gpu.yaml"
-HBM_COPY_GBPS = 4300.0  # the H200's device-to-device copy bandwidth (GB/s), tools/mission_report.py's floor
 
 
 def refit_rows(workers, refits: int, kv_scales=None) -> list[dict]:
