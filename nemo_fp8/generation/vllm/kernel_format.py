@@ -76,8 +76,9 @@ class KernelLayout:
                 fused part whose rows do not fill whole blocks (its scales would not stack).
         """
         stacked: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+        skip = set(skip)
         for name, shape in hf_shapes.items():
-            if name in set(skip):
+            if name in skip:
                 continue
             engine, part, _ = self.target(name)
             stacked.setdefault(engine, []).append((part, tuple(shape)))
