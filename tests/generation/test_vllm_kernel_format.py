@@ -73,6 +73,20 @@ def test_the_stream_stacks_into_the_engines_parameters_bit_for_bit():
     assert all(torch.equal(again[n].view(torch.uint8), t.view(torch.uint8)) for n, t in fused.items())
 
 
+def test_the_plan_knows_the_shapes_a_whole_refit_sends():
+    """``build_refit_plan`` records the model's tensors, so ``converted_shapes`` (what the engine checks its layout
+    against at start-up) are the shapes ``convert_all`` yields for the whole state dict."""
+    from nemo_fp8.generation.config import VllmConfig
+    from nemo_fp8.generation.vllm.refit import build_refit_plan
+
+    plan, _ = build_refit_plan(VllmConfig(precision="fp8", num_last_layers_in_bf16=1), QWEN3)
+    model = meta_model(QWEN3)
+    _, converted = _converted(model, plan)
+    assert plan.converted_shapes() == {n: tuple(t.shape) for n, t in converted}
+    assert plan.converted_shapes()["model.layers.0.self_attn.q_proj.weight_scale_inv"] == (2, 2)
+    assert "model.layers.1.self_attn.q_proj.weight_scale_inv" not in plan.converted_shapes()  # the BF16 last layer
+
+
 def test_a_stream_that_does_not_fit_the_engine_is_refused():
     model, plan = _model_and_plan()
     params = _engine_params(model, plan)

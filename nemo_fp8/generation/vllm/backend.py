@@ -41,7 +41,7 @@ from nemo_fp8.generation.config import VllmConfig
 from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens, request_seed
 from nemo_fp8.generation.vllm.engine_args import init_fp8
 from nemo_fp8.generation.vllm.kernel_format import KernelLayout
-from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, meta_model, nccl_init_info, send_weights_ipc
+from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
 from nemo_fp8.models.hf import iter_checkpoint, model_config
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class VllmGenerationBackend:
         self.refit_devices = [torch.device("cuda", i) for i in range(tp)] if tp > 1 else None
         self.llm = LLM(**self.spec.engine_kwargs)
         # vllm_cfg.refit_format: kernel: every refit, the first load too, copies into the engine's own parameters
-        self.kernel_layout = self._kernel_layout(model_name) if vllm_cfg.refit_format == "kernel" else None
+        self.kernel_layout = self._kernel_layout() if vllm_cfg.refit_format == "kernel" else None
         self._version = WeightVersion()
         self._pending: Optional[int] = None
         self._seen: set[str] = set()
@@ -116,9 +116,9 @@ class VllmGenerationBackend:
 
     # ------------------------------------------------------------------ refit
 
-    def _kernel_layout(self, model_name: str) -> KernelLayout:
+    def _kernel_layout(self) -> KernelLayout:
         """The engine's parameters as its worker reports them (``nemo_fp8_kernel_params``), checked against the
-        converted tensors of a refit of ``model_name`` (``KernelLayout.check``).
+        converted tensors of a whole refit (``RefitPlan.converted_shapes``, ``KernelLayout.check``).
 
         Raises:
             RuntimeError: an FP8 engine whose linears run another kernel than CUTLASS's block-scaled one (DeepGEMM
@@ -131,9 +131,7 @@ class VllmGenerationBackend:
                                f"kernel, this engine runs {info['linear_kernels']} (use_deep_gemm: false; or "
                                "refit_format: checkpoint)")
         layout = KernelLayout({n: (d, list(s)) for n, (d, s) in info["params"].items()}, info["packed"])
-        shapes = {n: tuple(shape) for name, t in meta_model(model_name).state_dict().items()
-                  for n, _, shape in self.plan.converted_meta(name, tuple(t.shape), t.dtype)}
-        layout.check(shapes, skip=self._tied)
+        layout.check(self.plan.converted_shapes(), skip=self._tied)
         return layout
 
     def start_weight_update(self, version: int) -> None:

@@ -69,6 +69,8 @@ class RefitPlan:
             (``canonical_names``; None: not checked).
         dtype: dtype of high-precision tensors in the engine.
         num_experts: ``...mlp.experts`` container -> its number of experts.
+        tensors: HF name -> (shape, dtype) of every tensor of the model's state dict (``build_refit_plan``; empty:
+            not known), what ``converted_shapes`` converts.
     """
 
     fp8_modules: set[str]
@@ -77,6 +79,7 @@ class RefitPlan:
     expected: Optional[set[str]] = None
     dtype: torch.dtype = torch.bfloat16
     num_experts: dict[str, int] = field(default_factory=dict)
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
 
     def is_fp8_weight(self, name: str) -> bool:
         """True for the weight of an FP8 Linear or of one expert of an FP8 experts container."""
@@ -169,6 +172,12 @@ class RefitPlan:
             return out
         return _weight_meta(name, list(meta.shape), self.is_fp8_weight(name), self.dtype)
 
+    def converted_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of each tensor a refit of all of ``tensors`` sends (``converted_meta``: FP8 weights with their
+        ``weight_scale_inv``, fused experts per expert)."""
+        return {n: tuple(shape) for name, (shape, dtype) in self.tensors.items()
+                for n, _, shape in self.converted_meta(name, shape, dtype)}
+
 
 def _weight_meta(name: str, shape: list[int], fp8: bool, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
     if not fp8:
@@ -224,7 +233,9 @@ def build_refit_plan(vllm_cfg, model_config: Any) -> tuple[RefitPlan, list[str]]
             ignored.insert(-1, prefix)  # keep "lm_head" last
     refit = RefitPlan(set(plan.fp8_modules), containers, "pow2" if vllm_cfg.pow2_weight_scaling_factors else "fp32",
                       num_experts=num_experts)
-    refit.expected = {c for name in model.state_dict() for c in refit.canonical_names(name)}
+    state = model.state_dict()
+    refit.expected = {c for name in state for c in refit.canonical_names(name)}
+    refit.tensors = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
     if getattr(model.config, "tie_word_embeddings", False):
         refit.expected.discard("lm_head.weight")
     return refit, ignored
