@@ -203,8 +203,8 @@ class PolicyWorker(MemoryProbe):
     def offload_after_refit(self) -> None:
         self.backend.offload_after_refit()
 
-    def release_cached_memory(self) -> dict[str, float]:
-        return self.backend.release_cached_memory() or {}
+    def release_cached_memory(self, gc_generation: int = 2) -> dict[str, float]:
+        return self.backend.release_cached_memory(gc_generation) or {}
 
     def cuda_memory_gib(self) -> dict[str, float]:
         return self.backend.cuda_memory_gib() or {}
@@ -407,9 +407,9 @@ class PolicyGroup:
     def offload_after_refit(self) -> None:
         self._call_all("offload_after_refit")
 
-    def release_cached_memory(self) -> dict[str, float]:
+    def release_cached_memory(self, gc_generation: int = 2) -> dict[str, float]:
         """Every rank's; the seconds of each part, the slowest rank's (the refit waits for all of them)."""
-        return max_per_key(self._call_all("release_cached_memory"))
+        return max_per_key(self._call_all("release_cached_memory", gc_generation))
 
     def cuda_memory_gib(self) -> dict[str, float]:
         """Every rank's; the largest of each figure (the fullest GPU is the one an engine beside it fails on)."""

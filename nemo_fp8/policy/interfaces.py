@@ -64,11 +64,13 @@ class PolicyBackend(Protocol):
 
     def offload_after_refit(self) -> None: ...
 
-    def release_cached_memory(self) -> dict[str, float]:
+    def release_cached_memory(self, gc_generation: int = 2) -> dict[str, float]:
         """Hand the GPU blocks the allocator caches but no tensor uses (the last step's activations) back to the
         device, keeping the weights and optimizer state where they are (the Megatron backend also frees what its
         next pass rebuilds: the gradient buffer, TransformerEngine's FP8 weight copies): what a colocated engine
-        needs when the trainer's state stays. Returns the seconds of each part by name (``{}``: none timed)."""
+        needs when the trainer's state stays. First ``gc.collect(gc_generation)``: 2 scans every generation, 1
+        only the young ones (enough after the transfer, whose garbage is new). Returns the seconds of each part by
+        name (``{}``: none timed)."""
         ...
 
     def cuda_memory_gib(self) -> dict[str, float]:

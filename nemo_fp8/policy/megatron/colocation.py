@@ -26,6 +26,8 @@ from nemo_fp8.utils.memory import cuda_memory_gib, set_expandable_segments
 class ColocationMixin:
     """The colocated refit's moves of ``MegatronPolicyBackend`` (module docstring)."""
 
+    FROZEN_FULL_COLLECTS = 2  # full collections whose survivors are frozen (``_collect_garbage``)
+
     def _ddp_buffers(self) -> list:
         return [buf for chunk in self.chunks for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
 
@@ -126,18 +128,36 @@ class ColocationMixin:
         gc.collect()
         gc.freeze()
 
-    def release_cached_memory(self) -> dict[str, float]:
+    def release_cached_memory(self, gc_generation: int = 2) -> dict[str, float]:
         """With ``colocated.offload_trainer=false``, before the engine wakes beside this process: the weights and
         the optimizer state stay on the GPU, what the next pass rebuilds is freed (``_free_rebuilt_state``: the
         gradient buffer, TE's FP8 weight copies) and the allocator's free cached blocks (the step's activation
         peak) go back to the device (several trainers sharing one GPU with their engines ran out of memory
         without it). With ``train_expandable_segments`` the allocator first goes back to ``cudaMalloc`` segments,
         which the refit's CUDA IPC handles need, and ``empty_cache`` unmaps the free pages of the expandable ones.
+
+        Args:
+            gc_generation: the oldest generation ``gc.collect`` scans (``_collect_garbage``): 2 (all) before the
+                transfer, 1 after it (the transfer's own garbage is young).
+
         Returns the seconds of each part (``timed_parts``)."""
         if self.cfg.megatron_cfg.train_expandable_segments:
             set_expandable_segments(False)
-        return timed_parts((("free_rebuilt", self._free_rebuilt_state), ("gc", gc.collect),
+        return timed_parts((("free_rebuilt", self._free_rebuilt_state),
+                            ("gc", lambda: self._collect_garbage(gc_generation)),
                             ("empty_cache", torch.cuda.empty_cache)))
+
+    def _collect_garbage(self, generation: int) -> None:
+        """``gc.collect(generation)``; after each of the first ``FROZEN_FULL_COLLECTS`` full collections (the refit
+        before any training: the refit plan, the engine's handles; the one after the first update: Adam's state,
+        TE's FP8 metadata) the survivors are frozen too (``gc.freeze``, as ``_freeze_built_objects``), so that later
+        full collections scan only what a step makes. What is frozen and later becomes cyclic garbage is never
+        collected: at most what those two moments hold, once."""
+        gc.collect(generation)
+        frozen = getattr(self, "_frozen_collects", 0)
+        if generation == 2 and frozen < self.FROZEN_FULL_COLLECTS:
+            gc.freeze()
+            self._frozen_collects = frozen + 1
 
     def cuda_memory_gib(self) -> dict[str, float]:
         """``nemo_fp8.utils.memory.cuda_memory_gib`` of this rank's GPU."""
@@ -152,4 +172,4 @@ class ColocationMixin:
         for chunk in self.reference_chunks or []:
             chunk.to("cpu")
         self._offloaded.add("model")
-        self.release_cached_memory()
+        self.release_cached_memory(gc_generation=1)
