@@ -177,9 +177,10 @@ class SyncStats:
         seconds: wall time of the whole update.
         start_seconds, finish_seconds: the engines' ``start_weight_update`` / ``finish_weight_update`` with the
             version checks (vLLM's layerwise reload set up and finished).
-        load_seconds: the buckets' engine calls summed, each from the sender's call to the engines' return (the
-            Ray call, vLLM's RPC to its workers and their load; over NCCL the call spans the bucket's broadcast,
-            which the sender runs meanwhile); 0 where the transport does not time them.
+        load_seconds: the seconds the sender waited for the buckets' engine calls (the Ray call, vLLM's RPC to its
+            workers and their load), summed: over NCCL each call whole (it spans the bucket's broadcast, which the
+            sender runs meanwhile); over CUDA IPC from the conversion of the next bucket, made while the engine
+            loads (``send_weights_ipc``), to the call's return; 0 where the transport does not time them.
     """
 
     version: int
@@ -201,9 +202,9 @@ class SyncStats:
 
     def parts(self) -> dict[str, float]:
         """Seconds of the update by part: ``start`` and ``finish`` (the engines' weight-update frame), ``load`` (the
-        engines' calls per bucket) and ``export``, the rest: the sender's export of its weights, their conversion
-        (FP8 quantization), packing, and the calls that start the transfer. Empty when the buckets' loads were not
-        timed (the export could not be told from the load)."""
+        sender's waits for the engines' calls per bucket) and ``export``, the rest: the sender's export of its
+        weights, their conversion (FP8 quantization), packing, and the calls that start the transfer. Empty when
+        the buckets' loads were not timed (the export could not be told from the load)."""
         if not self.load_seconds:
             return {}
         export = self.seconds - self.start_seconds - self.finish_seconds - self.load_seconds
@@ -371,9 +372,10 @@ class CudaIpcWeightSync:
     transfer into its engine at the same time (``PolicyWorker.send_weights_cuda_ipc``); with Megatron tensor
     parallelism the ranks of a group export together, and Megatron-Bridge's ``export_hf_weights`` gathers each
     tensor onto every one of them ("all ranks get full tensors"), so each engine gets whole tensors from the rank
-    on its GPU and no bucket crosses GPUs or host memory. Per bucket a rank calls its engine actor, which loads the bucket
-    through ``LLM.update_weights`` before the call returns, so each GPU holds at most one bucket of converted
-    tensors besides the policy's weights, quantized once per bucket on that GPU.
+    on its GPU and no bucket crosses GPUs or host memory. Per bucket a rank calls its engine actor, which loads the
+    bucket through ``LLM.update_weights`` before the call returns; the rank converts the next bucket meanwhile and
+    waits for that call before the next one (``send_weights_ipc``), so each GPU holds at most two buckets of
+    converted tensors besides the policy's weights, quantized once per bucket on that GPU.
 
     Args:
         policy_workers: per engine, the policy rank on its GPU (``PolicyWorker``).

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import ray
 import torch
@@ -122,18 +122,22 @@ class PolicyWorker(MemoryProbe):
                      send) -> list[tuple[int, int, float]]:
         """What the direct refits (CUDA IPC, NCCL) share: the engine's ``direct_refit_spec``, this rank's weights and
         KV scales through ``direct_refit_stream``, ``send(stream, update, plan, layout) -> tensors sent`` (``layout``:
-        the engine's ``KernelLayout`` or None) with ``update``
-        handing each bucket's ``{"update_info": ...}`` to the engine actor's ``receive_update``, then ``note_sent``.
-        Returns (tensors, bytes, seconds of the engines' call) per bucket, of the converted tensors
-        (``update_info_stats``)."""
+        the engine's ``KernelLayout`` or None) with ``update`` starting the engine actors' ``receive_update`` of a
+        bucket's ``{"update_info": ...}`` and returning the wait for them (``send_weights_ipc``'s ``update_fn``),
+        then ``note_sent``. Returns (tensors, bytes, seconds this rank waited for the engines' load) per bucket, of
+        the converted tensors (``update_info_stats``)."""
         spec = ray.get(generation_workers[0].direct_refit_spec.remote())  # every engine has the same model
         names: list[str] = []
         buckets: list[tuple[int, int, float]] = []
 
-        def update(payload: dict) -> None:
-            t0 = time.perf_counter()
-            call_all(generation_workers, "receive_update", payload)
-            buckets.append((*update_info_stats(payload["update_info"]), time.perf_counter() - t0))
+        def update(payload: dict) -> Callable[[], None]:  # the engines' calls started; the wait for them returned
+            refs = [w.receive_update.remote(payload) for w in generation_workers]
+
+            def wait() -> None:  # the seconds this rank waits on the engines' load, what the next bucket's
+                t0 = time.perf_counter()  # conversion (send_weights_ipc's, between the start and here) did not hide
+                gather(refs, "receive_update")
+                buckets.append((*update_info_stats(payload["update_info"]), time.perf_counter() - t0))
+            return wait
 
         stream = direct_refit_stream(weight_stream(self.backend.named_weights(), kv_scales), spec["plan"],
                                      spec["skip"], names)
@@ -186,7 +190,12 @@ class PolicyWorker(MemoryProbe):
             if layout is not None:  # the config refuses it (vllm_cfg.refit_format)
                 raise RuntimeError("send_weights_nccl: the NCCL refit sends the checkpoint format only; the engine "
                                    "expects its kernel format (vllm_cfg.refit_format: kernel)")
-            return sum(send_weights_nccl(bucket, update, plan, group) for bucket in iter_buckets(stream, bucket_bytes))
+
+            def blocking(payload: dict) -> None:  # in send_weights_nccl's thread, across the bucket's broadcast
+                update(payload)()
+
+            return sum(send_weights_nccl(bucket, blocking, plan, group)
+                       for bucket in iter_buckets(stream, bucket_bytes))
 
         return self._send_direct(generation_workers, kv_scales, send)
 

@@ -509,3 +509,43 @@ def test_the_rotary_reload_warning_is_dropped_and_other_layers_still_warn(caplog
         log.warning("%s: Delayed processing", "RotaryEmbedding")
     assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights",
                                                         "RotaryEmbedding: Delayed processing"]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_ipc_send_converts_the_next_bucket_while_the_engine_loads_the_last(monkeypatch, packed):
+    """An ``update_fn`` that returns a wait (a Ray call started, not waited on): ``send_weights_ipc`` reads and
+    converts the next bucket before it waits for the last one, waits for each bucket before the next update and
+    for the last before it returns, and keeps each bucket's shared tensors alive until its wait has returned."""
+    import weakref
+
+    from nemo_fp8.generation.vllm.refit import RefitPlan, send_weights_ipc
+
+    _stub_vllm_ipc(monkeypatch, ["GPU-aaa"])
+    events, shared = [], []
+    monkeypatch.setattr(torch.multiprocessing.reductions, "reduce_tensor",
+                        lambda t: shared.append(weakref.ref(t)) or (None, ("args", len(shared) - 1)))
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    loading = []  # the updates started and not yet waited for
+
+    def update(payload):
+        k = len([e for e in events if e[0] == "update"])
+        events.append(("update", k))
+        mine = shared[-(1 if payload["update_info"]["packed"] else len(payload["update_info"]["names"])):]
+        loading.append(k)
+
+        def wait():
+            assert all(r() is not None for r in mine)  # what the engine reads is alive until it has loaded it
+            loading.remove(k)
+            events.append(("wait", k))
+        return wait
+
+    def weights():  # the trainer's export: each tensor read as the sender asks for it
+        for i in range(3):
+            events.append(("read", i))
+            yield f"l{i}.weight", torch.randn(4, 8)  # 64 bytes in bf16: a bucket each
+
+    n = send_weights_ipc(weights(), update, RefitPlan(set()), bucket_bytes=64, device=torch.device("cpu"),
+                         packed=packed)
+    assert n == 3 and not loading  # every bucket waited for before the call returned
+    assert events == [("read", 0), ("update", 0), ("read", 1), ("wait", 0), ("update", 1), ("read", 2), ("wait", 1),
+                      ("update", 2), ("wait", 2)]

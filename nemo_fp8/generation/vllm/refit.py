@@ -291,7 +291,10 @@ def merge_ipc_handles(per_device: Sequence[Sequence[dict[str, tuple]]]) -> list[
     return merged
 
 
-def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None], plan: RefitPlan,
+UpdateFn = Callable[[dict], Optional[Callable[[], None]]]  # send_weights_ipc's update_fn: None or a wait
+
+
+def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: UpdateFn, plan: RefitPlan,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None,
                      devices: Optional[Sequence[torch.device]] = None, packed: bool = False,
                      layout=None) -> int:
@@ -300,14 +303,16 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
     ``named_tensors``: ``(HF name, tensor)``, any float dtype and device, converted by ``plan.convert``
     (an FP8 Linear's [N, K] weight -> e4m3 [N, K] + fp32 ``weight_scale_inv`` [ceil(N/128), ceil(K/128)];
     KV scales -> fp32 scalars; the rest -> ``plan.dtype``); ``bucket_bytes`` counts converted bytes.
-    ``update_fn`` is ``LLM.update_weights`` (or a Ray actor's method calling it). Tensors are
-    converted on ``device`` (default: the current CUDA device) and kept alive until their
+    ``update_fn`` is ``LLM.update_weights`` (or a Ray actor's method calling it): it returns None once the engine
+    has loaded the bucket, or a callable that blocks until it has (its call started, e.g. a Ray call not yet
+    waited on): then the next bucket is converted while the engine loads this one, and the wait comes before the
+    next update. Tensors are converted on ``device`` (default: the current CUDA device) and kept alive until their
     bucket has been loaded. Returns the number of tensors sent.
 
     ``devices`` (a tensor-parallel engine, its workers' n GPUs as this process numbers them, e.g.
     ``cuda:0 .. cuda:n-1``): each bucket is converted on ``devices[0]`` and copied to the others, and one
     update per bucket carries every copy's handle keyed by its GPU's UUID (module docstring); every copy
-    lives until ``update_fn`` returns. Each call sends on its own, whatever ``torch.distributed`` group this
+    lives until the bucket is loaded. Each call sends on its own, whatever ``torch.distributed`` group this
     process is in (each data-parallel rank refits its own engine; module docstring).
 
     ``packed``: each bucket's tensors travel as one uint8 buffer with one IPC handle per GPU (vLLM 0.22's packed
@@ -333,24 +338,54 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Cal
     return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices), packed, layout)
 
 
-def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Callable[[dict], None],
+def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], update_fn: UpdateFn,
                               plan: RefitPlan, bucket_bytes: int, devices: list[torch.device], packed: bool,
                               layout=None) -> int:
     """``send_weights_ipc`` into an engine of ``len(devices)`` GPUs: every bucket on every device, one update per
-    bucket with a handle per tensor or, ``packed``, one per bucket (see there)."""
+    bucket with a handle per tensor or, ``packed``, one per bucket (see there). At most two buckets exist at once:
+    the one the engine loads and the next, converted meanwhile where ``update_fn`` returns a wait."""
     uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
     send = _send_packed if packed else _send_unpacked
     converted = plan.convert_all(named_tensors, devices[0])
     if layout is not None:
         converted = layout.fuse(converted)
-    n = 0
-    for bucket in _buckets(converted, bucket_bytes):
-        send(bucket, update_fn, devices, uuids)
-        n += len(bucket)
-        del bucket
-        torch.cuda.ipc_collect()  # as vLLM's trainer does after each send: free what the workers released
+    n, in_flight = 0, None
+    try:
+        for bucket in _buckets(converted, bucket_bytes):  # pulling a bucket converts it: while the last one loads
+            _finish(in_flight)
+            in_flight = send(bucket, update_fn, devices, uuids)
+            n += len(bucket)
+            del bucket
+    except BaseException:  # a later bucket failed to convert: the engine may still read the last one's memory
+        _finish(in_flight, quiet=True)
+        raise
+    _finish(in_flight)
     torch.cuda.ipc_collect()  # the last bucket's tensors on devices[0], released as the bucket stream ended
     return n
+
+
+@dataclass
+class _InFlight:
+    """A bucket's updates the engine may still be loading: the waits ``update_fn`` returned (none: it loaded
+    before returning) and the tensors whose IPC handles it reads, kept alive until every wait has returned."""
+
+    waits: list[Callable[[], None]]
+    keep: list[Tensor]
+
+
+def _finish(in_flight: Optional[_InFlight], quiet: bool = False) -> None:
+    """Wait for the bucket's updates, then let its tensors go and free what the workers released. ``quiet``: an
+    update's error is dropped (another error is on its way up)."""
+    if in_flight is None:
+        return
+    for wait in in_flight.waits:
+        try:
+            wait()
+        except Exception:
+            if not quiet:
+                raise
+    in_flight.keep.clear()
+    torch.cuda.ipc_collect()  # as vLLM's trainer does after each send: free what the workers released
 
 
 def _tensor_fields(items: list[tuple[str, Tensor]]) -> dict[str, list]:
@@ -359,15 +394,16 @@ def _tensor_fields(items: list[tuple[str, Tensor]]) -> dict[str, list]:
             "shapes": [list(t.shape) for _, t in items]}
 
 
-def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], devices: list[torch.device],
-                   uuids: list[str]) -> None:
-    """One update of ``bucket`` with one handle per tensor and GPU; returns once ``update_fn`` has."""
+def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, devices: list[torch.device],
+                   uuids: list[str]) -> _InFlight:
+    """One update of ``bucket`` with one handle per tensor and GPU; returns it in flight (``_InFlight``)."""
     from torch.multiprocessing.reductions import reduce_tensor
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    # reduce_tensor's args do not keep the memory alive: every copy is held here until the engine has
-    # loaded the bucket. A copy to another GPU is ordered before that GPU's current stream (torch's
-    # cross-device copy), where reduce_tensor records the event the receiving worker waits on.
+    # reduce_tensor's args do not keep the memory alive: every copy is held until the engine has loaded the
+    # bucket. reduce_tensor records an event on the current stream after the conversion's kernels, which the
+    # receiving worker waits on before reading; a copy to another GPU is ordered before that GPU's current stream
+    # (torch's cross-device copy)
     copies: list[Tensor] = []
     per_device: list[list[dict[str, tuple]]] = []
     for dev, uuid in zip(devices, uuids):
@@ -379,16 +415,18 @@ def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict],
         per_device.append(handles)
     info = IPCWeightTransferUpdateInfo(**_tensor_fields(bucket), ipc_handles=merge_ipc_handles(per_device),
                                        packed=False)
-    update_fn({"update_info": asdict(info)})
+    wait = update_fn({"update_info": asdict(info)})
+    return _InFlight([wait] if callable(wait) else [], copies)
 
 
-def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], None], devices: list[torch.device],
-                 uuids: list[str]) -> None:
+def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, devices: list[torch.device],
+                 uuids: list[str]) -> _InFlight:
     """``bucket`` as one uint8 buffer with one handle per GPU (``send_weights_ipc(..., packed=True)``), then its
-    scalars, if any, in an unpacked update; returns once ``update_fn`` has."""
+    scalars, if any, in an unpacked update; returns both in flight (``_InFlight``)."""
     from torch.multiprocessing.reductions import reduce_tensor
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
+    in_flight = _InFlight([], [])
     scalars = [(name, t) for name, t in bucket if t.dim() == 0]
     # widest dtype first: every offset is a multiple of the sizes of the dtypes that follow it
     items = sorted(((name, t) for name, t in bucket if t.dim() > 0), key=lambda it: -it[1].element_size())
@@ -405,10 +443,14 @@ def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: Callable[[dict], N
         info = IPCWeightTransferUpdateInfo(
             **_tensor_fields(items), ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
             tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
-        update_fn({"update_info": asdict(info)})
-        del copies, buffer, info  # loaded: the buffer need not outlive it into the scalars' update
+        wait = update_fn({"update_info": asdict(info)})
+        in_flight.waits += [wait] if callable(wait) else []
+        in_flight.keep += copies
     if scalars:
-        _send_unpacked(scalars, update_fn, devices, uuids)
+        rest = _send_unpacked(scalars, update_fn, devices, uuids)
+        in_flight.waits += rest.waits
+        in_flight.keep += rest.keep
+    return in_flight
 
 
 def nccl_init_info(master_address: str, master_port: int, world_size: int, rank_offset: int = 1) -> dict[str, Any]:
