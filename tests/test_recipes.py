@@ -312,7 +312,7 @@ def test_the_refit_suite_benches_both_configs_and_checks_issue_70s_targets(tmp_p
                        "fp8": "examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml"}
     for args in runs.values():
         assert args[args.index("--refits") + 1] == "4" and "policy.model_name=models/qwen3-8b-random" in args
-        assert "data.train_path=/data/gsm8k/train.jsonl" in args
+        assert "data.train_path=/data/gsm8k/train.jsonl" in args and "data.dataset=gsm8k" in args
     checks = (tmp_path / "ok" / "out" / "checks.md").read_text()
     assert checks.count("| PASS |") == 4 and "`mean(fp8:timing/refit_total[1:]) <= 0.5` | 0.45 ; 0.5 | PASS" in checks
     # FP8 on CUTLASS in every run; the kernel-format runs add vllm_cfg.refit_format=kernel
@@ -365,3 +365,21 @@ def test_the_long_responses_rollout_outgrows_bf16s_kv_cache_and_fits_fp8_kvs():
     assert (round(bf16, -3), round(fp8, -3), round(fp8kv, -3)) == (181_000, 223_000, 446_000)
     need = [d + rows * prompt for d in drawn for prompt in (100, 200)]
     assert max(bf16, fp8) < min(need) and max(need) * 1.7 < fp8kv
+
+
+@pytest.mark.parametrize("config", ["grpo_math_8B_megatron_1gpu.yaml", "grpo_math_8B_megatron_fp8_1gpu.yaml"])
+def test_the_refit_suites_data_overrides_load_gsm8k(gsm8k_dir, config):
+    """The data overrides refit-8b-1gpu.sh gives bench_refit make the one-GPU configs read the shared GSM8K files
+    (their own data are the user's DAPO files, whose schema GSM8K's records do not have: the preflight refused
+    the suite's first GPU run)."""
+    from nemo_fp8.config import load_config
+    from nemo_fp8.data.datasets import load_math_file
+
+    text = (REPO / "tests/test_suites/llm/refit-8b-1gpu.sh").read_text()
+    assert 'data=(data.dataset=gsm8k data.train_path="$shared/gsm8k/train.jsonl"' in text
+    shared = gsm8k_dir.parent
+    cfg = load_config(REPO / "examples/configs" / config,
+                      ["data.dataset=gsm8k", f"data.train_path={shared}/gsm8k/train.jsonl",
+                       f"data.val_path={shared}/gsm8k/test.jsonl"])
+    for path in (cfg.data.train_path, cfg.data.val_path):
+        assert len(load_math_file(path, schema=cfg.data.dataset, limit=2).examples) == 2

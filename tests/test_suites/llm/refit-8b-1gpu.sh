@@ -27,9 +27,9 @@ if ! [[ $REFITS =~ ^[0-9]+$ ]] || [ "$REFITS" -lt 2 ]; then
   echo "REFITS=$REFITS: need 2 or more (the first is warm-up)"; exit 2
 fi
 suite_init refit-8b-1gpu
-data=()
-[ -z "${NEMO_FP8_SHARED_DATA:-}" ] || data=(data.train_path="$NEMO_FP8_SHARED_DATA/gsm8k/train.jsonl"
-                                             data.val_path="$NEMO_FP8_SHARED_DATA/gsm8k/test.jsonl")
+# GSM8K prompts from ../shared/data (or $NEMO_FP8_SHARED_DATA): the configs' DAPO files are the user's own
+shared=${NEMO_FP8_SHARED_DATA:-../shared/data}
+data=(data.dataset=gsm8k data.train_path="$shared/gsm8k/train.jsonl" data.val_path="$shared/gsm8k/test.jsonl")
 # the mission suites' random checkpoint (tests/test_suites/mission.sh's mission_checkpoint), written once
 [ -f models/qwen3-8b-random/config.json ] || "$PYTHON" tools/write_random_checkpoint.py --out models/qwen3-8b-random \
   ${MISSION_TOKENIZER:+--tokenizer-from $MISSION_TOKENIZER} 2>&1 | tail -2
