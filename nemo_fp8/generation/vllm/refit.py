@@ -372,6 +372,12 @@ class _InFlight:
     waits: list[Callable[[], None]]
     keep: list[Tensor]
 
+    def add(self, wait, keep: list[Tensor]) -> None:
+        """One more update: ``update_fn``'s return (a wait, or None when it loaded before returning) and the
+        tensors its handles point at."""
+        self.waits += [wait] if callable(wait) else []
+        self.keep += keep
+
 
 def _finish(in_flight: Optional[_InFlight], quiet: bool = False) -> None:
     """Wait for the bucket's updates, then let its tensors go and free what the workers released. ``quiet``: an
@@ -415,8 +421,9 @@ def _send_unpacked(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, device
         per_device.append(handles)
     info = IPCWeightTransferUpdateInfo(**_tensor_fields(bucket), ipc_handles=merge_ipc_handles(per_device),
                                        packed=False)
-    wait = update_fn({"update_info": asdict(info)})
-    return _InFlight([wait] if callable(wait) else [], copies)
+    in_flight = _InFlight([], [])
+    in_flight.add(update_fn({"update_info": asdict(info)}), copies)
+    return in_flight
 
 
 def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, devices: list[torch.device],
@@ -443,9 +450,7 @@ def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, devices:
         info = IPCWeightTransferUpdateInfo(
             **_tensor_fields(items), ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
             tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
-        wait = update_fn({"update_info": asdict(info)})
-        in_flight.waits += [wait] if callable(wait) else []
-        in_flight.keep += copies
+        in_flight.add(update_fn({"update_info": asdict(info)}), copies)
     if scalars:
         rest = _send_unpacked(scalars, update_fn, devices, uuids)
         in_flight.waits += rest.waits

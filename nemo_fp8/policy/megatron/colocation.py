@@ -27,6 +27,7 @@ class ColocationMixin:
     """The colocated refit's moves of ``MegatronPolicyBackend`` (module docstring)."""
 
     FROZEN_FULL_COLLECTS = 2  # full collections whose survivors are frozen (``_collect_garbage``)
+    _frozen_collects = 0  # how many have been, so far (set on the instance)
 
     def _ddp_buffers(self) -> list:
         return [buf for chunk in self.chunks for buf in [*chunk.buffers, *chunk.expert_parallel_buffers]]
@@ -154,10 +155,9 @@ class ColocationMixin:
         full collections scan only what a step makes. What is frozen and later becomes cyclic garbage is never
         collected: at most what those two moments hold, once."""
         gc.collect(generation)
-        frozen = getattr(self, "_frozen_collects", 0)
-        if generation == 2 and frozen < self.FROZEN_FULL_COLLECTS:
+        if generation == 2 and self._frozen_collects < self.FROZEN_FULL_COLLECTS:
             gc.freeze()
-            self._frozen_collects = frozen + 1
+            self._frozen_collects += 1
 
     def cuda_memory_gib(self) -> dict[str, float]:
         """``nemo_fp8.utils.memory.cuda_memory_gib`` of this rank's GPU."""
