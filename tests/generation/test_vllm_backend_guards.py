@@ -407,6 +407,7 @@ def test_a_kernel_format_engine_copies_its_refits_into_its_own_parameters(backen
                         sent.append(layout) or len(items))
     be = backend(model=QWEN3, refit_format="kernel")
     assert isinstance(be.kernel_layout, KernelLayout) and be.kernel_layout.params == table
+    assert be.llm.calls.index("nemo_fp8_kernel_params") < be.llm.calls.index("nemo_fp8_freeze_params")
     be.start_weight_update(1)
     assert be.llm.checkpoint_format is False
     be.update_weights([("model.embed_tokens.weight", None)])

@@ -133,3 +133,36 @@ def test_the_config_takes_the_kernel_format_only_where_it_runs():
                           "policy.generation.colocated.enabled=false"], "refit by CUDA IPC or from its own process")]:
         with pytest.raises(ConfigError, match=says):
             load_config(fp8, ["policy.generation.vllm_cfg.refit_format=kernel", *extra])
+
+
+def test_frozen_engine_parameters_take_vllms_direct_copy_in_place(monkeypatch):
+    """vLLM 0.22's kernel-format load (``load_weights_direct``) is ``model.get_parameter(name).copy_(weight)``
+    outside ``torch.no_grad``: autograd refuses it on a leaf that requires grad (an ``nn.Parameter`` made with the
+    default, as vLLM's norm weights are). ``nemo_fp8_freeze_params`` turns that off; the copy then lands in place."""
+    import importlib
+    import sys
+    import types
+
+    from nemo_fp8.generation.vllm import patches
+
+    monkeypatch.setattr(patches, "apply_patches", lambda fp8=True: None)
+    monkeypatch.delitem(sys.modules, "nemo_fp8.generation.vllm.worker_extension", raising=False)
+    ext_cls = importlib.import_module("nemo_fp8.generation.vllm.worker_extension").Fp8WorkerExtension
+    model = torch.nn.Module()
+    model.norm = torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.ones(8))  # requires grad, as vLLM's RMSNorm weight
+    model.proj = torch.nn.Linear(8, 8, bias=False)
+    model.proj.weight.requires_grad_(False)  # as vLLM's ModelWeightParameter
+    new = torch.full((8,), 2.0)
+
+    def load_weights_direct():  # vLLM 0.22 gpu_worker.update_weights, is_checkpoint_format=False
+        model.get_parameter("norm.weight").copy_(new)
+
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        load_weights_direct()
+    ext = ext_cls()
+    ext.model_runner = types.SimpleNamespace(model=model)
+    ptr = model.norm.weight.data_ptr()
+    assert ext.nemo_fp8_freeze_params() == 1 and ext.nemo_fp8_freeze_params() == 0
+    load_weights_direct()
+    assert model.norm.weight.data_ptr() == ptr and torch.equal(model.norm.weight, new)

@@ -118,7 +118,8 @@ class VllmGenerationBackend:
 
     def _kernel_layout(self) -> KernelLayout:
         """The engine's parameters as its worker reports them (``nemo_fp8_kernel_params``), checked against the
-        converted tensors of a whole refit (``RefitPlan.converted_shapes``, ``KernelLayout.check``).
+        converted tensors of a whole refit (``RefitPlan.converted_shapes``, ``KernelLayout.check``); then every
+        parameter's ``requires_grad`` turned off (``nemo_fp8_freeze_params``) for vLLM's direct copy.
 
         Raises:
             RuntimeError: an FP8 engine whose linears run another kernel than CUTLASS's block-scaled one (DeepGEMM
@@ -132,6 +133,7 @@ class VllmGenerationBackend:
                                "refit_format: checkpoint)")
         layout = KernelLayout({n: (d, list(s)) for n, (d, s) in info["params"].items()}, info["packed"])
         layout.check(self.plan.converted_shapes(), skip=self._tied)
+        self.llm.collective_rpc("nemo_fp8_freeze_params")  # vLLM's direct copy refuses parameters requiring grad
         return layout
 
     def start_weight_update(self, version: int) -> None:

@@ -87,6 +87,18 @@ class Fp8WorkerExtension:
                    if (k := getattr(getattr(m, "quant_method", None), "fp8_linear", None)) is not None}
         return {"params": params, "packed": packed, "linear_kernels": sorted(kernels)}
 
+    def nemo_fp8_freeze_params(self) -> int:
+        """Turn off ``requires_grad`` on every parameter; returns how many had it on (norm weights and the other
+        plain ``nn.Parameter``s vLLM creates with the default). A kernel-format refit needs it: vLLM 0.22's
+        ``load_weights_direct`` (``gpu_worker.update_weights`` with ``is_checkpoint_format=False``) calls
+        ``param.copy_(weight)`` outside ``torch.no_grad``, which autograd refuses on a leaf that requires grad.
+        The storage is untouched (``data_ptr`` unchanged); the engine never takes gradients."""
+        frozen = 0
+        for p in self._nf_model().parameters():
+            frozen += int(p.requires_grad)
+            p.requires_grad_(False)
+        return frozen
+
     def nemo_fp8_memory(self) -> dict:
         torch.cuda.synchronize()
         return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
