@@ -6,7 +6,7 @@
 # Run on one H200 (docs/results/2026-12-02-mission-1gpu-standard-16k-1xh200): the standard workload's BF16 and FP8
 # runs (FP8 with DeepGEMM off) took 8-9 minutes each (about 3 of start-up); FP8's second step 0.78x BF16's, 7 of the
 # 8 checks passed (the refit's "no slower": 1.025x). Long responses (docs/results/2026-12-03-mission-1gpu-long-
-# responses-1xh200): 7-8 minutes a run; FP8 + FP8 KV's step 1.04x BF16's, its rollout no faster at a batch of 40.
+# responses-1xh200): 7.8 and 8.5 minutes each; FP8 + FP8 KV's step 1.04x BF16's, its rollout no faster at a batch of 40.
 # Recipes: examples/configs/recipes/llm/mission-8b-1gpu/{standard,long-responses}.yaml
 # (BF16), the FP8 runs adding arms/*.yaml fragments (mission_arms, tests/test_suites/mission.sh):
 #   standard        32 prompts x 16 responses of up to 1,024 tokens, 2 steps. Checks: the FP8 step <= 0.80 x BF16's,
