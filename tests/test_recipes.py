@@ -247,7 +247,7 @@ def test_the_one_gpu_suite_composes_its_runs_and_checks_the_issue_targets(tmp_pa
 
 
 def test_the_one_gpu_suites_long_responses_check_fp8_kv_against_bf16(tmp_path):
-    """The long-responses workload: responses of 4,096-8,192 tokens whose micro-batches hold one whole sequence, and
+    """The long-responses workload: responses of 4,096 tokens whose micro-batches hold three whole sequences, and
     the FP8 + FP8 KV step <= 0.70x BF16's (0.75x fails it); bad input stops the suite before any run."""
     res, runs = _one_gpu_suite(tmp_path / "slow", {"WORKLOAD": "long-responses", "RUNS": "bf16 fp8kv"},
                                {"bf16": 200.0, "fp8kv": 150.0})
@@ -255,9 +255,8 @@ def test_the_one_gpu_suites_long_responses_check_fp8_kv_against_bf16(tmp_path):
     assert "| `ratio(mean(fp8kv:timing/step[1:]), mean(bf16:timing/step[1:])) <= 0.70` | 0.75 ; 0.7 | FAIL |" \
         in res.stdout
     cfg = load_config(REPO / runs["fp8kv"][0], runs["fp8kv"][1:])
-    lim = cfg.policy.generation.response_limits
-    assert (lim.min_tokens, cfg.policy.generation.max_new_tokens) == (4096, 8192)
-    assert cfg.policy.sequence_packing.train_mb_tokens >= cfg.policy.max_total_sequence_length >= 8192 + 512
+    assert cfg.policy.generation.response_limits is None and cfg.policy.generation.max_new_tokens == 4096
+    assert cfg.policy.sequence_packing.train_mb_tokens >= 3 * cfg.policy.max_total_sequence_length >= 3 * (4096 + 512)
     res, _ = _one_gpu_suite(tmp_path / "fast", {"WORKLOAD": "long-responses", "RUNS": "bf16 fp8kv"},
                             {"bf16": 200.0, "fp8kv": 130.0})
     assert res.returncode == 0, res.stdout + res.stderr
@@ -340,10 +339,11 @@ def test_the_refit_suite_benches_both_configs_and_checks_issue_70s_targets(tmp_p
 
 
 def test_the_long_responses_rollout_outgrows_bf16s_kv_cache_and_fits_fp8_kvs():
-    """The long-responses recipe's arithmetic, from the project's own functions: each step's drawn response limits
-    (the loop's ``step_sampling``, ``request_max_new_tokens``) sum to the comment's tokens; at Qwen3-8B's KV bytes per
-    token, the engine's 0.3 share on one H200 leaves (by the bench's capacity at 0.6, less 0.3 of the GPU) fewer
-    tokens than the rollout needs in BF16 and FP8 (BF16 KV), more in FP8 + FP8 KV, with room for 200-token prompts."""
+    """The long-responses recipe's arithmetic, from the project's own functions: every request's limit is the same
+    4,096 tokens (``step_sampling``, ``request_max_new_tokens``: no drawn limits), so all sequences are alive at the
+    last decode step and the peak demand is the total; at Qwen3-8B's KV bytes per token, the engine's 0.3 share on
+    one H200 (by the bench's capacity at 0.6, less 0.3 of the GPU) holds less than half of it in BF16, about half in
+    FP8 (BF16 KV) and all of it in FP8 + FP8 KV, for prompts of 100-200 tokens; the calibration keeps every prompt group."""
     from lab.random_checkpoint import QWEN3_SHAPES
 
     from nemo_fp8.algorithms.grpo import step_sampling
@@ -351,20 +351,20 @@ def test_the_long_responses_rollout_outgrows_bf16s_kv_cache_and_fits_fp8_kvs():
 
     cfg = load_config(RECIPES / "mission-8b-1gpu" / "long-responses.yaml")
     rows = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    drawn = []
+    assert cfg.policy.generation.response_limits is None
     for step in range(1, cfg.grpo.max_num_steps + 1):
-        limits = request_max_new_tokens(step_sampling(cfg, step, 0), rows)
-        assert min(limits) >= 4096 and max(limits) == 8192
-        drawn.append(sum(limits))
-    assert drawn == [230_789, 247_926]
+        assert request_max_new_tokens(step_sampling(cfg, step, 0), rows) == [4096] * rows
     shape = QWEN3_SHAPES["qwen3-8b"]
     bf16_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
     assert bf16_bytes == 147_456
     share_tokens = (0.6 - cfg.policy.generation.vllm_cfg.gpu_memory_utilization) * 139.8 * 2**30 / bf16_bytes
     bf16, fp8, fp8kv = 486_832 - share_tokens, 528_336 - share_tokens, 1_056_688 - 2 * share_tokens
     assert (round(bf16, -3), round(fp8, -3), round(fp8kv, -3)) == (181_000, 223_000, 446_000)
-    need = [d + rows * prompt for d in drawn for prompt in (100, 200)]
-    assert max(bf16, fp8) < min(need) and max(need) * 1.7 < fp8kv
+    need = [rows * (4096 + prompt) for prompt in (100, 200)]
+    assert (min(need), max(need)) == (402_816, 412_416)
+    assert 2 * bf16 < min(need) and fp8 < min(need) and max(need) < fp8kv
+    samples = cfg.policy.generation.vllm_cfg.kv_calibration_max_samples
+    assert cfg.grpo.num_prompts_per_step <= samples < rows
 
 
 @pytest.mark.parametrize("config", ["grpo_math_8B_megatron_1gpu.yaml", "grpo_math_8B_megatron_fp8_1gpu.yaml"])
