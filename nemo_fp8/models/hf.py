@@ -37,7 +37,10 @@ def load_causal_lm(model_name: str, dtype: torch.dtype, device: torch.device) ->
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"policy.model_name: {model_name!r} is not a local HF checkpoint folder "
                                 "(needs config.json and weights); this machine cannot download from a model hub")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    # use_kernels=False: transformers >= 5.25 kernelizes by default (its `kernels` dependency); a kernelized module in
+    # training mode runs its class's forward, so the float64 norms of compute_in_float64 would compute in float32
+    # again, and the torch reference would no longer be the plain torch computation the tests pin down
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_kernels=False)
     if dtype == torch.float64:
         compute_in_float64(model)
     return model.to(device)
