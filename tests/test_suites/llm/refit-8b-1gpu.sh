@@ -12,8 +12,8 @@
 # and the kernel format needs CUTLASS.
 # Runs: bf16, fp8 (vLLM's checkpoint format: its layerwise reload), bf16-kernel, fp8-kernel (the engine's kernel
 # format, vllm_cfg.refit_format=kernel: copied into its parameters).
-# A kernel-format run of 10 refits took about 3 minutes on one H200, start-up included
-# (docs/results/2026-12-03-refit-kernel-format-1xh200).
+# On one H200 a run of 20 refits took 2-3 minutes, start-up included; refit + wake + sleep FP8 / BF16: kernel format
+# 0.29 / 0.24 s, checkpoint format 0.52 / 0.40 s (docs/results/2026-12-04-refit-four-formats-1xh200).
 # Knobs: RUNS (default "bf16 fp8"), REFITS (default 20), SUITE_TIMEOUT seconds per run (default 420), BENCH_ARGS
 # (key=value overrides for every run), MISSION_TOKENIZER and NEMO_FP8_SHARED_DATA as in tests/test_suites/mission.sh.
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-420}  # this suite's default; common.sh's is 560 s
