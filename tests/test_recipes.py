@@ -170,19 +170,20 @@ def test_recipe_tool_reads_values_and_refuses_bad_input(tmp_path, capsys):
         assert says in capsys.readouterr().err
 
 
-def _one_gpu_suite(tmp_path: Path, env: dict[str, str], step_s: dict[str, float],
-                   host_used_mib: int = 40_000) -> tuple[subprocess.CompletedProcess, dict[str, list[str]]]:
+def _one_gpu_suite(tmp_path: Path, env: dict[str, str], step_s: dict[str, float], host_used_mib: int = 40_000,
+                   refit_share: float = 0.003) -> tuple[subprocess.CompletedProcess, dict[str, list[str]]]:
     """``mission-8b-1gpu.sh`` run whole on CPU. Its Python is a wrapper: ``examples/run_grpo_math.py`` records its
     arguments and writes two steps of metrics into the run's ``logger.log_dir`` (step seconds ``step_s[run]``, each
-    phase a fixed share of it), the random checkpoint is not written, everything else (tools/recipe.py, the report,
-    the checks) runs for real; ``free`` reports ``host_used_mib`` used. Returns the suite's result and each run's
-    (recipe, overrides)."""
+    phase a fixed share of it: the refit ``refit_share``, the engine's wake and sleep 0.05% each), the random
+    checkpoint is not written, everything else (tools/recipe.py, the report, the checks) runs for real; ``free``
+    reports ``host_used_mib`` used. Returns the suite's result and each run's (recipe, overrides)."""
     bin_dir, fake = tmp_path / "bin", tmp_path / "fake"
     bin_dir.mkdir(parents=True)
     fake.mkdir()
     for run, s in step_s.items():
         rows = [{"step": k, "train/reward_mean": 0.0, "timing/step": s, "timing/generation": 0.4 * s,
-                 "timing/refit": 0.05 * s, "timing/logprobs": 0.1 * s, "timing/training": 0.4 * s,
+                 "timing/refit": refit_share * s, "timing/engine_wake": 0.0005 * s, "timing/engine_sleep": 0.0005 * s,
+                 "timing/logprobs": 0.1 * s, "timing/training": 0.4 * s,
                  "perf/rollout_tokens_per_s": 1000.0 / s, "generation/kv_capacity_tokens": 181_552.0 * (
                      2 if run == "fp8kv" else 1), "memory/train_peak_allocated_gib": 109.1} for k in (1, 2)]
         (fake / f"{run}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -215,8 +216,9 @@ exec {sys.executable} "$@"
 
 def test_the_one_gpu_suite_composes_its_runs_and_checks_the_issue_targets(tmp_path):
     """The standard workload: bf16, fp8 and fp8kv from the one recipe plus the arms, on the one-GPU configs' layout;
-    the report has each run's KV capacity and peak host memory; the checks pass when FP8's step is 0.75x BF16's and
-    every phase is as fast, and fail when the host used more than 100 GiB."""
+    the report has each run's KV capacity and peak host memory; the checks pass when FP8's step is 0.75x BF16's,
+    every phase is as fast and the refit + wake + sleep under 0.5 s, and fail when the host used more than 100 GiB
+    or a refit + wake + sleep took longer."""
     res, runs = _one_gpu_suite(tmp_path / "ok", {"NEMO_FP8_SHARED_DATA": "/data"},
                                {"bf16": 100.0, "fp8": 75.0, "fp8kv": 80.0})
     assert res.returncode == 0, res.stdout + res.stderr
@@ -239,11 +241,14 @@ def test_the_one_gpu_suite_composes_its_runs_and_checks_the_issue_targets(tmp_pa
     report = (tmp_path / "ok" / "out" / "report.md").read_text()
     assert "| fp8kv | 363,104 | 2.00 | 109.1 | - | - | - | 39.1 |" in report  # KV x2, free's 40,000 MiB used
     checks = (tmp_path / "ok" / "out" / "checks.md").read_text()
-    assert checks.count("| PASS |") == 9 and "FAIL" not in checks  # bf16's steps, 3 hosts, step, 4 phases
+    assert checks.count("| PASS |") == 11 and "FAIL" not in checks  # bf16's steps, 3 hosts, 2 refits, step, 4 phases
     assert "`max(fp8kv_host:host/used_gib) <= 100`" in checks
+    assert "| `mean(bf16:timing/refit[1:]) + mean(bf16:timing/engine_wake[1:]) + mean(bf16:timing/engine_sleep[1:]) " \
+           "<= 0.5` | 0.4 ; 0.5 | PASS |" in checks
     res, _ = _one_gpu_suite(tmp_path / "host", {"RUNS": "bf16 fp8"}, {"bf16": 100.0, "fp8": 75.0},
-                            host_used_mib=120 * 1024)
+                            host_used_mib=120 * 1024, refit_share=0.01)
     assert res.returncode == 1 and "| `max(fp8_host:host/used_gib) <= 100` | 120 ; 100 | FAIL |" in res.stdout
+    assert "mean(fp8:timing/engine_sleep[1:]) <= 0.5` | 0.825 ; 0.5 | FAIL |" in res.stdout  # 0.75 + 0.0375 x 2
 
 
 def test_the_one_gpu_suites_long_responses_check_fp8_kv_against_bf16(tmp_path):
