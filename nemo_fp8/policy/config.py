@@ -341,6 +341,10 @@ class SequencePackingConfig(StrictConfig):
     train_mb_tokens: int = Field(4096, ge=1)
     logprob_mb_tokens: int = Field(16384, ge=1)
     sequence_length_round: int = Field(64, ge=1)
+    fixed_shape: bool = Field(
+        False, description="every packed row padded to train_mb_tokens (a log-prob row longer than that to "
+        "logprob_mb_tokens) and its cu_seqlens to a constant length (nemo_fp8.policy.packing, fixed shapes): the "
+        "static shapes that CUDA graphs of the training pass replay on; the padding counts in the packing efficiency")
 
 
 class PolicyConfig(StrictConfig):
@@ -407,11 +411,13 @@ class PolicyConfig(StrictConfig):
         """
         sp, m = self.sequence_packing, self.megatron_cfg
         f = m.fp8_cfg
+        fixed = (sp.train_mb_tokens, sp.logprob_mb_tokens) if sp.fixed_shape else ()
         return packing_shape(sp.train_mb_tokens if budget == "train" else sp.logprob_mb_tokens, sp.algorithm,
                              sp.sequence_length_round, f.fp8_recipe if f.enabled else None,
                              self.tensor_parallel_size, m.enabled and m.sequence_parallel,
                              m.context_parallel_size if m.enabled else 1,
-                             bins_multiple=self.pipeline_parallel_size if self.interleaved_pipeline else 1)
+                             bins_multiple=self.pipeline_parallel_size if self.interleaved_pipeline else 1,
+                             fixed_sizes=fixed)
 
     def _packing_errors(self) -> list[str]:
         sp = self.sequence_packing

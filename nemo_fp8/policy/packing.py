@@ -32,6 +32,14 @@ NeMo-RL's ``_get_pack_sequence_parameters_for_megatron`` uses. Only the packed r
 a GEMM, so only the total needs the recipe's multiple. The last sequence's segment absorbs the
 row's padding (NeMo-RL's convention): every padding token sits after the real tokens of some
 sequence, so with causal attention real tokens never see it.
+
+Fixed shapes (``PackingShape.fixed_sizes``, for CUDA graphs, which replay kernels on tensors of the shapes they
+were captured with): every packed row is padded to the smallest of a few fixed token counts that holds it
+(``train_mb_tokens`` and ``logprob_mb_tokens``), and its ``cu_seqlens`` to the number of segments a row of that
+size can hold (``size // seq_multiple``), the extra entries repeating the last offset: zero-length sequences at the
+end, which TransformerEngine's THD attention skips (NeMo-RL pads packed rows to a fixed length for its graphs the
+same way). ``max_seqlen`` is then the row's size, a constant. The padding counts as computed tokens in the packing
+efficiency.
 """
 
 from __future__ import annotations
@@ -84,15 +92,38 @@ class PackingShape:
     total_multiple: int = 1
     algorithm: str = "modified_first_fit_decreasing"
     bins_multiple: int = 1
+    fixed_sizes: tuple[int, ...] = ()  # empty: each row as long as it needs; else the row sizes (module docstring)
 
     def padded_length(self, n: int) -> int:
         """Tokens sequence of length ``n`` takes in a bin."""
         return round_up(max(int(n), 1), self.seq_multiple)
 
+    def row_tokens(self, lengths: Sequence[int]) -> int:
+        """Tokens of the packed row of sequences of ``lengths`` (what the model computes; ``row_size``)."""
+        return row_size(sum(self.padded_length(n) for n in lengths), self.total_multiple, self.fixed_sizes)
+
+
+def row_size(padded_sum: int, total_multiple: int = 1, fixed_sizes: Sequence[int] = ()) -> int:
+    """Tokens of a packed row whose sequences take ``padded_sum`` tokens: rounded up to ``total_multiple``, or, with
+    ``fixed_sizes``, the smallest of them that holds it.
+
+    Raises:
+        ValueError: no fixed size holds the row (a bin larger than the budgets it was packed for).
+    """
+    total = round_up(padded_sum, total_multiple)
+    if not fixed_sizes:
+        return total
+    fits = [s for s in fixed_sizes if s >= total]
+    if not fits:
+        raise ValueError(f"sequence packing: a row of {total} tokens is larger than every fixed row size "
+                         f"{sorted(fixed_sizes)} (sequence_packing.train_mb_tokens / logprob_mb_tokens)")
+    return min(fits)
+
 
 def packing_shape(capacity: int, algorithm: str, sequence_length_round: int = 1, fp8_recipe: Optional[str] = None,
                   tensor_parallel_size: int = 1, sequence_parallel: bool = False,
-                  context_parallel_size: int = 1, bins_multiple: int = 1) -> PackingShape:
+                  context_parallel_size: int = 1, bins_multiple: int = 1,
+                  fixed_sizes: Sequence[int] = ()) -> PackingShape:
     """The ``PackingShape`` of a policy layout (see the module docstring for the multiples).
 
     Args:
@@ -101,9 +132,11 @@ def packing_shape(capacity: int, algorithm: str, sequence_length_round: int = 1,
         sequence_length_round: each sequence's length is rounded up to a multiple of it.
         fp8_recipe: None without FP8 training, else a key of ``FP8_TOKEN_MULTIPLE``.
         bins_multiple: bins per rank a multiple of it (``PackingShape``).
+        fixed_sizes: the fixed row sizes (empty: none; the module docstring), each a multiple of the row
+            multiple like ``capacity``.
 
     Raises:
-        ValueError: an unknown algorithm or recipe, or ``capacity`` not a multiple of the
+        ValueError: an unknown algorithm or recipe, or ``capacity`` or a fixed size not a multiple of the
             row multiple (the config reports it first, naming the key).
     """
     if algorithm not in ALGORITHMS:
@@ -113,11 +146,13 @@ def packing_shape(capacity: int, algorithm: str, sequence_length_round: int = 1,
     par = parallel_token_factor(tensor_parallel_size, sequence_parallel, context_parallel_size)
     total = (FP8_TOKEN_MULTIPLE[fp8_recipe] if fp8_recipe else 1) * par
     seq = math.lcm(max(int(sequence_length_round), 1), par)
-    if capacity % total or capacity % seq:
-        raise ValueError(f"sequence packing: a budget of {capacity} tokens is not a multiple of "
-                         f"{math.lcm(total, seq)} (FP8 recipe {fp8_recipe}, parallel factor {par}, "
-                         f"sequence_length_round {sequence_length_round})")
-    return PackingShape(capacity, seq, total, algorithm, max(int(bins_multiple), 1))
+    for size in (capacity, *fixed_sizes):
+        if size % total or size % seq:
+            raise ValueError(f"sequence packing: a budget of {size} tokens is not a multiple of "
+                             f"{math.lcm(total, seq)} (FP8 recipe {fp8_recipe}, parallel factor {par}, "
+                             f"sequence_length_round {sequence_length_round})")
+    return PackingShape(capacity, seq, total, algorithm, max(int(bins_multiple), 1),
+                        tuple(sorted({int(s) for s in fixed_sizes})))
 
 
 # ----------------------------------------------------------------------------- bin packing
@@ -321,9 +356,11 @@ class PackedRows:
         token_ids: [1, T_total] int64; sequence ``i``'s tokens at ``cu_seqlens_padded[i]`` onwards,
             then pad tokens up to ``cu_seqlens_padded[i + 1]``.
         position_ids: [1, T_total] int64, restarting at 0 at every ``cu_seqlens_padded[i]``.
-        cu_seqlens: [n + 1] int32, cumulative real lengths (0 first).
-        cu_seqlens_padded: [n + 1] int32, cumulative padded lengths; the last is ``T_total``.
-        max_seqlen: longest padded segment (megatron-core's ``max_seqlen_q/kv``).
+        cu_seqlens: [n + 1] int32, cumulative real lengths (0 first); with fixed sizes [T_total // seq_multiple
+            + 1], the last entry repeated (zero-length sequences).
+        cu_seqlens_padded: [n + 1] int32, cumulative padded lengths; the last is ``T_total`` (fixed sizes: as
+            ``cu_seqlens``).
+        max_seqlen: longest padded segment (megatron-core's ``max_seqlen_q/kv``); with fixed sizes ``T_total``.
         lengths: [n] int64 real lengths (CPU).
         offsets: ``cu_seqlens_padded`` on the host, so that ``unpack`` and ``real_token_mask`` never
             read the device tensor back (a host sync per micro-batch).
@@ -347,7 +384,7 @@ class PackedRows:
 
 
 def pack_rows(token_ids: Tensor, lengths: Tensor | Sequence[int], seq_multiple: int = 1, total_multiple: int = 1,
-              pad_token_id: int = 0) -> PackedRows:
+              pad_token_id: int = 0, fixed_sizes: Sequence[int] = ()) -> PackedRows:
     """Right-padded rows -> one packed row (see ``PackedRows`` and the module docstring).
 
     The layout is computed on the host from ``lengths``; on a GPU the token copies are kernels on the
@@ -361,9 +398,12 @@ def pack_rows(token_ids: Tensor, lengths: Tensor | Sequence[int], seq_multiple: 
         seq_multiple: each sequence padded to a multiple of it.
         total_multiple: the packed row padded to a multiple of it (the last segment grows).
         pad_token_id: the id of padding tokens.
+        fixed_sizes: fixed row sizes (``row_size``): the row padded to the smallest that holds it, ``cu_seqlens``
+            and ``cu_seqlens_padded`` to ``size // seq_multiple + 1`` entries (the last offset repeated: zero-length
+            sequences), ``max_seqlen`` the size; empty: the row as long as it needs.
 
     Raises:
-        ValueError: shapes that do not match, or a length outside ``[1, T]``.
+        ValueError: shapes that do not match, a length outside ``[1, T]``, or a row no fixed size holds.
     """
     lens = [int(x) for x in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
     if token_ids.dim() != 2 or len(lens) != token_ids.shape[0]:
@@ -372,7 +412,7 @@ def pack_rows(token_ids: Tensor, lengths: Tensor | Sequence[int], seq_multiple: 
     if any(x < 1 or x > token_ids.shape[1] for x in lens):
         raise ValueError(f"pack_rows: lengths {lens} must lie in [1, {token_ids.shape[1]}]")
     padded = [round_up(x, seq_multiple) for x in lens]
-    total = round_up(sum(padded), total_multiple)
+    total = row_size(sum(padded), total_multiple, fixed_sizes)
     padded[-1] += total - sum(padded)
     dev = token_ids.device
     starts = [0]
@@ -382,10 +422,14 @@ def pack_rows(token_ids: Tensor, lengths: Tensor | Sequence[int], seq_multiple: 
     for i, x in enumerate(lens):
         ids[starts[i]:starts[i] + x] = token_ids[i, :x]
     pos = to_device(torch.cat([torch.arange(p) for p in padded]), dev, non_blocking=True)
-    cu = to_device(torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32), dev, non_blocking=True)
-    cu_padded = to_device(torch.tensor(starts, dtype=torch.int32), dev, non_blocking=True)
-    return PackedRows(ids[None], pos[None], cu, cu_padded, max(padded), torch.tensor(lens, dtype=torch.long),
-                      tuple(starts))
+    cu_real, cu_pad = [0] + list(_cumsum(lens)), list(starts)
+    if fixed_sizes:  # a constant number of segments for the row's size: zero-length ones at the end
+        extra = total // seq_multiple + 1 - len(cu_pad)
+        cu_real, cu_pad = cu_real + [cu_real[-1]] * extra, cu_pad + [cu_pad[-1]] * extra
+    cu = to_device(torch.tensor(cu_real, dtype=torch.int32), dev, non_blocking=True)
+    cu_padded = to_device(torch.tensor(cu_pad, dtype=torch.int32), dev, non_blocking=True)
+    return PackedRows(ids[None], pos[None], cu, cu_padded, total if fixed_sizes else max(padded),
+                      torch.tensor(lens, dtype=torch.long), tuple(starts))
 
 
 def _cumsum(xs: Sequence[int]):

@@ -93,7 +93,7 @@ class ShardTrainResult:
             lens = [lengths[i] for i in rows]
             real += sum(lens)
             if shape is not None:
-                padded += round_up(sum(shape.padded_length(n) for n in lens), shape.total_multiple)
+                padded += shape.row_tokens(lens)
             else:
                 padded += len(rows) * round_up(max(lens), row_multiple)
         self.micro_batches.append(len(gb_rows))
@@ -185,12 +185,13 @@ def micro_batches_on(batch: TrainBatch, micro_batches: list[list[int]], device: 
 def pack_micro_batch(shape: PackingShape, mb: TrainBatch, lengths: Optional[Sequence[int]] = None) -> PackedRows:
     """``mb``'s rows as one THD row, as both policy backends pack a micro-batch: each sequence padded to the train
     packing ``shape``'s ``seq_multiple`` (``sequence_length_round`` and the parallel layout's multiple), the row to
-    its ``total_multiple`` (the FP8 recipe's token multiple; ``PolicySpec.train_packing``). ``lengths``: the rows'
+    its ``total_multiple`` (the FP8 recipe's token multiple; ``PolicySpec.train_packing``), or to a fixed size
+    (``shape.fixed_sizes``). ``lengths``: the rows'
     prompt + response lengths as host ints; None reads them from ``mb`` (a host sync on a GPU: the micro-batch
     loops pass them, ``micro_batches_on``)."""
     if lengths is None:
         lengths = mb.sequence_lengths()
-    return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple)
+    return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple, fixed_sizes=shape.fixed_sizes)
 
 
 def batched_logprobs(score, batch: TrainBatch, micro_batches: list[list[int]], device: torch.device) -> Tensor:

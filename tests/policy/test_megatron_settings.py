@@ -181,3 +181,21 @@ def test_override_transformer_config_comes_last_and_cannot_touch_managed_keys():
         PolicyConfig(model_name="m", megatron_cfg={"apply_rope_fusion": False, "bias_activation_fusion": False})
     with pytest.raises(ValidationError, match="override_transformer_config: megatron-core settings need the megatron"):
         PolicyConfig(model_name="m", megatron_cfg={"override_transformer_config": {"moe_router_fusion": True}})
+
+
+def test_packed_seq_params_give_the_padded_offsets_as_the_bounds_and_no_padded_copies():
+    """TransformerEngine compares ``cu_seqlens_*_padded`` with ``cu_seqlens_*`` in every attention layer when they are
+    given (``torch.equal`` on device tensors: a host sync per layer); the backend passes the padded offsets as the
+    bounds and leaves the padded fields None, with host ints for the lengths (fixed ones with fixed shapes)."""
+    from nemo_fp8.policy.megatron.backend import packed_seq_kwargs
+    from nemo_fp8.policy.packing import pack_rows
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 1, 2, 3]])
+    for fixed, total, cu in (((), 16, [0, 4, 16]), ((32,), 32, [0, 4, 32] + [32] * 6)):
+        packed = pack_rows(ids, [3, 5], seq_multiple=4, total_multiple=16, fixed_sizes=fixed)
+        kw = packed_seq_kwargs(packed, torch.device("cpu"))
+        assert kw["qkv_format"] == "thd" and kw["cu_seqlens_q_padded"] is None and kw["cu_seqlens_kv_padded"] is None
+        assert kw["cu_seqlens_q"].tolist() == kw["cu_seqlens_kv"].tolist() == cu
+        assert kw["cu_seqlens_q"].dtype == torch.int32
+        assert kw["total_tokens"] == total and type(kw["max_seqlen_q"]) is int and type(kw["total_tokens"]) is int
+        assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == (12 if not fixed else 32)

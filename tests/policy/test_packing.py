@@ -7,7 +7,7 @@ import torch
 
 from nemo_fp8.config import load_config
 from nemo_fp8.policy.packing import (ALGORITHMS, balance_bins, block_causal_mask, pack_bins, pack_rows, packing_shape,
-                                     plan_logprobs, plan_train, unpack)
+                                     plan_logprobs, plan_train, real_token_mask, row_size, unpack)
 from tests.conftest import REPO
 
 
@@ -87,6 +87,37 @@ def test_pack_rows_layout_and_round_trip():
     assert back.tolist() == [[5, 6, 7, 0, 0], [8, 9, 1, 2, 3]]
     mask = block_causal_mask(packed.cu_seqlens_padded, 16)
     assert mask[5, 4] and not mask[4, 3] and not mask[4, 5] and mask[3, 0]
+
+
+def test_fixed_shape_rows_have_one_size_and_a_constant_number_of_segments():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 1, 2, 3]])
+    free = pack_rows(ids, [3, 5], seq_multiple=4, total_multiple=16)
+    packed = pack_rows(ids, [3, 5], seq_multiple=4, total_multiple=16, fixed_sizes=(32, 64))
+    assert packed.total_tokens == 32 and packed.max_seqlen == 32  # the smallest fixed size that holds 16 tokens
+    assert packed.cu_seqlens_padded.tolist() == [0, 4, 32] + [32] * 6  # 32 // 4 + 1 entries: zero-length segments
+    assert packed.cu_seqlens.tolist() == [0, 3, 8] + [8] * 6
+    assert packed.token_ids[0, :16].equal(free.token_ids[0]) and not packed.token_ids[0, 16:].any()
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3] + list(range(28))]  # the last segment absorbs the padding
+    assert unpack(packed.token_ids[0], packed, 5).tolist() == ids.tolist()
+    assert real_token_mask(packed).sum() == 8
+    one = pack_rows(ids[:1], [3], seq_multiple=4, total_multiple=16, fixed_sizes=(32, 64))  # one sequence
+    assert one.total_tokens == 32 and one.cu_seqlens_padded.numel() == 9
+    # a real token sees what it saw in the free row; the zero-length segments add no block to the mask
+    mask, free_mask = block_causal_mask(packed.cu_seqlens_padded, 32), block_causal_mask(free.cu_seqlens_padded, 16)
+    assert mask[:16, :16].equal(free_mask)
+    long = torch.randint(1, 9, (3, 20))
+    assert pack_rows(long, [20, 20, 20], seq_multiple=4, total_multiple=16, fixed_sizes=(32, 64)).total_tokens == 64
+    with pytest.raises(ValueError, match="larger than every fixed row size"):
+        pack_rows(torch.randint(1, 9, (4, 20)), [20] * 4, seq_multiple=4, fixed_sizes=(32, 64))
+    assert row_size(40, 16) == 48 and row_size(40, 16, (64, 128)) == 64
+
+
+def test_fixed_shape_config_sets_both_budgets_as_the_row_sizes():
+    shape = _cfg("policy.sequence_packing.fixed_shape=true").policy.packing_shape("train")
+    assert shape.fixed_sizes == (4096, 16384) and shape.capacity == 4096
+    assert shape.row_tokens([100, 200]) == 4096 and shape.row_tokens([4096, 4096]) == 16384
+    assert _cfg().policy.packing_shape("logprobs").fixed_sizes == ()
+    assert _cfg().policy.packing_shape("train").row_tokens([100, 200]) == 384  # 128 + 256, the recipe's 128
 
 
 TP2 = ["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.data_parallel_size=4"]  # sequence parallel

@@ -69,6 +69,35 @@ def test_packed_logprobs_loss_and_gradients_equal_unpacked(backends):
     assert 0 < m0["packing_efficiency"] < 1 and 0 < m1["packing_efficiency"] <= 1
 
 
+def test_fixed_shape_packing_gives_the_same_logprobs_loss_and_gradients(tiny_cfg):
+    """Rows padded to a fixed size (the static shapes of CUDA graphs): the padding is masked out, so log-probs, loss
+    and gradients are the packed run's; only the computed tokens (the packing efficiency) change."""
+    runs = []
+    for extra in ((), ("policy.sequence_packing.fixed_shape=true",)):
+        cfg = tiny_cfg(*BASE, *PACKED, *extra)
+        torch.manual_seed(0)
+        runs.append((cfg, TorchPolicyBackend(PolicySpec.from_config(cfg.policy, CPU))))
+    (cfg, free), (_, fixed) = runs
+    fixed.model.load_state_dict(free.model.state_dict())
+    assert fixed.spec.train_packing.fixed_sizes == (128, 256) and free.spec.train_packing.fixed_sizes == ()
+    batch = make_batch(free.model.config.vocab_size)
+    lp = free.get_logprobs(batch)
+    torch.testing.assert_close(fixed.get_logprobs(batch), lp, rtol=0, atol=1e-5)
+    batch.prev_logprobs = lp
+    out = []
+    for pol in (free, fixed):
+        pol.optimizer.step = lambda: None
+        metrics = pol.train(batch, ClippedPGLossFn(cfg.loss_fn))
+        out.append((metrics, torch.cat([p.grad.flatten() for p in pol.model.parameters() if p.grad is not None])))
+    (m0, g0), (m1, g1) = out
+    torch.testing.assert_close(g1, g0, rtol=0, atol=1e-5)
+    assert g0.abs().max() > 1e-3
+    for k in ("loss", "grad_norm", "is_weight_mean", "clip_fraction"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), k
+    assert m1["micro_batches"] == m0["micro_batches"]  # the same bins, each computing its fixed size
+    assert 0 < m1["packing_efficiency"] < m0["packing_efficiency"]
+
+
 def test_changing_one_sequence_never_changes_another_in_its_bin(backends):
     _, (_, packed) = backends
     batch = make_batch(packed.model.config.vocab_size, seed=1)

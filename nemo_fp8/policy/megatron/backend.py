@@ -63,6 +63,24 @@ from nemo_fp8.utils.profiling import TrainProfiler
 logger = logging.getLogger(__name__)
 
 
+def packed_seq_kwargs(packed: PackedRows, device: torch.device) -> dict:
+    """megatron-core ``PackedSeqParams`` fields of a packed row (THD): ``cu_seqlens_q/kv`` the padded offsets
+    ([n + 1] int32 on ``device``), ``max_seqlen_q/kv`` and ``total_tokens`` host ints.
+
+    As NeMo-RL's ``_pack_sequences_for_megatron``, the padded offsets serve as the sequences' bounds: each segment's
+    padding sits after its real tokens, so with causal attention no real token sees it, and every TE attention
+    backend accepts the layout. ``cu_seqlens_q/kv_padded`` stay None: given, TransformerEngine's
+    ``DotProductAttention.forward`` compares them with ``cu_seqlens_q/kv`` (``torch.equal`` on two device tensors, to
+    detect padding between sequences) in every attention layer, a host sync per layer that lets the host run at
+    most one layer ahead of the GPU; with them None TE and megatron-core's RoPE use ``cu_seqlens_q/kv``, the same
+    offsets (megatron-core's RL packing, ``megatron/rl/sequence_packing_utils.py``, passes None too).
+    """
+    cu = packed.cu_seqlens_padded.to(device)
+    return dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,
+                cu_seqlens_kv_padded=None, max_seqlen_q=int(packed.max_seqlen), max_seqlen_kv=int(packed.max_seqlen),
+                total_tokens=int(packed.total_tokens))
+
+
 class MegatronPolicyBackend(ColocationMixin):
     """``PolicyBackend`` on Megatron-core + TransformerEngine (see the module docstring).
 
@@ -251,16 +269,11 @@ class MegatronPolicyBackend(ColocationMixin):
         megatron-core's ``PackedSeqParams(qkv_format="thd")`` carries the segment offsets to TE's attention
         (attention never crosses ``cu_seqlens``) and to RoPE, which restarts at every segment
         (``apply_rotary_pos_emb`` with ``cu_seqlens``; the position ids, restarting too, are only read by
-        learned position embeddings). As NeMo-RL's ``_pack_sequences_for_megatron``, the padded offsets serve
-        as ``cu_seqlens_q/kv`` too: each segment's padding sits after its real tokens, so with causal attention
-        no real token sees it, and every TE attention backend accepts the layout.
+        learned position embeddings); ``packed_seq_kwargs`` gives its fields.
         """
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = packed.cu_seqlens_padded.to(self.device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                                 cu_seqlens_kv_padded=cu, max_seqlen_q=packed.max_seqlen,
-                                 max_seqlen_kv=packed.max_seqlen, total_tokens=packed.total_tokens)
+        params = PackedSeqParams(**packed_seq_kwargs(packed, self.device))
         return model(input_ids=packed.token_ids, position_ids=packed.position_ids, attention_mask=None,
                      packed_seq_params=params)
 
