@@ -37,9 +37,9 @@ Fixed shapes (``PackingShape.fixed_sizes``, for CUDA graphs, which replay kernel
 were captured with): every packed row is padded to the smallest of a few fixed token counts that holds it
 (``train_mb_tokens`` and ``logprob_mb_tokens``), and its ``cu_seqlens`` to the number of segments a row of that
 size can hold (``size // seq_multiple``), the extra entries repeating the last offset: zero-length sequences at the
-end, which TransformerEngine's THD attention skips (NeMo-RL pads packed rows to a fixed length for its graphs the
-same way). ``max_seqlen`` is then the row's size, a constant. The padding counts as computed tokens in the packing
-efficiency.
+end, which TransformerEngine's THD attention skips (megatron-core's own RL packing,
+``megatron/rl/sequence_packing_utils.py``, pads its bins for CUDA graphs the same way). ``max_seqlen`` is then the
+row's size, a constant. The padding counts as computed tokens in the packing efficiency.
 """
 
 from __future__ import annotations

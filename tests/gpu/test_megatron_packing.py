@@ -80,13 +80,19 @@ def test_packed_passes_make_no_attention_host_sync(ckpt, monkeypatch, fixed_shap
     """TransformerEngine's attention compares ``cu_seqlens_*_padded`` with ``cu_seqlens_*`` (``torch.equal`` on device
     tensors, a host sync in every attention layer) when they are given: the packed log-prob and training passes give
     none (``packed_seq_kwargs``). With ``sequence_packing.fixed_shape`` (rows padded to the budgets, constant-length
-    ``cu_seqlens`` with zero-length sequences at the end) the log-probs equal the free-shape rows' within the bf16
-    noise floor of the other tests."""
-    batch = _batch(n=16, seed=6)
-    cfg = _packed(_policy_cfg(ckpt, fp8=RECIPES[3], lr=3e-5))
-    if fixed_shape:
-        from nemo_fp8.policy.config import PolicyConfig
+    ``cu_seqlens`` with zero-length sequences at the end) the log-probs equal the free-shape rows' (mean |dlogp| under
+    1e-2, every token within the 0.15 of the packed-against-unpacked test)."""
+    from nemo_fp8.policy.config import PolicyConfig
 
+    batch = _batch(n=16, seed=6)
+    cfg = _packed(_policy_cfg(ckpt, fp8=RECIPES[3], lr=3e-5))  # e4m3 blockwise
+    ref = None
+    if fixed_shape:
+        free = _backend(cfg)  # one backend at a time (megatron-core's parallel state is global)
+        try:
+            ref = free.get_logprobs(batch)
+        finally:
+            _close(free)
         cfg = PolicyConfig.model_validate({**cfg.model_dump(), "sequence_packing": {**PACKING, "fixed_shape": True}})
     be = _backend(cfg)
     real_equal, synced = torch.equal, []
@@ -99,20 +105,13 @@ def test_packed_passes_make_no_attention_host_sync(ckpt, monkeypatch, fixed_shap
     try:
         monkeypatch.setattr(torch, "equal", counting_equal)
         lp = be.get_logprobs(batch)
-        batch.prev_logprobs = lp
         metrics = _train_twice(be, batch)[0]
         monkeypatch.setattr(torch, "equal", real_equal)
         print(f"fixed_shape={fixed_shape}: torch.equal on device tensors {len(synced)} times; "
               f"packing efficiency {metrics['packing_efficiency']:.3f}")
         assert synced == []
-        if fixed_shape:
-            free = _backend(_packed(_policy_cfg(ckpt, fp8=RECIPES[3], lr=3e-5)))
-            try:
-                ref = free.get_logprobs(batch)
-            finally:
-                _close(free)
-            mask = batch.token_mask.bool()
-            diff = (lp - ref)[mask].abs()
+        if ref is not None:
+            diff = (lp - ref)[batch.token_mask.bool()].abs()
             print(f"fixed vs free shapes: mean |dlogp| {diff.mean():.2e}, max {diff.max():.2e}")
             assert diff.mean() < 1e-2 and diff.max() < 0.15
     finally:
