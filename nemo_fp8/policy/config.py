@@ -422,7 +422,8 @@ class PolicyConfig(StrictConfig):
     def _packing_errors(self) -> list[str]:
         sp = self.sequence_packing
         if not sp.enabled:
-            return []
+            return ["sequence_packing.fixed_shape: true pads packed rows; it needs sequence_packing.enabled: true "
+                    "(or fixed_shape: false)"] if sp.fixed_shape else []
         errs = []
         for budget, key in (("train", "train_mb_tokens"), ("logprobs", "logprob_mb_tokens")):
             try:

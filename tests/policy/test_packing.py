@@ -149,6 +149,8 @@ def test_the_example_configs_pack_with_the_8b_recipe_values():
       "policy.sequence_packing.sequence_length_round=2"],
      "not a multiple of 32"),
     (["policy.sequence_packing.algorithm=best_fit"], "algorithm"),
+    (["policy.sequence_packing.enabled=false", "policy.sequence_packing.fixed_shape=true"],
+     "fixed_shape: true pads packed rows; it needs sequence_packing.enabled: true"),
 ])
 def test_bad_packing_configs_are_refused_naming_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):  # at tensor parallel 2: sequence parallelism doubles the multiples
