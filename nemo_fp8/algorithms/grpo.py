@@ -33,7 +33,7 @@ from nemo_fp8.data import PromptSample
 from nemo_fp8.fp8.kv_scales import KvScales, calibration_rows
 from nemo_fp8.generation.interfaces import GenerationBackend, SamplingParams
 from nemo_fp8.policy.config import PolicyConfig
-from nemo_fp8.policy.interfaces import PolicyBackend
+from nemo_fp8.policy.interfaces import RELEASE_COUNTS, PolicyBackend
 from nemo_fp8.utils.config import CheckpointingConfig, LoggerConfig
 from nemo_fp8.utils.console import StepBar
 from nemo_fp8.utils.run_dir import RunFailed
@@ -139,6 +139,7 @@ class RefitController:
         self.colocated = colocated
         self.sleep_discards_weights = sleep_discards_weights
         self.beside_engine: dict[str, float] = {}  # policy.cuda_memory_gib() after the last colocated refit
+        self._release_counts: dict[str, float] = {}  # the last refit's RELEASE_COUNTS, as release_<when>/<name>
         self.stale = True
         self.version, self.kv_scales = version, kv_scales
         self.last_stats = None
@@ -176,7 +177,8 @@ class RefitController:
                 elif self.colocated:
                     self._release(timer, "after")
         self.stale = False
-        metrics = self.last_stats.metrics()
+        metrics = {**self.last_stats.metrics(), **self._release_counts}
+        self._release_counts = {}
         if self.colocated and not self.offload_trainer:  # the trainer's part of the GPU the engine wakes beside
             self.beside_engine = self.policy.cuda_memory_gib() or {}
             metrics.update({f"memory/beside_engine_{k}": v for k, v in self.beside_engine.items()})
@@ -184,11 +186,15 @@ class RefitController:
 
     def _release(self, timer: Timer, when: str) -> None:
         """``policy.release_cached_memory()``; its parts' seconds (the slowest rank's) under ``release_<when>/<part>``
-        (``when``: ``before`` or ``after`` the transfer), outside ``refit/`` (they lie inside the refit's parts)."""
+        (``when``: ``before`` or ``after`` the transfer), outside ``refit/`` (they lie inside the refit's parts); its
+        ``RELEASE_COUNTS`` (the largest rank's) into the refit's metrics under the same names."""
         # before the transfer every generation (the step's cycles are old by now); after it the young ones: what
         # the transfer made (a full collection scans every live object again, ~0.1 s for the 8B trainer)
-        for part, seconds in (self.policy.release_cached_memory(2 if when == "before" else 1) or {}).items():
-            timer.add(f"release_{when}/{part}", seconds)
+        for part, value in (self.policy.release_cached_memory(2 if when == "before" else 1) or {}).items():
+            if part in RELEASE_COUNTS:
+                self._release_counts[f"release_{when}/{part}"] = value
+            else:
+                timer.add(f"release_{when}/{part}", value)
 
     @contextlib.contextmanager
     def generating(self, timer: Timer):

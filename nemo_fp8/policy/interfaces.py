@@ -29,6 +29,10 @@ from torch import Tensor
 from nemo_fp8.batch import TrainBatch
 from nemo_fp8.fp8.kv_scales import KvScales
 
+# what a colocated release reports beside its parts' seconds (``release_cached_memory``): the unreachable objects its
+# ``gc.collect`` found and the GPU memory (GiB) their tensors held; logged as ``release_<when>/<name>``, not timed
+RELEASE_COUNTS = ("gc_collected", "gc_freed_gib")
+
 
 class LossFn(Protocol):
     """A loss over one micro-batch (``nemo_fp8.algorithms.loss.ClippedPGLossFn``)."""
@@ -69,8 +73,9 @@ class PolicyBackend(Protocol):
         device, keeping the weights and optimizer state where they are (the Megatron backend also frees what its
         next pass rebuilds: the gradient buffer, TransformerEngine's FP8 weight copies): what a colocated engine
         needs when the trainer's state stays. First ``gc.collect(gc_generation)``: 2 scans every generation, 1
-        only the young ones (enough after the transfer, whose garbage is new). Returns the seconds of each part by
-        name (``{}``: none timed)."""
+        only the young ones (enough after the transfer, whose garbage is new).
+        Returns the seconds of each part by name (``{}``: none timed); a backend may add what its collection did
+        under ``RELEASE_COUNTS``' names."""
         ...
 
     def cuda_memory_gib(self) -> dict[str, float]:

@@ -133,7 +133,7 @@ def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated
     policy.offload_after_refit = lambda: calls.append("after")
     generations = []  # gc_generation of each release: every generation before the transfer, the young after it
     policy.release_cached_memory = lambda g: calls.append("release") or generations.append(g) or \
-        {"gc": 0.25, "empty_cache": 0.5}
+        {"gc": 0.25, "empty_cache": 0.5, "gc_collected": 300.0 * len(calls), "gc_freed_gib": 0.125}
     policy.cuda_memory_gib = lambda: {"allocated_gib": 70.5, "reserved_gib": 80.25}  # as a GPU rank reads them
     refitter = RefitController(policy, gen, InProcessWeightSync(policy, gen, bucket_bytes=2**20),
                                offload_trainer=offload, colocated=colocated)
@@ -149,6 +149,12 @@ def test_refit_offloads_the_trainer_only_when_asked(tiny_cfg, offload, colocated
     for when in ("before", "after"):
         assert (phases.get(f"release_{when}/gc"), phases.get(f"release_{when}/empty_cache")) == \
             ((0.25, 0.5) if "release" in calls else (None, None))
+    # what each collection did: the refit's metrics, not timings
+    assert not any("gc_collected" in k or "gc_freed" in k for k in phases)
+    counts = {k: v for k, v in metrics.items() if k.startswith("release_")}
+    assert counts == ({"release_before/gc_collected": 300.0, "release_before/gc_freed_gib": 0.125,
+                       "release_after/gc_collected": 600.0, "release_after/gc_freed_gib": 0.125}
+                      if "release" in calls else {})
     assert metrics["refit/num_buckets"] >= 1 and gen.weight_version().weights == 0
 
 

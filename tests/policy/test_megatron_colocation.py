@@ -28,9 +28,11 @@ def test_full_collections_freeze_their_survivors_only_the_first_times():
         frozen = gc.get_freeze_count()
         for generation in (1, 2):  # young-only, then a full one past the first ones: neither freezes
             survivors.append([generation])
-            Cycle()
-            mixin._collect_garbage(generation)
+            Cycle(), Cycle()
+            found = mixin._collect_garbage(generation)
             assert gc.get_freeze_count() == frozen
+            # what it found: at least the two cycles (each an instance and its __dict__); no GPU, nothing freed there
+            assert found["gc_collected"] >= 2 and found["gc_freed_gib"] == 0
             assert not any(isinstance(o, Cycle) for o in gc.get_objects())  # the cycle was collected
         assert mixin._frozen_collects == mixin.FROZEN_FULL_COLLECTS
     finally:

@@ -141,23 +141,33 @@ class ColocationMixin:
             gc_generation: the oldest generation ``gc.collect`` scans (``_collect_garbage``): 2 (all) before the
                 transfer, 1 after it (the transfer's own garbage is young).
 
-        Returns the seconds of each part (``timed_parts``)."""
+        Returns the seconds of each part (``timed_parts``), and what the collection did (``_collect_garbage``):
+        ``gc_collected`` (unreachable objects found) and ``gc_freed_gib`` (GPU memory its garbage held)."""
         if self.cfg.megatron_cfg.train_expandable_segments:
             set_expandable_segments(False)
-        return timed_parts((("free_rebuilt", self._free_rebuilt_state),
-                            ("gc", lambda: self._collect_garbage(gc_generation)),
-                            ("empty_cache", torch.cuda.empty_cache)))
+        found: dict[str, float] = {}
+        parts = timed_parts((("free_rebuilt", self._free_rebuilt_state),
+                             ("gc", lambda: found.update(self._collect_garbage(gc_generation))),
+                             ("empty_cache", torch.cuda.empty_cache)))
+        return {**parts, **found}
 
-    def _collect_garbage(self, generation: int) -> None:
+    def _collect_garbage(self, generation: int) -> dict[str, float]:
         """``gc.collect(generation)``; after each of the first ``FROZEN_FULL_COLLECTS`` full collections (the refit
         before any training: the refit plan, the engine's handles; the one after the first update: Adam's state,
         TE's FP8 metadata) the survivors are frozen too (``gc.freeze``, as ``_freeze_built_objects``), so that later
         full collections scan only what a step makes. What is frozen and later becomes cyclic garbage is never
-        collected: at most what those two moments hold, once."""
-        gc.collect(generation)
+        collected: at most what those two moments hold, once.
+
+        Returns ``gc_collected`` (the unreachable objects ``gc.collect`` found) and ``gc_freed_gib`` (the GPU
+        memory of live tensors before minus after, GiB; 0 without CUDA): whether the collection's time is its garbage
+        or its scan, and whether it gives the engine memory at all."""
+        allocated = torch.cuda.memory_allocated if torch.cuda.is_available() else (lambda: 0)
+        before = allocated()
+        collected = gc.collect(generation)
         if generation == 2 and self._frozen_collects < self.FROZEN_FULL_COLLECTS:
             gc.freeze()
             self._frozen_collects += 1
+        return {"gc_collected": float(collected), "gc_freed_gib": (before - allocated()) / 2**30}
 
     def cuda_memory_gib(self) -> dict[str, float]:
         """``nemo_fp8.utils.memory.cuda_memory_gib`` of this rank's GPU."""
