@@ -73,7 +73,7 @@ class PolicyBackend(Protocol):
         device, keeping the weights and optimizer state where they are (the Megatron backend also frees what its
         next pass rebuilds: the gradient buffer, TransformerEngine's FP8 weight copies): what a colocated engine
         needs when the trainer's state stays. First ``gc.collect(gc_generation)``: 2 scans every generation, 1
-        only the young ones (enough after the transfer, whose garbage is new).
+        only the young ones (what the colocated refit asks for: the full collection freed no GPU memory there).
         Returns the seconds of each part by name (``{}``: none timed); a backend may add what its collection did
         under ``RELEASE_COUNTS``' names."""
         ...

@@ -138,8 +138,9 @@ class ColocationMixin:
         which the refit's CUDA IPC handles need, and ``empty_cache`` unmaps the free pages of the expandable ones.
 
         Args:
-            gc_generation: the oldest generation ``gc.collect`` scans (``_collect_garbage``): 2 (all) before the
-                transfer, 1 after it (the transfer's own garbage is young).
+            gc_generation: the oldest generation ``gc.collect`` scans (``_collect_garbage``): 2 (all; the default,
+                and ``offload_before_refit``'s), 1 the young ones (the colocated refit's releases, before and after
+                the transfer: ``RefitController._release``).
 
         Returns the seconds of each part (``timed_parts``), and what the collection did (``_collect_garbage``):
         ``gc_collected`` (unreachable objects found) and ``gc_freed_gib`` (GPU memory its garbage held)."""
