@@ -5,7 +5,9 @@
 # (tools/mission_report.py: each phase per step, rollout tokens/s, KV capacity, peak GPU and host memory per run).
 # Run on one H200 (docs/results/2026-12-02-mission-1gpu-standard-16k-1xh200): the standard workload's BF16 and FP8
 # runs (FP8 with DeepGEMM off) took 8-9 minutes each (about 3 of start-up); FP8's second step 0.78x BF16's, 7 of the
-# 8 checks passed (the refit's "no slower": 1.025x). Long responses (docs/results/2026-12-03-mission-1gpu-long-
+# 8 checks passed (the refit's "no slower": 1.025x). In the engine's kernel format (refit_format=kernel below,
+# docs/results/2026-12-04-mission-1gpu-kernel-format-1xh200; 14.5 minutes for both runs): 0.807x, refit + wake +
+# sleep 0.443 s BF16 and 0.556 s FP8, 7 of 10 checks. Long responses (docs/results/2026-12-03-mission-1gpu-long-
 # responses-1xh200): 7.8 and 8.5 minutes each; FP8 + FP8 KV's step 1.04x BF16's, its rollout no faster at a batch of 40.
 # Recipes: examples/configs/recipes/llm/mission-8b-1gpu/{standard,long-responses}.yaml
 # (BF16), the FP8 runs adding arms/*.yaml fragments (mission_arms, tests/test_suites/mission.sh):
