@@ -153,6 +153,19 @@ def test_sglang_is_an_extra_of_its_own(pins):
         pins_mod.extra_pins(PYPROJECT, "nope")
 
 
+def test_sglang_host_wheels_are_pins_of_their_own(host_stack):
+    """``tools/sglang-host-requirements.txt``, what SGLang imports beyond its extra on the GPU host: exact pins, none
+    of them the extra's or the host stack's (its folder goes in front of the stack's: a stack package there would
+    shadow the one vLLM and megatron-core run with); the staging and install scripts parse."""
+    host_sglang = read_requirements_file(REPO / "tools" / "sglang-host-requirements.txt")
+    extra = {canonical(p.name) for p in pins_mod.extra_pins(PYPROJECT, "sglang")}
+    stack = {canonical(n) for n in read_requirements_file(host_stack / "requirements.txt")} | HOST_PROVIDED
+    assert {"ipython", "uvloop", "orjson", "cuda-python"} <= {canonical(n) for n in host_sglang}
+    assert not {canonical(n) for n in host_sglang} & (extra | stack)
+    for script in ("stage_sglang.sh", "install_sglang.sh"):
+        subprocess.run(["bash", "-n", str(REPO / "tools" / script)], check=True)
+
+
 def test_install_groups(pins):
     groups = {g: {p.name for p in ps} for g, ps in install_groups(stack_pins(PYPROJECT)).items()}
     assert {"vllm", "torch", "ray", "math-verify"} <= groups["resolved"]
