@@ -162,7 +162,7 @@ def make_weight_sync(cfg: MasterConfig, policy, generation):
     if remote and ws.method == "cuda_ipc":  # config checks: vLLM TP 1, colocated, CUDA
         # engine i runs on the GPU of policy rank i (nemo_fp8.distributed.placement); every rank exports whole tensors
         return CudaIpcWeightSync(policy.workers[:generation.num_engines], generation.workers, bucket_bytes,
-                                 labels=generation.labels, packed=ws.packed)
+                                 labels=generation.labels, packed=ws.packed, pack_in_place=ws.pack_in_place)
     if remote and ws.method == "nccl":  # config checks: vLLM, not colocated, CUDA
         return NcclWeightSync(policy.weight_source, generation.workers, bucket_bytes,
                               engine_gpus=cfg.policy.generation.engine_gpus, peers=policy.weight_peers,

@@ -77,8 +77,12 @@ class WeightSyncConfig(StrictConfig):
         packed: ``cuda_ipc`` only: each bucket travels as one buffer with one IPC handle (vLLM's packed IPC
             format; the engine's worker opens one mapping per bucket and copies the tensors out of it) instead of
             one handle per tensor. Costs one more bucket of memory on each side while a bucket loads.
+        pack_in_place: with ``packed``: from the second refit on, each tensor is quantized or copied straight into
+            its place in its bucket's buffer (``nemo_fp8.generation.vllm.packed_in_place``: the same bytes, planned
+            from the first refit's tensors), not made on its own, stacked and copied into the buffer.
     """
 
     method: Literal["auto", "in_process", "object_store", "cuda_ipc", "nccl"] = "auto"
     bucket_size_mb: float = Field(256.0, gt=0)
     packed: bool = False
+    pack_in_place: bool = False

@@ -384,24 +384,27 @@ class CudaIpcWeightSync:
         labels: per engine, what errors call it (``GenerationGroup.labels``).
         packed: one IPC handle per bucket instead of per tensor (``policy.weight_sync.packed``,
             ``refit.send_weights_ipc``).
+        pack_in_place: with ``packed``, the buckets filled in place from the second refit on
+            (``policy.weight_sync.pack_in_place``, ``packed_in_place.InPlacePacker``).
 
     Raises:
         ValueError: not one policy rank per engine.
     """
 
     def __init__(self, policy_workers: Sequence, generation_workers: Sequence, bucket_bytes: int,
-                 labels: Optional[Sequence[str]] = None, packed: bool = False):
+                 labels: Optional[Sequence[str]] = None, packed: bool = False, pack_in_place: bool = False):
         self.policy_workers, self.generation_workers = list(policy_workers), list(generation_workers)
         if len(self.policy_workers) != len(self.generation_workers):
             raise ValueError(f"CUDA IPC refit: {len(self.policy_workers)} policy ranks for "
                              f"{len(self.generation_workers)} engines; each engine needs the rank on its GPU")
         self.bucket_bytes, self.labels = bucket_bytes, engine_labels(self.generation_workers, labels)
-        self.packed = packed
+        self.packed, self.pack_in_place = packed, pack_in_place
 
     def sync(self, version: int, kv_scales: Optional[KvScales] = None) -> SyncStats:
         def transfer():
             sent = call_each(self.policy_workers, "send_weights_cuda_ipc",
-                             [(g, self.bucket_bytes, kv_scales, self.packed) for g in self.generation_workers])
+                             [(g, self.bucket_bytes, kv_scales, self.packed, self.pack_in_place)
+                              for g in self.generation_workers])
             return sent[0]  # every engine gets the same buckets: one engine's count
 
         return _sync_actors(self.generation_workers, self.labels, (), version, kv_scales, transfer)

@@ -500,6 +500,9 @@ class PolicyConfig(StrictConfig):
                 errs.append(f"weight_sync.method: 'cuda_ipc' hands CUDA IPC handles from each policy rank to the "
                             f"vLLM engine on its GPU; it needs {', '.join(why)} (valid otherwise: 'auto', "
                             "'object_store')")
+        if self.weight_sync.pack_in_place and not self.weight_sync.packed:
+            errs.append("weight_sync.pack_in_place: true fills the packed CUDA IPC buckets in place; it needs "
+                        "weight_sync.packed: true (and weight_sync.method: cuda_ipc)")
         if self.weight_sync.packed and self.weight_sync.method != "cuda_ipc":
             errs.append(f"weight_sync.packed: true packs the buckets of the CUDA IPC refit; weight_sync.method is "
                         f"{self.weight_sync.method!r} (valid with packed: 'cuda_ipc'; or packed: false)")

@@ -63,6 +63,7 @@ class PolicyWorker(MemoryProbe):
         set_threads(torch_threads)
         self.backend = None
         self._nccl_group = None  # rank 0 of the refit's NCCL group (init_weight_transfer_nccl)
+        self._packer = None  # the in-place packed refit's plan (send_weights_cuda_ipc with pack_in_place)
 
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray gave this rank, as ``CUDA_VISIBLE_DEVICES`` values (``ray.get_gpu_ids()``)."""
@@ -100,23 +101,32 @@ class PolicyWorker(MemoryProbe):
             yield pack_bucket(bucket)
 
     def send_weights_cuda_ipc(self, generation_worker, bucket_bytes: int, kv_scales: Optional[KvScales],
-                              packed: bool = False) -> list[tuple[int, int, float]]:
+                              packed: bool = False, pack_in_place: bool = False) -> list[tuple[int, int, float]]:
         """The refit straight from this rank's GPU into a colocated vLLM engine (``CudaIpcWeightSync``).
 
         The weights (and KV scales) are quantized here as the engine's ``direct_refit_spec`` says and
         handed over bucket by bucket as CUDA IPC handles (vLLM's IPC weight-transfer engine): the engine
         actor passes each bucket's handles to ``LLM.update_weights`` and its worker copies from this
         process's memory, which stays alive until the call returns; ``packed``: one handle per bucket
-        (``send_weights_ipc``). Returns (tensors, bytes, seconds of the engine's call) per update.
+        (``send_weights_ipc``), ``pack_in_place``: filled in place from this rank's second refit on (one
+        ``InPlacePacker`` a rank: one engine, one model). Returns (tensors, bytes, seconds of the engine's call)
+        per update.
 
         Raises:
-            KeyError: a weight the engine's model does not have (raised before that tensor is quantized).
+            KeyError: a weight the engine's model does not have (raised before that tensor is quantized); with
+                ``pack_in_place``, a refit whose tensors differ from the first one's.
         """
         from nemo_fp8.generation.vllm.refit import send_weights_ipc
 
+        if pack_in_place and (self._packer is None or self._packer.bucket_bytes != bucket_bytes):
+            from nemo_fp8.generation.vllm.packed_in_place import InPlacePacker
+
+            self._packer = InPlacePacker(bucket_bytes)
+        packer = self._packer if pack_in_place else None
         return self._send_direct([generation_worker], kv_scales,
                                  lambda stream, update, plan, layout: send_weights_ipc(
-                                     stream, update, plan, bucket_bytes, packed=packed, layout=layout))
+                                     stream, update, plan, bucket_bytes, packed=packed, layout=layout,
+                                     packer=packer))
 
     def _send_direct(self, generation_workers: list, kv_scales: Optional[KvScales],
                      send) -> list[tuple[int, int, float]]:

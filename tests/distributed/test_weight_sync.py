@@ -257,6 +257,10 @@ def test_make_weight_sync_picks_the_configured_transport():
     assert not ws.packed
     packed = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.weight_sync.packed=true"])
     assert make_weight_sync(packed, policy, generation).packed
+    assert not make_weight_sync(packed, policy, generation).pack_in_place
+    in_place = load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.weight_sync.packed=true",
+                                           "policy.weight_sync.pack_in_place=true"])
+    assert make_weight_sync(in_place, policy, generation).pack_in_place
     assert isinstance(make_weight_sync(load_config(TINY_MEGATRON), policy, generation), ObjectStoreWeightSync)
     with pytest.raises(ValueError, match="valid: 'auto', 'in_process'"):
         make_weight_sync(cfg, object(), object())
@@ -272,6 +276,8 @@ def test_packed_buckets_belong_to_the_cuda_ipc_refit():
     msg = str(e.value)
     assert "weight_sync.packed: true" in msg and "weight_sync.method is 'auto'" in msg
     assert "(valid with packed: 'cuda_ipc'; or packed: false)" in msg
+    with pytest.raises(ConfigError, match="weight_sync.pack_in_place: true .* needs weight_sync.packed: true"):
+        load_config(TINY_MEGATRON, ["policy.weight_sync.method=cuda_ipc", "policy.weight_sync.pack_in_place=true"])
 
 
 NCCL = ["policy.weight_sync.method=nccl", "policy.generation.colocated.enabled=false"]

@@ -175,8 +175,8 @@ def test_tensor_parallel_engine_refits_every_gpu_and_refuses_a_one_gpu_sender(ba
     from nemo_fp8.generation.vllm import backend as mod
 
     sent = []
-    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None, layout=None:
-                        sent.append((len(items), devices)) or len(items))
+    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None, layout=None,
+                        packed=False, packer=None: sent.append((len(items), devices)) or len(items))
     be = backend(tensor_parallel_size=2)
     assert be.llm.kwargs["tensor_parallel_size"] == 2 and be.llm.kwargs["distributed_executor_backend"] == "mp"
     be.start_weight_update(1)
@@ -403,8 +403,8 @@ def test_a_kernel_format_engine_copies_its_refits_into_its_own_parameters(backen
     answer = {"params": table, "packed": PACKED, "linear_kernels": ["CutlassFp8BlockScaledMMKernel"]}
     monkeypatch.setattr(_FakeLLM, "answers", {"nemo_fp8_kernel_params": answer})
     sent = []
-    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None, layout=None:
-                        sent.append(layout) or len(items))
+    monkeypatch.setattr(mod, "send_weights_ipc", lambda items, fn, plan, bucket_bytes, devices=None, layout=None,
+                        packed=False, packer=None: sent.append(layout) or len(items))
     be = backend(model=QWEN3, refit_format="kernel")
     assert isinstance(be.kernel_layout, KernelLayout) and be.kernel_layout.params == table
     assert be.llm.calls.index("nemo_fp8_kernel_params") < be.llm.calls.index("nemo_fp8_freeze_params")

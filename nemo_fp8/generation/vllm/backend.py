@@ -145,9 +145,11 @@ class VllmGenerationBackend:
         self.llm.start_weight_update(is_checkpoint_format=self.kernel_layout is None)
         self._pending, self._seen, self._sent = version, set(), 0
 
-    def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+    def update_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+                       packed: bool = False, packer=None) -> None:
         """Load one bucket of ``(HF name, high-precision tensor)`` (any device): quantized on ``cuda:0`` and sent
-        to the engine's workers over CUDA IPC (``send_weights_ipc``).
+        to the engine's workers over CUDA IPC (``send_weights_ipc``; ``packed`` / ``packer``: its packed buckets,
+        filled in place by a ``packed_in_place.InPlacePacker`` after the first refit).
 
         Raises:
             RuntimeError: no refit in progress; or an NCCL engine (its weights arrive only by broadcast from
@@ -164,7 +166,8 @@ class VllmGenerationBackend:
                  if n not in self._tied]
         self._seen.update(self.plan.checked_names(n for n, _ in items))
         self._sent += send_weights_ipc(items, self.llm.update_weights, self.plan, self.bucket_bytes,
-                                       devices=self.refit_devices, layout=self.kernel_layout)
+                                       devices=self.refit_devices, layout=self.kernel_layout, packed=packed,
+                                       packer=packer)
 
     def direct_refit_spec(self) -> dict:
         """What a trainer needs to send straight to this engine (``send_weights_ipc`` in its own process):

@@ -118,15 +118,19 @@ class RefitPlan:
 
         q, s = quantize_blockwise_gpu(w, self.scale_mode)
         yield name, q
-        yield name[: -len("weight")] + "weight_scale_inv", s
+        yield scale_inv_name(name), s
 
-    def convert(self, name: str, tensor: Tensor, device: Optional[torch.device] = None) -> Iterator[tuple[str, Tensor]]:
-        """vLLM checkpoint-format tensors for one HF tensor (see the module docstring)."""
+    def conversions(self, name: str, tensor: Tensor, device: Optional[torch.device] = None
+                    ) -> Iterator[tuple[str, Tensor, str]]:
+        """What ``convert`` makes of one HF tensor, before any of it is computed: ``(checkpoint name, source, how)``
+        with ``source`` a view of ``tensor`` (on ``device``) and ``how`` one of ``"scalar"`` (an fp32 scalar: FP8 KV
+        scales), ``"fp8"`` (blockwise e4m3 + ``scale_inv_name(name)``, ``quantize_blockwise_gpu``) or ``"cast"``
+        (``self.dtype``). The in-place packing (``packed_in_place``) writes these into its buckets itself."""
         t = tensor.detach()
         if device is not None and t.device != device:
             t = t.to(device, non_blocking=True)
         if is_kv_scale_name(name):
-            yield name, t.to(torch.float32).reshape(())
+            yield name, t, "scalar"
             return
         m = _FUSED_EXPERTS_RE.match(name)
         if m is not None and t.dim() == 3:
@@ -138,17 +142,19 @@ class RefitPlan:
                 parts = (("down_proj", slice(None)),)
             for e in range(t.shape[0]):
                 for proj, rows in parts:
-                    w = t[e, rows]
-                    out = f"{prefix}.{e}.{proj}.weight"
-                    if fp8:
-                        yield from self._quant(out, w)
-                    else:
-                        yield out, w.to(self.dtype).contiguous()
+                    yield f"{prefix}.{e}.{proj}.weight", t[e, rows], "fp8" if fp8 else "cast"
             return
-        if self.is_fp8_weight(name):
-            yield from self._quant(name, t)
-            return
-        yield name, t.to(self.dtype).contiguous()
+        yield name, t, "fp8" if self.is_fp8_weight(name) else "cast"
+
+    def convert(self, name: str, tensor: Tensor, device: Optional[torch.device] = None) -> Iterator[tuple[str, Tensor]]:
+        """vLLM checkpoint-format tensors for one HF tensor (see the module docstring)."""
+        for out, t, how in self.conversions(name, tensor, device):
+            if how == "scalar":
+                yield out, t.to(torch.float32).reshape(())
+            elif how == "fp8":
+                yield from self._quant(out, t)
+            else:
+                yield out, t.to(self.dtype).contiguous()
 
     def convert_all(self, named_tensors: Iterable[tuple[str, Tensor]], device: Optional[torch.device] = None
                     ) -> Iterator[tuple[str, Tensor]]:
@@ -179,11 +185,16 @@ class RefitPlan:
                 for n, _, shape in self.converted_meta(name, shape, dtype)}
 
 
+def scale_inv_name(weight_name: str) -> str:
+    """``<m>.weight`` -> ``<m>.weight_scale_inv``, the name of an FP8 weight's block scales."""
+    return weight_name[: -len("weight")] + "weight_scale_inv"
+
+
 def _weight_meta(name: str, shape: list[int], fp8: bool, dtype: torch.dtype) -> list[tuple[str, str, list[int]]]:
     if not fp8:
         return [(name, str(dtype).split(".")[-1], shape)]
     return [(name, "float8_e4m3fn", shape),
-            (name[: -len("weight")] + "weight_scale_inv", "float32", [math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)])]
+            (scale_inv_name(name), "float32", [math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)])]
 
 
 def layer_index(name: str) -> Optional[int]:
@@ -297,7 +308,7 @@ UpdateFn = Callable[[dict], Optional[Callable[[], None]]]  # send_weights_ipc's 
 def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: UpdateFn, plan: RefitPlan,
                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: Optional[torch.device] = None,
                      devices: Optional[Sequence[torch.device]] = None, packed: bool = False,
-                     layout=None) -> int:
+                     layout=None, packer=None) -> int:
     """Quantize and send over CUDA IPC, one ``update_fn({"update_info": ...})`` per bucket.
 
     ``named_tensors``: ``(HF name, tensor)``, any float dtype and device, converted by ``plan.convert``
@@ -327,6 +338,10 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Upd
     stacked into the engine's own parameters (``KernelLayout.fuse``) before they are bucketed, and the returned count
     is of those.
 
+    ``packer`` (a ``packed_in_place.InPlacePacker``, with ``packed``; ``policy.weight_sync.pack_in_place``): the
+    first call records the converted stream and plans the buckets from it, every later one writes each tensor
+    straight into its place in its bucket's buffer (the same bytes, fewer allocations and copies).
+
     Raises:
         ValueError: both ``device`` and ``devices``; ``devices`` naming one GPU twice (``merge_ipc_handles``);
             a stream that does not fit ``layout``.
@@ -335,18 +350,25 @@ def send_weights_ipc(named_tensors: Iterable[tuple[str, Tensor]], update_fn: Upd
         raise ValueError("send_weights_ipc: pass device (one-GPU engine) or devices (tensor-parallel), not both")
     if not devices:
         devices = [device or torch.device("cuda", torch.cuda.current_device())]
-    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices), packed, layout)
+    if packer is not None and not packed:
+        raise ValueError("send_weights_ipc: packer (in-place packing) needs packed=True")
+    return _send_weights_ipc_handles(named_tensors, update_fn, plan, bucket_bytes, list(devices), packed, layout,
+                                     packer)
 
 
 def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], update_fn: UpdateFn,
                               plan: RefitPlan, bucket_bytes: int, devices: list[torch.device], packed: bool,
-                              layout=None) -> int:
+                              layout=None, packer=None) -> int:
     """``send_weights_ipc`` into an engine of ``len(devices)`` GPUs: every bucket on every device, one update per
     bucket with a handle per tensor or, ``packed``, one per bucket (see there). At most two buckets exist at once:
     the one the engine loads and the next, converted meanwhile where ``update_fn`` returns a wait."""
     uuids = [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
+    if packer is not None and packer.layout is not None:
+        return packer.send(named_tensors, update_fn, plan, devices, uuids)
     send = _send_packed if packed else _send_unpacked
     converted = plan.convert_all(named_tensors, devices[0])
+    if packer is not None:
+        converted = packer.record(converted)
     if layout is not None:
         converted = layout.fuse(converted)
     n, in_flight = 0, None
@@ -361,6 +383,8 @@ def _send_weights_ipc_handles(named_tensors: Iterable[tuple[str, Tensor]], updat
         raise
     _finish(in_flight)
     torch.cuda.ipc_collect()  # the last bucket's tensors on devices[0], released as the bucket stream ended
+    if packer is not None:
+        packer.plan_recorded(layout)
     return n
 
 

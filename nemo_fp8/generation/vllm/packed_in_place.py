@@ -1,0 +1,282 @@
+"""Packed CUDA IPC refit buckets filled in place (``policy.weight_sync.pack_in_place``).
+
+The packed refit (``refit.send_weights_ipc(..., packed=True)``) makes every converted tensor on its own (the FP8
+quantizer's e4m3 weight and ``weight_scale_inv``, a bf16 cast), stacks fused parts into new tensors (the kernel
+format's q/k/v and gate/up, ``KernelLayout.fuse``) and then copies a bucket's tensors into one uint8 buffer: per
+weight two or three allocations and two copies. Filled in place, each bucket's buffer is allocated once and every
+tensor is written straight into its place there: the quantizer's kernel writes the e4m3 rows and their scales into
+views of the buffer (``quantize_blockwise_gpu(..., out=)``), a cast copies into one, and a fused part's rows are a
+row range of its parameter's place. One read of each weight and one write of what the engine gets, the memory
+traffic of the refit's floor (verl's checkpoint engine and slime's colocated IPC buckets send pre-laid-out
+buffers the same way).
+
+The layout (``PackedLayout``) is what the packed path would send: the same buckets (``refit._buckets`` over the
+fused stream), each with its tensors in the same order (widest dtype first) at the same offsets, so an engine gets
+the same bytes either way (the CPU tests compare the buffers). It is planned from a refit's converted stream
+(``PackedLayout.plan`` on ``(name, dtype, shape)`` in stream order, ``RefitPlan.conversions`` without computing
+anything), so the first refit with ``pack_in_place`` goes the usual way and records its stream
+(``InPlacePacker``), and every later one fills the planned buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from nemo_fp8.generation.vllm.refit import (PACKED_MIN_BUFFER_BYTES, RefitPlan, UpdateFn, _finish, _InFlight,
+                                            _send_unpacked, scale_inv_name)
+
+Meta = tuple[str, torch.dtype, tuple[int, ...]]  # a converted tensor: (name, dtype, shape)
+
+
+def _elsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class _Item:
+    """One tensor of a bucket as the engine gets it: its name, dtype, shape and byte offset in the buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        self.nbytes = math.prod(self.shape) * _elsize(self.dtype)  # a scalar's: its 4 bytes
+
+
+@dataclass
+class _Bucket:
+    items: list[_Item] = field(default_factory=list)  # in the buffer's order (widest dtype first)
+    scalars: list[str] = field(default_factory=list)  # converted names of fp32 scalars, sent unpacked
+    writes: int = 0  # converted tensors that land in it (its items' parts and its scalars)
+
+    @property
+    def total(self) -> int:
+        return sum(it.nbytes for it in self.items)
+
+
+@dataclass
+class PackedLayout:
+    """The packed buckets of a refit and where each converted tensor lands in them.
+
+    Attributes:
+        stream: the converted tensors' ``(name, dtype, shape)`` in the order the refit yields them.
+        buckets: each bucket's tensors (``_Item``: engine name, dtype, shape, offset) and scalars.
+        where: converted name -> (bucket, item index, first row, end row) of its place; a scalar's item index is -1.
+    """
+
+    stream: list[Meta]
+    buckets: list[_Bucket]
+    where: dict[str, tuple[int, int, int, int]]
+
+    @classmethod
+    def plan(cls, stream: list[Meta], bucket_bytes: int, layout=None) -> "PackedLayout":
+        """The layout of ``stream`` (converted tensors in order) in buckets of ``bucket_bytes``, fused into the
+        engine's parameters by ``layout`` (a ``kernel_format.KernelLayout``; None: each tensor as it is).
+
+        Raises:
+            KeyError / ValueError: a tensor ``layout`` has no parameter for, or a fused part twice
+                (``KernelLayout.target``).
+        """
+        fused = [(name, _Item(name, dtype, shape), [(name, shape[0] if shape else 1)])
+                 for name, dtype, shape in stream] if layout is None else list(_fuse_meta(stream, layout))
+        buckets, where = [], {}
+        for group in _group(fused, bucket_bytes):
+            b = _Bucket()
+            ordered = sorted((e for e in group if e[1].shape), key=lambda e: -_elsize(e[1].dtype))
+            offset = 0
+            for i, (_, item, parts) in enumerate(ordered):
+                item.offset, offset = offset, offset + item.nbytes
+                b.items.append(item)
+                row = 0
+                for part, rows in parts:
+                    where[part] = (len(buckets), i, row, row + rows)
+                    row += rows
+                b.writes += len(parts)
+            for name, item, _ in (e for e in group if not e[1].shape):
+                where[name] = (len(buckets), -1, 0, 0)
+                b.scalars.append(name)
+                b.writes += 1
+            buckets.append(b)
+        return cls(list(stream), buckets, where)
+
+
+def _group(entries: list, bucket_bytes: int) -> Iterator[list]:
+    """``refit._buckets`` on planned entries: a bucket closes at the entry that brings it to ``bucket_bytes``."""
+    group, size = [], 0
+    for entry in entries:
+        group.append(entry)
+        size += entry[1].nbytes
+        if size >= bucket_bytes:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _fuse_meta(stream: Iterable[Meta], layout) -> Iterator[tuple[str, _Item, list[tuple[str, int]]]]:
+    """``KernelLayout.fuse`` on metadata: (engine name, its item, [(converted part name, rows)] in part order),
+    emitted where ``fuse`` would yield the tensor (a fused one when its last part has come)."""
+    held: dict[str, dict[int, Meta]] = {}
+    for name, dtype, shape in stream:
+        engine, part, n = layout.target(name)
+        if n == 1:
+            yield engine, _Item(engine, dtype, tuple(shape)), [(name, shape[0] if shape else 1)]
+            continue
+        parts = held.setdefault(engine, {})
+        if part in parts:
+            raise ValueError(f"kernel-format refit: part {part} of {engine} sent twice ({name})")
+        parts[part] = (name, dtype, tuple(shape))
+        if len(parts) == n:
+            del held[engine]
+            ordered = [parts[i] for i in range(n)]
+            rows = sum(s[0] for _, _, s in ordered)
+            yield engine, _Item(engine, dtype, (rows, *ordered[0][2][1:])), [(nm, s[0]) for nm, _, s in ordered]
+
+
+class InPlacePacker:
+    """``send_weights_ipc``'s packed refit, filled in place from the second refit on (module docstring).
+
+    One per sending process and engine model: ``layout`` is planned at the first ``send`` (which goes the usual
+    packed way, ``fallback``) and used by every later one, as long as the refit's stream stays the same.
+
+    Args:
+        bucket_bytes: bytes of a bucket (``policy.weight_sync.bucket_size_mb``).
+    """
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.layout: Optional[PackedLayout] = None
+
+    def record(self, converted: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Pass the first refit's converted stream through, noting each tensor's ``(name, dtype, shape)``; the
+        layout is planned when the stream ends (``plan_recorded``)."""
+        self._seen: list[Meta] = []
+        for name, t in converted:
+            self._seen.append((name, t.dtype, tuple(t.shape)))
+            yield name, t
+
+    def plan_recorded(self, layout=None) -> None:
+        """Plan ``self.layout`` from the stream ``record`` saw (``layout``: the engine's ``KernelLayout`` or None)."""
+        self.layout = PackedLayout.plan(self._seen, self.bucket_bytes, layout)
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]], update_fn: UpdateFn, plan: RefitPlan,
+             devices: list[torch.device], uuids: list[str]) -> int:
+        """Convert ``named_tensors`` (HF names) straight into the planned buckets on ``devices[0]`` (``fill``) and
+        send each one as it fills (one ``update_fn`` per bucket, as ``refit._send_packed``; the wait for a bucket's
+        load comes after the next one is filled, so at most two buckets are alive); returns the number of engine
+        tensors sent.
+
+        Raises:
+            KeyError, ValueError: as ``fill``.
+        """
+        n, in_flight = 0, None
+        try:
+            for index, buffer, scalars in self.fill(named_tensors, plan, devices[0]):
+                _finish(in_flight)
+                in_flight = self._send_bucket(index, buffer, scalars, update_fn, devices, uuids)
+                n += len(self.layout.buckets[index].items) + len(scalars)
+        except BaseException:
+            _finish(in_flight, quiet=True)
+            raise
+        _finish(in_flight)
+        torch.cuda.ipc_collect()
+        return n
+
+    def fill(self, named_tensors: Iterable[tuple[str, Tensor]], plan: RefitPlan, device: torch.device
+             ) -> Iterator[tuple[int, Optional[Tensor], list[tuple[str, Tensor]]]]:
+        """Each bucket, in order, as soon as all its tensors are in: (index, its uint8 buffer on ``device``, of at
+        least ``PACKED_MIN_BUFFER_BYTES``; None when it holds only scalars, (name, fp32 scalar) of its scalars).
+
+        Raises:
+            KeyError: a converted tensor the layout has no place for, or of another dtype or shape than planned
+                (the model changed: make a new ``InPlacePacker``).
+            ValueError: a tensor written twice, or the stream ended with a bucket not full (a tensor missing).
+        """
+        from nemo_fp8.generation.vllm.quantize_gpu import quantize_blockwise_gpu
+
+        lay = self.layout
+        self._buffers: dict[int, Tensor] = {}
+        self._written = [0] * len(lay.buckets)
+        self._done: set[str] = set()
+        self._planned = {name: (dtype, shape) for name, dtype, shape in lay.stream}
+        scalars: dict[int, list[tuple[str, Tensor]]] = {}
+        next_out = 0
+        for name, tensor in named_tensors:
+            for out, src, how in plan.conversions(name, tensor, device):
+                if how == "fp8":
+                    rows, cols = src.shape
+                    q = self._place(out, torch.float8_e4m3fn, (rows, cols), device)
+                    s = self._place(scale_inv_name(out), torch.float32,
+                                    (math.ceil(rows / 128), math.ceil(cols / 128)), device)
+                    quantize_blockwise_gpu(src, plan.scale_mode, out=(q, s))
+                elif how == "scalar":
+                    bucket = self._claim(out, torch.float32, ())
+                    scalars.setdefault(bucket, []).append((out, src.to(torch.float32).reshape(())))
+                else:
+                    self._place(out, plan.dtype, tuple(src.shape), device).copy_(src)
+            while next_out < len(lay.buckets) and self._written[next_out] == lay.buckets[next_out].writes:
+                yield next_out, self._buffers.pop(next_out, None), scalars.pop(next_out, [])
+                next_out += 1
+        if next_out < len(lay.buckets):
+            missing = sorted(set(lay.where) - self._done)
+            raise ValueError(f"in-place packed refit: the stream ended without {missing[:3]} ({len(missing)} "
+                             f"tensors): bucket {next_out} of {len(lay.buckets)} was not filled")
+
+    def _claim(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        """Check converted tensor ``name`` against the plan and count its write; returns its bucket."""
+        planned = self._planned.get(name)
+        if planned != (dtype, shape):
+            got = "not in it" if planned is None else f"planned as {planned[0]} {list(planned[1])}"
+            raise KeyError(f"in-place packed refit: {name} ({dtype} {list(shape)}) does not match the layout "
+                           f"planned at the first refit ({got})")
+        if name in self._done:
+            raise ValueError(f"in-place packed refit: {name} written twice")
+        self._done.add(name)
+        bucket = self.layout.where[name][0]
+        self._written[bucket] += 1
+        return bucket
+
+    def _place(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        """The view of its bucket's buffer that converted tensor ``name`` fills (its rows of the engine tensor),
+        the buffer allocated at the bucket's first write."""
+        bucket = self._claim(name, dtype, shape)
+        _, i, r0, r1 = self.layout.where[name]
+        if bucket not in self._buffers:
+            size = max(self.layout.buckets[bucket].total, PACKED_MIN_BUFFER_BYTES)
+            self._buffers[bucket] = torch.empty(size, dtype=torch.uint8, device=device)
+        item = self.layout.buckets[bucket].items[i]
+        full = self._buffers[bucket][item.offset: item.offset + item.nbytes].view(item.dtype).view(item.shape)
+        return full[r0:r1]
+
+    def _send_bucket(self, index: int, buffer: Optional[Tensor], scalars: list[tuple[str, Tensor]],
+                     update_fn: UpdateFn, devices: list[torch.device], uuids: list[str]) -> _InFlight:
+        """One packed update of bucket ``index``'s filled buffer (as ``refit._send_packed``), its scalars in an
+        unpacked one."""
+        from dataclasses import asdict
+
+        from torch.multiprocessing.reductions import reduce_tensor
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+        items = self.layout.buckets[index].items
+        in_flight = _InFlight([], [])
+        if items:
+            copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
+            info = IPCWeightTransferUpdateInfo(
+                names=[it.name for it in items], dtype_names=[str(it.dtype).split(".")[-1] for it in items],
+                shapes=[list(it.shape) for it in items],
+                ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
+                tensor_sizes=[it.nbytes for it in items], packed=True)
+            in_flight.add(update_fn({"update_info": asdict(info)}), copies)
+        if scalars:
+            rest = _send_unpacked(scalars, update_fn, devices, uuids)
+            in_flight.waits += rest.waits
+            in_flight.keep += rest.keep
+        return in_flight
