@@ -331,6 +331,16 @@ def test_the_refit_suite_benches_both_configs_and_checks_issue_70s_targets(tmp_p
     assert ("policy.generation.vllm_cfg.use_deep_gemm=false" in runs["fp8-kernel"],
             "policy.generation.vllm_cfg.use_deep_gemm=false" in runs["bf16-kernel"]) == (True, False)
     assert "`mean(fp8-kernel:timing/refit_total[1:]) <= 0.5` | 0.35 ; 0.5 | PASS" in res.stdout
+    assert not any("pack_in_place" in a for args in runs.values() for a in args)
+    # the kernel format with its buckets filled in place
+    res, runs = _refit_suite(tmp_path / "inplace", {"RUNS": "bf16-inplace fp8-inplace"},
+                             {"bf16-inplace": 0.2, "fp8-inplace": 0.25})
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in ("bf16-inplace", "fp8-inplace"):
+        assert {"policy.generation.vllm_cfg.refit_format=kernel", "policy.weight_sync.pack_in_place=true"} <= \
+            set(runs[name])
+    assert ("policy.generation.vllm_cfg.use_deep_gemm=false" in runs["fp8-inplace"],
+            "policy.generation.vllm_cfg.use_deep_gemm=false" in runs["bf16-inplace"]) == (True, False)
     res, _ = _refit_suite(tmp_path / "slow", {"RUNS": "fp8"}, {"fp8": 0.6}, growth_gib=2.0)
     assert res.returncode == 1
     assert "`mean(fp8:timing/refit_total[1:]) <= 0.5` | 0.6 ; 0.5 | FAIL" in res.stdout

@@ -11,7 +11,8 @@
 # CUTLASS's block-scaled GEMMs (use_deep_gemm=false): DeepGEMM's warm-up on a fresh host takes longer than a run,
 # and the kernel format needs CUTLASS.
 # Runs: bf16, fp8 (vLLM's checkpoint format: its layerwise reload), bf16-kernel, fp8-kernel (the engine's kernel
-# format, vllm_cfg.refit_format=kernel: copied into its parameters).
+# format, vllm_cfg.refit_format=kernel: copied into its parameters), bf16-inplace, fp8-inplace (the kernel format
+# with its packed buckets filled in place, policy.weight_sync.pack_in_place=true: not yet run).
 # On one H200 a run of 20 refits took 2-3 minutes, start-up included; refit + wake + sleep FP8 / BF16: kernel format
 # 0.29 / 0.24 s, checkpoint format 0.52 / 0.40 s (docs/results/2026-12-04-refit-four-formats-1xh200).
 # Knobs: RUNS (default "bf16 fp8"), REFITS (default 20), SUITE_TIMEOUT seconds per run (default 420), BENCH_ARGS
@@ -21,8 +22,8 @@ source "$(dirname "$0")/../common.sh"
 REFITS=${REFITS:-20}
 for v in ${RUNS:-bf16 fp8}; do
   case $v in
-    bf16|fp8|bf16-kernel|fp8-kernel) ;;
-    *) echo "unknown run $v (bf16, fp8, bf16-kernel, fp8-kernel)"; exit 2 ;;
+    bf16|fp8|bf16-kernel|fp8-kernel|bf16-inplace|fp8-inplace) ;;
+    *) echo "unknown run $v (bf16, fp8, bf16-kernel, fp8-kernel, bf16-inplace, fp8-inplace)"; exit 2 ;;
   esac
 done
 if ! [[ $REFITS =~ ^[0-9]+$ ]] || [ "$REFITS" -lt 2 ]; then
@@ -38,9 +39,10 @@ data=(data.dataset=gsm8k data.train_path="$shared/gsm8k/train.jsonl" data.val_pa
 checks=()
 for v in ${RUNS:-bf16 fp8}; do
   config=examples/configs/grpo_math_8B_megatron_1gpu.yaml args=()
-  [ "${v%-kernel}" = fp8 ] && config=examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml \
+  [ "${v%%-*}" = fp8 ] && config=examples/configs/grpo_math_8B_megatron_fp8_1gpu.yaml \
     args=(policy.generation.vllm_cfg.use_deep_gemm=false)
-  [ "$v" != "${v%-kernel}" ] && args+=(policy.generation.vllm_cfg.refit_format=kernel)
+  [ "$v" != "${v%-kernel}" ] || [ "$v" != "${v%-inplace}" ] && args+=(policy.generation.vllm_cfg.refit_format=kernel)
+  [ "$v" != "${v%-inplace}" ] && args+=(policy.weight_sync.pack_in_place=true)
   mkdir -p "$OUT/$v"
   # shellcheck disable=SC2086
   timeout "$SUITE_TIMEOUT" "$PYTHON" tools/bench_refit.py --config "$config" --refits "$REFITS" --out "$OUT/$v" \
