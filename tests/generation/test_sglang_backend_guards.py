@@ -95,6 +95,10 @@ class _Engine:
                                                      "finish_reason": {"type": "stop"},
                                                      "weight_version": self.version}} for _ in input_ids]
 
+    def get_server_info(self):  # Engine.get_server_info: the server args and the first scheduler's init info
+        self.calls.append("server_info")
+        return {"max_total_num_tokens": 229_872, "context_length": 1024}
+
     def shutdown(self):
         self.calls.append("shutdown")
 
@@ -175,6 +179,18 @@ def test_generate_flushes_the_prefix_cache_once_per_refit_and_checks_the_version
     be.engine.version = "7"  # an engine that holds another version than the backend set
     with pytest.raises(RuntimeError, match="served by weights of version '7', the engine should hold '0'"):
         be.generate([[7]], GREEDY)
+
+
+def test_the_engine_reports_its_kv_capacity_in_tokens(make):
+    """``generation/kv_capacity_tokens`` every round, SGLang's ``max_total_num_tokens`` read once from
+    ``get_server_info``; an engine that does not report it adds nothing."""
+    be = make()
+    for _ in range(2):
+        assert be.pop_engine_metrics() == {"generation/engines": 1.0, "generation/kv_capacity_tokens": 229_872.0}
+    assert be.engine.calls.count("server_info") == 1
+    quiet = make()
+    quiet.engine.get_server_info = lambda: {}
+    assert quiet.pop_engine_metrics() == {"generation/engines": 1.0}
 
 
 def test_fp8_kv_cache_refits_carry_k_and_v_scales(make, checkpoint):

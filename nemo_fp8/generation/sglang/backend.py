@@ -314,8 +314,24 @@ class SglangGenerationBackend:
         return parse_engine_state(kv.cpu(), ptrs.cpu(), mem.cpu())
 
     def pop_engine_metrics(self) -> dict[str, float]:
-        """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds)."""
-        return {"generation/engines": 1.0}
+        """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds), and
+        ``generation/kv_capacity_tokens`` (``kv_capacity_tokens``) where SGLang reports it."""
+        out = {"generation/engines": 1.0}
+        capacity = self.kv_capacity_tokens()
+        if capacity is not None:
+            out["generation/kv_capacity_tokens"] = float(capacity)
+        return out
+
+    def kv_capacity_tokens(self) -> Optional[int]:
+        """Tokens the engine's KV cache holds at once: SGLang's ``max_total_num_tokens`` (``Engine.get_server_info``,
+        the scheduler's token pool: what ``mem_fraction_static`` x the GPU left after the weights; an FP8 KV cache
+        holds twice BF16's in the same bytes). Fixed for the engine's life (a memory release gives the same pool
+        back), so read once. None where the engine does not report it."""
+        if not hasattr(self, "_kv_capacity"):
+            info = self.engine.get_server_info() if hasattr(self.engine, "get_server_info") else {}
+            tokens = info.get("max_total_num_tokens") if isinstance(info, dict) else None
+            self._kv_capacity = int(tokens) if tokens else None
+        return self._kv_capacity
 
     def shutdown(self) -> None:
         """Shut the engine and its processes down. Best effort, never raises.
