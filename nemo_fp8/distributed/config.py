@@ -79,7 +79,7 @@ class WeightSyncConfig(StrictConfig):
             one handle per tensor. Costs one more bucket of memory on each side while a bucket loads.
         pack_in_place: with ``packed``: from the second refit on, each tensor is quantized or copied straight into
             its place in its bucket's buffer (``nemo_fp8.generation.vllm.packed_in_place``: the same bytes, planned
-            from the first refit's tensors), not made on its own, stacked and copied into the buffer.
+            from the first refit's tensors) instead of being made on its own, stacked and copied into the buffer.
     """
 
     method: Literal["auto", "in_process", "object_store", "cuda_ipc", "nccl"] = "auto"

@@ -3,12 +3,11 @@
 The packed refit (``refit.send_weights_ipc(..., packed=True)``) makes every converted tensor on its own (the FP8
 quantizer's e4m3 weight and ``weight_scale_inv``, a bf16 cast), stacks fused parts into new tensors (the kernel
 format's q/k/v and gate/up, ``KernelLayout.fuse``) and then copies a bucket's tensors into one uint8 buffer: per
-weight two or three allocations and two copies. Filled in place, each bucket's buffer is allocated once and every
+weight up to three allocations and up to two copies. Filled in place, each bucket's buffer is allocated once and every
 tensor is written straight into its place there: the quantizer's kernel writes the e4m3 rows and their scales into
 views of the buffer (``quantize_blockwise_gpu(..., out=)``), a cast copies into one, and a fused part's rows are a
-row range of its parameter's place. One read of each weight and one write of what the engine gets, the memory
-traffic of the refit's floor (verl's checkpoint engine and slime's colocated IPC buckets send pre-laid-out
-buffers the same way).
+row range of its parameter's place. One read of each weight and one write of what the engine gets: the memory
+traffic of the refit's floor.
 
 The layout (``PackedLayout``) is what the packed path would send: the same buckets (``refit._buckets`` over the
 fused stream), each with its tensors in the same order (widest dtype first) at the same offsets, so an engine gets
@@ -144,8 +143,9 @@ def _fuse_meta(stream: Iterable[Meta], layout) -> Iterator[tuple[str, _Item, lis
 class InPlacePacker:
     """``send_weights_ipc``'s packed refit, filled in place from the second refit on (module docstring).
 
-    One per sending process and engine model: ``layout`` is planned at the first ``send`` (which goes the usual
-    packed way, ``fallback``) and used by every later one, as long as the refit's stream stays the same.
+    One per sending process and engine model: ``send_weights_ipc`` sends its first refit the usual packed way
+    through ``record`` and plans ``layout`` after it (``plan_recorded``); every later refit goes through ``send``,
+    as long as its stream stays the one recorded.
 
     Args:
         bucket_bytes: bytes of a bucket (``policy.weight_sync.bucket_size_mb``).
