@@ -76,6 +76,16 @@ class SamplingParams:
     response_limits: Optional[ResponseLimits] = None
 
 
+def one_engine_metrics(kv_capacity_tokens: Optional[int]) -> dict[str, float]:
+    """``pop_engine_metrics`` of a single engine in its process: ``generation/engines`` 1 (a group adds each
+    engine's tokens and seconds) and ``generation/kv_capacity_tokens`` when the engine reports its KV capacity
+    (tokens it holds at once; None: not known)."""
+    out = {"generation/engines": 1.0}
+    if kv_capacity_tokens is not None:
+        out["generation/kv_capacity_tokens"] = float(kv_capacity_tokens)
+    return out
+
+
 def request_seed(seed: int, row: int) -> int:
     """The sampling seed of request ``row`` of a generate call seeded ``seed`` (``SamplingParams.seed``).
 

@@ -33,7 +33,8 @@ from torch import Tensor
 from nemo_fp8.batch import GenerationOutput
 from nemo_fp8.fp8.kv_scales import is_kv_scale_name
 from nemo_fp8.generation.config import VllmConfig
-from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens, request_seed
+from nemo_fp8.generation.interfaces import (SamplingParams, WeightVersion, one_engine_metrics, request_max_new_tokens,
+                                            request_seed)
 from nemo_fp8.generation.sglang import engine_hooks, transport
 from nemo_fp8.generation.sglang.config import SglangConfig
 from nemo_fp8.generation.sglang.engine_args import READBACK_HOOK, SYNC_HOOK, build_engine_spec
@@ -316,11 +317,7 @@ class SglangGenerationBackend:
     def pop_engine_metrics(self) -> dict[str, float]:
         """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds), and
         ``generation/kv_capacity_tokens`` (``kv_capacity_tokens``) where SGLang reports it."""
-        out = {"generation/engines": 1.0}
-        capacity = self.kv_capacity_tokens()
-        if capacity is not None:
-            out["generation/kv_capacity_tokens"] = float(capacity)
-        return out
+        return one_engine_metrics(self.kv_capacity_tokens())
 
     def kv_capacity_tokens(self) -> Optional[int]:
         """Tokens the engine's KV cache holds at once: SGLang's ``max_total_num_tokens`` (``Engine.get_server_info``,

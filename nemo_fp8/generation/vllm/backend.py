@@ -38,7 +38,8 @@ from torch import Tensor
 from nemo_fp8.batch import GenerationOutput
 from nemo_fp8.fp8.kv_scales import KV_SCALE_NAME, is_kv_scale_name, parse_kv_scale_name
 from nemo_fp8.generation.config import VllmConfig
-from nemo_fp8.generation.interfaces import SamplingParams, WeightVersion, request_max_new_tokens, request_seed
+from nemo_fp8.generation.interfaces import (SamplingParams, WeightVersion, one_engine_metrics, request_max_new_tokens,
+                                            request_seed)
 from nemo_fp8.generation.vllm.engine_args import init_fp8
 from nemo_fp8.generation.vllm.kernel_format import KernelLayout
 from nemo_fp8.generation.vllm.refit import DEFAULT_BUCKET_BYTES, nccl_init_info, send_weights_ipc
@@ -401,11 +402,7 @@ class VllmGenerationBackend:
     def pop_engine_metrics(self) -> dict[str, float]:
         """``generation/engines``: one engine in this process (a group adds each engine's tokens and seconds), and
         ``generation/kv_capacity_tokens`` (``kv_capacity_tokens``) where vLLM reports it."""
-        out = {"generation/engines": 1.0}
-        capacity = self.kv_capacity_tokens()
-        if capacity is not None:
-            out["generation/kv_capacity_tokens"] = float(capacity)
-        return out
+        return one_engine_metrics(self.kv_capacity_tokens())
 
     def kv_capacity_tokens(self) -> Optional[int]:
         """Tokens the engine's KV cache holds at once: vLLM's ``cache_config.num_gpu_blocks x block_size``, what its

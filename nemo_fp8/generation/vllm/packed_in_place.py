@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from nemo_fp8.generation.vllm.refit import (PACKED_MIN_BUFFER_BYTES, RefitPlan, UpdateFn, _finish, _InFlight,
-                                            _send_unpacked, scale_inv_name)
+                                            scale_inv_name, send_packed_buffer)
 
 Meta = tuple[str, torch.dtype, tuple[int, ...]]  # a converted tensor: (name, dtype, shape)
 
@@ -258,25 +258,10 @@ class InPlacePacker:
 
     def _send_bucket(self, index: int, buffer: Optional[Tensor], scalars: list[tuple[str, Tensor]],
                      update_fn: UpdateFn, devices: list[torch.device], uuids: list[str]) -> _InFlight:
-        """One packed update of bucket ``index``'s filled buffer (as ``refit._send_packed``), its scalars in an
-        unpacked one."""
-        from dataclasses import asdict
-
-        from torch.multiprocessing.reductions import reduce_tensor
-        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
-
+        """One packed update of bucket ``index``'s filled buffer (``refit.send_packed_buffer``, as the packed
+        path's), its scalars in an unpacked one."""
         items = self.layout.buckets[index].items
-        in_flight = _InFlight([], [])
-        if items:
-            copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
-            info = IPCWeightTransferUpdateInfo(
-                names=[it.name for it in items], dtype_names=[str(it.dtype).split(".")[-1] for it in items],
-                shapes=[list(it.shape) for it in items],
-                ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
-                tensor_sizes=[it.nbytes for it in items], packed=True)
-            in_flight.add(update_fn({"update_info": asdict(info)}), copies)
-        if scalars:
-            rest = _send_unpacked(scalars, update_fn, devices, uuids)
-            in_flight.waits += rest.waits
-            in_flight.keep += rest.keep
-        return in_flight
+        fields = {"names": [it.name for it in items], "dtype_names": [str(it.dtype).split(".")[-1] for it in items],
+                  "shapes": [list(it.shape) for it in items]}
+        return send_packed_buffer(buffer if items else None, fields, [it.nbytes for it in items], scalars,
+                                  update_fn, devices, uuids)

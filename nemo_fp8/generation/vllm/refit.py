@@ -454,13 +454,10 @@ def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, devices:
                  uuids: list[str]) -> _InFlight:
     """``bucket`` as one uint8 buffer with one handle per GPU (``send_weights_ipc(..., packed=True)``), then its
     scalars, if any, in an unpacked update; returns both in flight (``_InFlight``)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
-
-    in_flight = _InFlight([], [])
     scalars = [(name, t) for name, t in bucket if t.dim() == 0]
     # widest dtype first: every offset is a multiple of the sizes of the dtypes that follow it
     items = sorted(((name, t) for name, t in bucket if t.dim() > 0), key=lambda it: -it[1].element_size())
+    buffer = None
     if items:
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
         total = sum(f.numel() for f in flats)
@@ -470,10 +467,31 @@ def _send_packed(bucket: list[tuple[str, Tensor]], update_fn: UpdateFn, devices:
             buffer = torch.empty(max(total, PACKED_MIN_BUFFER_BYTES), dtype=torch.uint8, device=flats[0].device)
             torch.cat(flats, out=buffer[:total])
         del flats
+    return send_packed_buffer(buffer, _tensor_fields(items), [t.numel() * t.element_size() for _, t in items],
+                              scalars, update_fn, devices, uuids)
+
+
+def send_packed_buffer(buffer: Optional[Tensor], fields: dict[str, list], tensor_sizes: list[int],
+                       scalars: list[tuple[str, Tensor]], update_fn: UpdateFn, devices: list[torch.device],
+                       uuids: list[str]) -> _InFlight:
+    """One packed update of ``buffer`` (uint8 on ``devices[0]``, its tensors back to back from offset 0; None: no
+    tensors) with one handle per GPU, the buffer copied to the other ``devices``, then ``scalars`` (name, fp32
+    scalar) in an unpacked update; returns both in flight (``_InFlight``, the copies held until the engine has
+    loaded them).
+
+    Args:
+        fields: the tensors' ``names``, ``dtype_names`` and ``shapes`` in the buffer's order (``_tensor_fields``).
+        tensor_sizes: their bytes, in that order (vLLM's ``packed_ipc_consumer`` splits the buffer at them).
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    in_flight = _InFlight([], [])
+    if buffer is not None:
         copies = [buffer] + [buffer.to(dev) for dev in devices[1:]]  # held until the engine has loaded them
         info = IPCWeightTransferUpdateInfo(
-            **_tensor_fields(items), ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
-            tensor_sizes=[t.numel() * t.element_size() for _, t in items], packed=True)
+            **fields, ipc_handles={uuid: reduce_tensor(c)[1] for uuid, c in zip(uuids, copies)},
+            tensor_sizes=tensor_sizes, packed=True)
         in_flight.add(update_fn({"update_info": asdict(info)}), copies)
     if scalars:
         rest = _send_unpacked(scalars, update_fn, devices, uuids)
