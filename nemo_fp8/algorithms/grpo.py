@@ -139,7 +139,6 @@ class RefitController:
         self.colocated = colocated
         self.sleep_discards_weights = sleep_discards_weights
         self.beside_engine: dict[str, float] = {}  # policy.cuda_memory_gib() after the last colocated refit
-        self._release_counts: dict[str, float] = {}  # the last refit's RELEASE_COUNTS, as release_<when>/<name>
         self.stale = True
         self.version, self.kv_scales = version, kv_scales
         self.last_stats = None
@@ -161,12 +160,13 @@ class RefitController:
             raise RuntimeError(f"refit to version {self.version}: the FP8 KV cache needs scales measured on these "
                                f"weights (have: {got}); calibrate_kv_scales after every training step")
         # the refit's parts under refit/ (timing/refit/*: trainer state out, the transfer, the weights out)
+        counts: dict[str, float] = {}  # the colocated releases' RELEASE_COUNTS
         with timer("refit"):
             with timer("refit/offload_trainer_state"):
                 if self.offload_trainer:
                     self.policy.offload_before_refit()
                 elif self.colocated:  # the last pass's cached activation peak goes back before the engine wakes
-                    self._release(timer, "before")  # for the refit (without it the wake ran out of memory)
+                    counts.update(self._release(timer, "before"))  # for the refit (else the wake ran out of memory)
             with timer("refit/transfer"):
                 self.last_stats = self.weight_sync.sync(self.version, self.kv_scales)
             for part, seconds in self.last_stats.parts().items():  # inside the transfer: SyncStats.parts
@@ -175,27 +175,28 @@ class RefitController:
                 if self.offload_trainer:
                     self.policy.offload_after_refit()
                 elif self.colocated:
-                    self._release(timer, "after")
+                    counts.update(self._release(timer, "after"))
         self.stale = False
-        metrics = {**self.last_stats.metrics(), **self._release_counts}
-        self._release_counts = {}
+        metrics = {**self.last_stats.metrics(), **counts}
         if self.colocated and not self.offload_trainer:  # the trainer's part of the GPU the engine wakes beside
             self.beside_engine = self.policy.cuda_memory_gib() or {}
             metrics.update({f"memory/beside_engine_{k}": v for k, v in self.beside_engine.items()})
         return metrics
 
-    def _release(self, timer: Timer, when: str) -> None:
+    def _release(self, timer: Timer, when: str) -> dict[str, float]:
         """``policy.release_cached_memory()``; its parts' seconds (the slowest rank's) under ``release_<when>/<part>``
-        (``when``: ``before`` or ``after`` the transfer), outside ``refit/`` (they lie inside the refit's parts); its
-        ``RELEASE_COUNTS`` (the largest rank's) into the refit's metrics under the same names."""
+        (``when``: ``before`` or ``after`` the transfer), outside ``refit/`` (they lie inside the refit's parts).
+        Returns its ``RELEASE_COUNTS`` (the largest rank's) as ``release_<when>/<name>``, for the refit's metrics."""
         # the young generations only, before the transfer too: in the 8B one-GPU mission the full collection there
         # took 0.07 s scanning the trainer's unfrozen heap and its garbage held no GPU memory (gc_freed_gib 0 in
         # BF16 and FP8); what gives the engine memory is empty_cache. Older cycles are left to Python's collector.
+        counts = {}
         for part, value in (self.policy.release_cached_memory(1) or {}).items():
             if part in RELEASE_COUNTS:
-                self._release_counts[f"release_{when}/{part}"] = value
+                counts[f"release_{when}/{part}"] = value
             else:
                 timer.add(f"release_{when}/{part}", value)
+        return counts
 
     @contextlib.contextmanager
     def generating(self, timer: Timer):

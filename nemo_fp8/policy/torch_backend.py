@@ -186,9 +186,8 @@ def pack_micro_batch(shape: PackingShape, mb: TrainBatch, lengths: Optional[Sequ
     """``mb``'s rows as one THD row, as both policy backends pack a micro-batch: each sequence padded to the train
     packing ``shape``'s ``seq_multiple`` (``sequence_length_round`` and the parallel layout's multiple), the row to
     its ``total_multiple`` (the FP8 recipe's token multiple; ``PolicySpec.train_packing``), or to a fixed size
-    (``shape.fixed_sizes``). ``lengths``: the rows'
-    prompt + response lengths as host ints; None reads them from ``mb`` (a host sync on a GPU: the micro-batch
-    loops pass them, ``micro_batches_on``)."""
+    (``shape.fixed_sizes``). ``lengths``: the rows' prompt + response lengths as host ints; None reads them from
+    ``mb`` (a host sync on a GPU: the micro-batch loops pass them, ``micro_batches_on``)."""
     if lengths is None:
         lengths = mb.sequence_lengths()
     return pack_rows(mb.token_ids, lengths, shape.seq_multiple, shape.total_multiple, fixed_sizes=shape.fixed_sizes)
