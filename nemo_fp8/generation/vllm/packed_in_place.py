@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -75,17 +76,22 @@ class PackedLayout:
     buckets: list[_Bucket]
     where: dict[str, tuple[int, int, int, int]]
 
+    @cached_property
+    def planned(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Converted name -> (dtype, shape) it was planned with (``stream``)."""
+        return {name: (dtype, shape) for name, dtype, shape in self.stream}
+
     @classmethod
     def plan(cls, stream: list[Meta], bucket_bytes: int, layout=None) -> "PackedLayout":
         """The layout of ``stream`` (converted tensors in order) in buckets of ``bucket_bytes``, fused into the
         engine's parameters by ``layout`` (a ``kernel_format.KernelLayout``; None: each tensor as it is).
 
         Raises:
-            KeyError / ValueError: a tensor ``layout`` has no parameter for, or a fused part twice
-                (``KernelLayout.target``).
+            KeyError / ValueError: what ``KernelLayout.fuse`` refuses (a tensor the engine has no parameter for, a
+                fused part twice, a stacked shape or dtype not the parameter's).
         """
         fused = [(name, _Item(name, dtype, shape), [(name, shape[0] if shape else 1)])
-                 for name, dtype, shape in stream] if layout is None else list(_fuse_meta(stream, layout))
+                 for name, dtype, shape in stream] if layout is None else _fused_entries(stream, layout)
         buckets, where = [], {}
         for group in _group(fused, bucket_bytes):
             b = _Bucket()
@@ -120,24 +126,18 @@ def _group(entries: list, bucket_bytes: int) -> Iterator[list]:
         yield group
 
 
-def _fuse_meta(stream: Iterable[Meta], layout) -> Iterator[tuple[str, _Item, list[tuple[str, int]]]]:
-    """``KernelLayout.fuse`` on metadata: (engine name, its item, [(converted part name, rows)] in part order),
-    emitted where ``fuse`` would yield the tensor (a fused one when its last part has come)."""
-    held: dict[str, dict[int, Meta]] = {}
-    for name, dtype, shape in stream:
-        engine, part, n = layout.target(name)
-        if n == 1:
-            yield engine, _Item(engine, dtype, tuple(shape)), [(name, shape[0] if shape else 1)]
-            continue
-        parts = held.setdefault(engine, {})
-        if part in parts:
-            raise ValueError(f"kernel-format refit: part {part} of {engine} sent twice ({name})")
-        parts[part] = (name, dtype, tuple(shape))
-        if len(parts) == n:
-            del held[engine]
-            ordered = [parts[i] for i in range(n)]
-            rows = sum(s[0] for _, _, s in ordered)
-            yield engine, _Item(engine, dtype, (rows, *ordered[0][2][1:])), [(nm, s[0]) for nm, _, s in ordered]
+def _fused_entries(stream: list[Meta], layout) -> list[tuple[str, _Item, list[tuple[str, int]]]]:
+    """(engine name, its item, [(converted part name, rows)] in part order) in the order ``layout.fuse`` yields the
+    engine's tensors (a fused one when its last part has come): ``fuse`` itself, run on meta tensors of ``stream``,
+    so its checks (a tensor the engine has no parameter for, a part twice, a stacked shape or dtype not the
+    parameter's) hold here too."""
+    parts: dict[str, list[tuple[int, str, int]]] = {}
+    for name, _, shape in stream:
+        engine, part, _ = layout.target(name)
+        parts.setdefault(engine, []).append((part, name, shape[0] if shape else 1))
+    metas = ((name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in stream)
+    return [(engine, _Item(engine, t.dtype, tuple(t.shape)), [(n, rows) for _, n, rows in sorted(parts[engine])])
+            for engine, t in layout.fuse(metas)]
 
 
 class InPlacePacker:
@@ -206,7 +206,6 @@ class InPlacePacker:
         self._buffers: dict[int, Tensor] = {}
         self._written = [0] * len(lay.buckets)
         self._done: set[str] = set()
-        self._planned = {name: (dtype, shape) for name, dtype, shape in lay.stream}
         scalars: dict[int, list[tuple[str, Tensor]]] = {}
         next_out = 0
         for name, tensor in named_tensors:
@@ -232,7 +231,7 @@ class InPlacePacker:
 
     def _claim(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         """Check converted tensor ``name`` against the plan and count its write; returns its bucket."""
-        planned = self._planned.get(name)
+        planned = self.layout.planned.get(name)
         if planned != (dtype, shape):
             got = "not in it" if planned is None else f"planned as {planned[0]} {list(planned[1])}"
             raise KeyError(f"in-place packed refit: {name} ({dtype} {list(shape)}) does not match the layout "
